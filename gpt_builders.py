@@ -1,0 +1,93 @@
+"""Which transformer layer spec a GPT run uses, and why.
+
+Order of preference:
+  1. ``--spec MODULE FUNCTION`` given by the user: megatron imports it, we stay out of the way;
+  2. Transformer Engine's spec when TE is installed and ``--transformer-impl transformer_engine``;
+  3. with ``--num-experts``: megatron's MoE decoder-block spec (TE or local modules);
+  4. this project's fast spec (``megagpt.fast_spec``) unless ``--no-fast-spec`` or the run
+     needs something it does not support (the reason is logged);
+  5. megatron's local spec.
+
+``choose_layer_spec`` decides once from the arguments; ``layer_spec_builder`` returns the
+callable that ``GPTModelConfig.transformer_layer_spec`` holds, which megatron's
+``GPTModelBuilder`` calls per model chunk (with ``vp_stage`` under virtual pipelining).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+
+TRANSFORMER_ENGINE = "transformer_engine"
+MOE_BLOCK = "moe_block"
+FAST = "fast"
+LOCAL = "local"
+USER_SPEC = "user_spec"
+
+
+@dataclass(frozen=True)
+class LayerSpecChoice:
+    path: str  # one of the constants above
+    reason: str  # one line for the log: why this path ran
+
+    def describe(self) -> str:
+        return f"layer spec: {self.path} ({self.reason})"
+
+
+def _fast_spec_unsupported_reason(args) -> str | None:
+    if getattr(args, "no_fast_spec", False):
+        return "--no-fast-spec"
+    try:
+        from megagpt.fast_spec.spec import fast_spec_unsupported_reason
+    except ImportError:
+        return "megagpt.fast_spec is not available"
+    return fast_spec_unsupported_reason(args)
+
+
+def choose_layer_spec(args) -> LayerSpecChoice:
+    """Decide the layer-spec path for this run from its (adapted) arguments."""
+    if args.spec is not None:
+        return LayerSpecChoice(USER_SPEC, f"--spec {' '.join(args.spec)}")
+    use_te = args.transformer_impl == "transformer_engine"
+    if args.num_experts is not None:
+        impl = "Transformer Engine" if use_te else "local"
+        return LayerSpecChoice(MOE_BLOCK, f"--num-experts {args.num_experts}, {impl} modules")
+    if use_te:
+        return LayerSpecChoice(TRANSFORMER_ENGINE, "Transformer Engine is installed and selected")
+    reason = _fast_spec_unsupported_reason(args)
+    if reason is None:
+        return LayerSpecChoice(FAST, "no Transformer Engine; SDPA attention and fused kernels")
+    return LayerSpecChoice(LOCAL, f"megatron's local modules; fast spec off: {reason}")
+
+
+def layer_spec_builder(choice: LayerSpecChoice, args) -> Callable | None:
+    """The value for ``GPTModelConfig.transformer_layer_spec`` (None: keep megatron's)."""
+    if choice.path == USER_SPEC:
+        return None  # gpt_config_from_args already imported the user's spec
+    if choice.path == FAST:
+        from megagpt.fast_spec.spec import get_fast_gpt_layer_spec
+
+        spec = get_fast_gpt_layer_spec(args)
+        return lambda config, vp_stage=None: spec
+
+    def build(config, vp_stage=None):
+        t = config.transformer
+        if choice.path == MOE_BLOCK:
+            return get_gpt_decoder_block_spec(
+                t, use_transformer_engine=t.transformer_impl == "transformer_engine",
+                normalization=t.normalization, qk_l2_norm=t.qk_l2_norm, vp_stage=vp_stage)
+        if choice.path == TRANSFORMER_ENGINE:
+            return get_gpt_layer_with_transformer_engine_spec(
+                t.num_moe_experts, t.moe_grouped_gemm, t.qk_layernorm,
+                t.multi_latent_attention, qk_l2_norm=t.qk_l2_norm)
+        return get_gpt_layer_local_spec(
+            t.num_moe_experts, t.moe_grouped_gemm, t.qk_layernorm,
+            t.multi_latent_attention, normalization=t.normalization)
+
+    return build

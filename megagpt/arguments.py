@@ -1,0 +1,191 @@
+"""From a command line to validated megatron arguments.
+
+Order, each step one function:
+  1. ``--config FILE.yaml`` is expanded into argv (the command line after it wins);
+  2. megatron's own parser reads it, plus this entry's options (``add_entry_arguments``);
+  3. settings that need missing packages are adapted (``megagpt.compat``), and in
+     ``--cpu`` mode the CPU settings are applied (``megagpt.cpu_mode``);
+  4. megatron's ``validate_args`` runs (without touching CUDA when none is present);
+  5. megatron's global state is set and the tokenizer installed.
+
+Upstream Megatron-LM command lines work unchanged: every flag is megatron's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from typing import Callable
+
+from megagpt import compat, cpu_mode
+from megagpt.config_file import ConfigFileError, expand_config_file, load_config_mapping, flag_name
+from megagpt.errors import UserError
+from megagpt.log import log
+
+# A vocabulary for --mock-data runs that name no tokenizer: GPT-2's size.
+MOCK_DATA_VOCAB_SIZE = 50257
+
+
+class ArgumentError(UserError, ValueError):
+    """The arguments cannot describe a run; the message says which and why."""
+
+
+def add_entry_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """This entry's options, added to megatron's parser."""
+    group = parser.add_argument_group("megagpt entry")
+    group.add_argument("--config", type=str, default=None,
+                       help="YAML file of megatron flags (num-layers: 24, ...); "
+                            "flags on the command line override it.")
+    group.add_argument("--cpu", action="store_true",
+                       help="CPU development mode: gloo, fp32, no GPU needed. For tests, CI "
+                            "and laptops, not for speed.")
+    group.add_argument("--dry-run", action="store_true",
+                       help="Check the launch and print the plan (parameters, memory, FLOPs, "
+                            "layout); start nothing.")
+    _add_optional_arguments(group)
+    return parser
+
+
+def _add_optional_arguments(group) -> None:
+    """Options owned by other modules of the package (fast path, preflight)."""
+    with contextlib.suppress(ImportError):
+        from megagpt.fast_spec.settings import add_fast_path_arguments
+        add_fast_path_arguments(group)
+    with contextlib.suppress(ImportError):
+        from megagpt.preflight import add_preflight_arguments
+        add_preflight_arguments(group)
+
+
+@contextlib.contextmanager
+def _argv(tokens: list[str]):
+    saved = sys.argv
+    sys.argv = [saved[0] if saved else "pretrain_gpt.py", *tokens]
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
+def _known_flags(extra_args_provider) -> set[str]:
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_megatron_arguments(parser)
+    add_entry_arguments(parser)
+    if extra_args_provider is not None:
+        extra_args_provider(parser)
+    return set(parser._option_string_actions)
+
+
+def _check_config_keys(path: str, extra_args_provider) -> None:
+    known = _known_flags(extra_args_provider)
+    unknown = [k for k in load_config_mapping(path) if flag_name(k) not in known]
+    if unknown:
+        raise ConfigFileError(f"--config {path}: unknown option(s): "
+                              + ", ".join(flag_name(k) for k in unknown))
+
+
+def parse_arguments(argv: list[str] | None = None,
+                    extra_args_provider: Callable | None = None) -> argparse.Namespace:
+    """Parse, adapt and validate; returns megatron's args namespace (not yet global)."""
+    from megatron.training.arguments import parse_args
+
+    compat.quiet_fallback_warnings()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    argv, config_path = expand_config_file(argv)
+    if config_path is not None:
+        _check_config_keys(config_path, extra_args_provider)
+
+    def provider(parser):
+        add_entry_arguments(parser)
+        return extra_args_provider(parser) if extra_args_provider else parser
+
+    with _argv(argv):
+        args = parse_args(extra_args_provider=provider)
+    args.config = config_path
+    args.entry_argv = argv
+
+    installed = compat.Installed.detect()
+    log(f"installed: {installed.summary()}")
+    compat.adapt_args_to_installed(args, argv, installed, log)
+    if args.cpu:
+        cpu_mode.adapt_args(args, log)
+    _default_tokenizer(args, argv)
+    if args.eval_interval is None:
+        # megatron 0.19 has no default and fails deep in training; upstream's was 1000.
+        args.eval_interval = 1000
+    with contextlib.suppress(ImportError):
+        from megagpt.fast_spec.settings import apply_fast_path_defaults
+        apply_fast_path_defaults(args, log)
+    return args
+
+
+def _default_tokenizer(args, argv: list[str]) -> None:
+    if args.tokenizer_type is not None:
+        return
+    if not args.mock_data:
+        raise ArgumentError("--tokenizer-type is required with real data (--data-path ...); "
+                            "e.g. --tokenizer-type GPT2BPETokenizer --vocab-file V --merge-file M")
+    args.tokenizer_type = "NullTokenizer"
+    if args.vocab_size is None:
+        args.vocab_size = MOCK_DATA_VOCAB_SIZE
+    log(f"mock data: --tokenizer-type NullTokenizer --vocab-size {args.vocab_size}")
+
+
+@contextlib.contextmanager
+def _device_arch_for_validation(arch: int | None):
+    """validate_args asks the GPU for its architecture when TP or CP > 1.
+
+    With no GPU (CPU mode, or a dry run of a 128-GPU layout on a laptop) the answer comes
+    from ``arch`` instead: e.g. 8 for A100, 9 for H100/H200.
+    """
+    import torch
+    import megatron.training.arguments as margs
+
+    if torch.cuda.is_available() and arch is None:
+        yield
+        return
+    saved = margs.get_device_arch_version
+    margs.get_device_arch_version = lambda: arch or 0
+    try:
+        yield
+    finally:
+        margs.get_device_arch_version = saved
+
+
+def validate_arguments(args, device_arch: int | None = None) -> None:
+    """megatron's validate_args, with its assertions turned into ArgumentError."""
+    from megatron.training.arguments import validate_args
+
+    needs_connections = args.tensor_model_parallel_size > 1 or args.context_parallel_size > 1
+    if needs_connections and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
+        # Megatron orders TP/CP communication on one hardware queue; it must be set
+        # before CUDA starts, which has not happened yet.
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+        log("CUDA_DEVICE_MAX_CONNECTIONS=1 (tensor/context parallelism)")
+    try:
+        with _device_arch_for_validation(device_arch):
+            validate_args(args, {})
+    except AssertionError as exc:
+        raise ArgumentError(f"invalid arguments: {exc}") from None
+
+
+def set_megatron_globals(args) -> None:
+    """Megatron's global args, timers and writers, and our tokenizer (works offline)."""
+    from megatron.training import global_vars
+    from megatron.training.global_vars import set_global_variables
+
+    set_global_variables(args, build_tokenizer=False)
+    global_vars._GLOBAL_TOKENIZER = build_tokenizer(args)
+
+
+def build_tokenizer(args):
+    """GPT-2 BPE offline and HF folders via megagpt.data; the rest via megatron."""
+    try:
+        from megagpt.data.tokenizers import build_tokenizer as offline_build_tokenizer
+    except ImportError:
+        from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer as mbt
+        return mbt(args)
+    return offline_build_tokenizer(args)

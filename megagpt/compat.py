@@ -1,0 +1,169 @@
+"""Compatibility with what is installed: the megatron-core wheel with or without TE / apex.
+
+Upstream's entry needs five changes before its first step on a plain ``pip install``
+(see shared/notes/megatron-wheel.md). They are made here, once, with one log line for
+each setting adapted:
+
+1. ``initialize_megatron`` runs ``make`` on the dataset helpers; the wheel ships the
+   compiled ``helpers_cpp`` but no Makefile, so the compile step is skipped when the
+   extension imports.
+2. ``--transformer-impl`` defaults to ``transformer_engine``: without TE, ``local``.
+3. The persistent fused layer norm needs apex: ``--no-persist-layer-norm``.
+4. The fused masked softmax needs its CUDA extension: ``--no-masked-softmax-fusion``.
+5. Gradient-accumulation fusion needs TE or apex: ``--no-gradient-accumulation-fusion``.
+
+A setting the user asked for explicitly (on the command line or in ``--config``) is never
+changed silently: if it needs something missing, ``MissingDependencyError`` says what.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from megagpt.errors import UserError
+
+
+class MissingDependencyError(UserError, RuntimeError):
+    """The user explicitly asked for a feature whose package is not installed."""
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@dataclass(frozen=True)
+class Installed:
+    """Optional accelerators found in this Python environment."""
+
+    transformer_engine: bool
+    apex: bool  # NVIDIA apex built from source (the PyPI package "apex" is unrelated)
+    fused_layer_norm: bool  # apex's fast / persistent layer norm kernels
+    masked_softmax_kernels: bool  # megatron's scaled_masked_softmax_cuda extension
+    gradient_accumulation_kernels: bool  # fused_weight_gradient_mlp_cuda (apex) or TE
+
+    @classmethod
+    def detect(cls) -> "Installed":
+        te = _importable("transformer_engine") and _importable("transformer_engine.pytorch")
+        apex = _importable("apex") and _importable("apex.normalization")
+        return cls(
+            transformer_engine=te,
+            apex=apex,
+            fused_layer_norm=apex and _importable("fast_layer_norm"),
+            masked_softmax_kernels=_importable("scaled_masked_softmax_cuda"),
+            gradient_accumulation_kernels=te or _importable("fused_weight_gradient_mlp_cuda"),
+        )
+
+    def summary(self) -> str:
+        def yes(flag: bool) -> str:
+            return "yes" if flag else "no"
+
+        return (f"transformer-engine={yes(self.transformer_engine)} apex={yes(self.apex)} "
+                f"fused-softmax-kernels={yes(self.masked_softmax_kernels)}")
+
+
+@dataclass(frozen=True)
+class Adaptation:
+    """One setting that depends on an optional package."""
+
+    attr: str  # attribute on megatron's args namespace
+    flags: tuple[str, ...]  # command-line spellings that set it explicitly
+    unusable: Callable[[object, Installed], bool]  # (args, installed) -> needs what is missing
+    safe_value: object
+    message: str  # why it was changed, or why the explicit request cannot be honoured
+
+
+ADAPTATIONS: tuple[Adaptation, ...] = (
+    Adaptation(
+        "transformer_impl", ("--transformer-impl",),
+        lambda a, i: a.transformer_impl == "transformer_engine" and not i.transformer_engine,
+        "local",
+        "--transformer-impl transformer_engine needs Transformer Engine "
+        "(pip install 'megagpt[te]'); using the local implementation",
+    ),
+    Adaptation(
+        "no_persist_layer_norm", ("--no-persist-layer-norm",),
+        lambda a, i: not a.no_persist_layer_norm and not i.fused_layer_norm,
+        True,
+        "persistent fused layer norm needs NVIDIA apex; --no-persist-layer-norm",
+    ),
+    Adaptation(
+        "masked_softmax_fusion", ("--no-masked-softmax-fusion",),
+        lambda a, i: a.masked_softmax_fusion and not i.masked_softmax_kernels
+        and a.transformer_impl != "transformer_engine",
+        False,
+        "fused masked softmax needs the scaled_masked_softmax_cuda extension; "
+        "--no-masked-softmax-fusion",
+    ),
+    Adaptation(
+        "gradient_accumulation_fusion", ("--no-gradient-accumulation-fusion",),
+        lambda a, i: a.gradient_accumulation_fusion and not i.gradient_accumulation_kernels,
+        False,
+        "gradient-accumulation fusion needs Transformer Engine or apex; "
+        "--no-gradient-accumulation-fusion",
+    ),
+)
+
+
+def explicit_flags(argv: Iterable[str]) -> set[str]:
+    """The long option names present in argv (``--flag`` and ``--flag=value`` forms)."""
+    return {tok.split("=", 1)[0] for tok in argv if tok.startswith("--")}
+
+
+def adapt_args_to_installed(args, argv: Iterable[str], installed: Installed,
+                            log: Callable[[str], None]) -> list[str]:
+    """Make ``args`` run with what is installed; return the log lines it wrote.
+
+    ``argv`` is the full option list (config file expanded) so that an explicit request
+    can be told from a megatron default.
+    """
+    given = explicit_flags(argv)
+    lines = []
+    for adaptation in ADAPTATIONS:
+        if not adaptation.unusable(args, installed):
+            continue
+        asked_for = given & set(adaptation.flags)
+        if asked_for and adaptation.attr == "transformer_impl":
+            raise MissingDependencyError(
+                "--transformer-impl transformer_engine was given, but Transformer Engine is "
+                "not installed. Install it (pip install 'megagpt[te]') or drop the flag: "
+                "without it the entry uses its own fast path.")
+        setattr(args, adaptation.attr, adaptation.safe_value)
+        line = f"compat: {adaptation.message}"
+        log(line)
+        lines.append(line)
+    return lines
+
+
+def skip_dataset_helper_compilation() -> None:
+    """Make ``initialize_megatron``'s ``make -C megatron/core/datasets`` a no-op.
+
+    The wheel ships ``helpers_cpp`` prebuilt and no Makefile; upstream's compile step
+    then fails and calls ``sys.exit(1)``. Only skipped when the extension imports, so a
+    source checkout that really needs compiling still compiles.
+    """
+    import megatron.core.datasets.utils as dataset_utils
+
+    if getattr(dataset_utils.compile_helpers, "_megagpt_skipped", False):
+        return
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return
+
+    def compile_helpers():
+        """helpers_cpp is already built (megatron-core wheel); nothing to compile."""
+
+    compile_helpers._megagpt_skipped = True
+    dataset_utils.compile_helpers = compile_helpers
+
+
+def quiet_fallback_warnings() -> None:
+    """megatron warns once per module that TE/apex are missing; Installed.summary says it once."""
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(are|is) not installed.*")
+    warnings.filterwarnings("ignore", message=r".*Apex is not installed.*")

@@ -1,0 +1,293 @@
+"""Pretrain a GPT model with ``megatron.training.pretrain``.
+
+    python pretrain_gpt.py [megatron flags] [--config FILE.yaml] [--cpu] [--dry-run]
+    torchrun --nproc-per-node 8 pretrain_gpt.py [megatron flags]
+
+The hooks megatron's training loop calls:
+  ``train_valid_test_datasets_provider``  datasets for the ranks that read data
+  ``get_batch``                           one micro-batch on this rank (TP broadcast, CP slice)
+  ``forward_step``                        model output and the loss closure for the schedule
+  ``loss_func``                           masked next-token loss, its token count, the report
+``main`` parses and validates the flags (``megagpt.arguments``), builds a ``GPTModelConfig``
+and a ``PretrainConfigContainer``, and hands everything to ``megatron.training.pretrain``.
+"""
+
+import time
+
+_PROGRAM_START = time.time()  # before the heavy imports, for megatron's start-up report
+
+import contextlib
+import sys
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.enums import ModelType
+from megatron.core.rerun_state_machine import get_rerun_state_machine
+from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
+
+import gpt_builders
+from megagpt import arguments as entry_arguments
+from megagpt import compat, cpu_mode
+from megagpt.log import log
+
+# A loss ten times the largest seen so far counts as a spike (--check-for-spiky-loss).
+SPIKY_LOSS_FACTOR = 10
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+
+
+# ---------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------
+
+def dataset_config_from_args(args, tokenizer) -> GPTDatasetConfig:
+    """The GPTDatasetConfig for --data-path blends, per-split paths or mock data."""
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    return GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        multiple_validation_sets=args.multiple_validation_sets,
+        full_validation=args.full_validation,
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        tokenizer=tokenizer,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+        allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens,
+    )
+
+
+def is_dataset_built_on_rank(vp_stage=None) -> bool:
+    """Only TP rank 0 of the first and last pipeline stages reads data; it broadcasts."""
+    from megatron.training.utils import is_first_or_last_pipeline_stage
+
+    return (is_first_or_last_pipeline_stage(vp_stage)
+            and parallel_state.get_tensor_model_parallel_rank() == 0)
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None, *,
+                                       dataset_config: GPTDatasetConfig, mock_data: bool):
+    """Train, validation and test datasets of at least the requested sample counts."""
+    dataset_type = MockGPTDataset if mock_data else GPTDataset
+    return BlendedMegatronDatasetBuilder(
+        dataset_type, train_val_test_num_samples,
+        partial(is_dataset_built_on_rank, vp_stage=vp_stage), dataset_config,
+    ).build()
+
+
+# The datasets are built on every rank that needs them (megatron's core datasets are
+# distributed-aware), not only on TP rank 0 with a broadcast of the whole dataset.
+train_valid_test_datasets_provider.is_distributed = True
+
+
+# ---------------------------------------------------------------------------
+# Batches
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """What get_batch needs to know about the run; fixed for the whole run."""
+
+    micro_batch_size: int
+    seq_length: int
+    create_attention_mask: bool
+    mtp_num_layers: int | None
+
+    @classmethod
+    def from_args(cls, args) -> "BatchLayout":
+        return cls(args.micro_batch_size, args.seq_length,
+                   args.create_attention_mask_in_dataloader, args.mtp_num_layers)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
+def get_batch(data_iterator, layout: BatchLayout, vp_stage=None):
+    """(tokens, labels, loss_mask, attention_mask, position_ids) for this rank.
+
+    TP rank 0 reads the micro-batch and broadcasts it to the other TP ranks; each CP rank
+    keeps its slice of the sequence; middle pipeline stages get nothing (they receive
+    activations instead).
+    """
+    from megatron.training.utils import is_first_or_last_pipeline_stage
+
+    if not is_first_or_last_pipeline_stage(vp_stage):
+        return None, None, None, None, None
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    batch = None
+    if tp_rank == 0:
+        raw = next(data_iterator)
+        device = _device()
+        batch = {key: (raw[key].to(device, non_blocking=True) if raw.get(key) is not None else None)
+                 for key in BATCH_KEYS}
+        batch["cu_seqlens"] = None
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    batch = get_batch_on_this_tp_rank(
+        batch,
+        has_cu_seqlens=False,
+        is_hybrid_cp=False,
+        create_attention_mask_in_dataloader=layout.create_attention_mask,
+        broadcast_src_rank=parallel_state.get_tensor_model_parallel_src_rank(),
+        broadcast_group=parallel_state.get_tensor_model_parallel_group(),
+        cp_size=parallel_state.get_context_parallel_world_size(),
+        tp_rank=tp_rank,
+        micro_batch_size=layout.micro_batch_size,
+        seq_length=layout.seq_length,
+        mtp_on_this_rank=bool(layout.mtp_num_layers)
+        and parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+        pipeline_model_parallel_size=pp_size,
+        is_pipeline_first_stage=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
+        is_pipeline_last_stage=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+    )
+    batch.setdefault("cu_seqlens", None)
+    if parallel_state.get_context_parallel_world_size() > 1:
+        batch = get_batch_on_this_cp_rank(
+            batch, is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group())
+    return tuple(batch.get(key) for key in BATCH_KEYS)
+
+
+# ---------------------------------------------------------------------------
+# Loss and forward step
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LossChecks:
+    """Which result checks loss_func runs through megatron's rerun state machine."""
+
+    nan_and_inf: bool
+    spiky_loss: bool
+
+    @classmethod
+    def from_args(cls, args) -> "LossChecks":
+        return cls(args.check_for_nan_in_loss_and_grad, args.check_for_spiky_loss)
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, checks: LossChecks):
+    """Sum of per-token losses where loss_mask is 1, the number of such tokens, and the
+    ``lm loss`` report; the schedule divides the sum by the token count across ranks."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+    rerun_state_machine = get_rerun_state_machine()
+    if checks.nan_and_inf:
+        # The forward pass is deterministic: any NaN/Inf is a fault, not noise (tolerance 0).
+        rerun_state_machine.validate_result(
+            result=loss, rejection_func=torch.isnan,
+            message="found NaN in local forward loss calculation", tolerance=0.0, fatal=True)
+        rerun_state_machine.validate_result(
+            result=loss, rejection_func=torch.isinf,
+            message="found Inf in local forward loss calculation", tolerance=0.0, fatal=True)
+    if checks.spiky_loss:
+        rerun_state_machine.validate_result(
+            result=loss,
+            rejection_func=partial(rerun_state_machine.is_unexpectedly_large,
+                                   threshold=SPIKY_LOSS_FACTOR, context="loss"),
+            message="Spiky loss", tolerance=0.0, fatal=False)
+    return loss, num_tokens, report
+
+
+def forward_step(data_iterator, model, checkpoint_activations_microbatch=None, *,
+                 layout: BatchLayout, checks: LossChecks):
+    """Run the model on the next micro-batch; return its per-token losses and the closure
+    the pipeline schedule calls to reduce them."""
+    from megatron.core.utils import get_attr_wrapped_model
+    from megatron.training import get_timers
+
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
+        data_iterator, layout, vp_stage)
+    timers("batch-generator").stop()
+
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels,
+                          loss_mask=loss_mask)
+    return output_tensor, partial(loss_func, loss_mask, checks=checks)
+
+
+def get_embedding_ranks(pp_ranks: list[int]) -> list[int]:
+    """Word embeddings live on the first and the last pipeline stage (tied weights)."""
+    if len(pp_ranks) == 1:
+        return list(pp_ranks)
+    return [pp_ranks[0], pp_ranks[-1]]
+
+
+# ---------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------
+
+def build_configs(args):
+    """(GPTModelConfig, PretrainConfigContainer, LayerSpecChoice) from validated args."""
+    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+
+    choice = gpt_builders.choose_layer_spec(args)
+    model_config = gpt_config_from_args(args)
+    spec = gpt_builders.layer_spec_builder(choice, args)
+    if spec is not None:
+        model_config.transformer_layer_spec = spec
+    container = pretrain_cfg_container_from_args(args, model_config)
+    return model_config, container, choice
+
+
+def run(args) -> None:
+    """Train with validated, global args (see main)."""
+    from megatron.training import get_tokenizer, pretrain, set_startup_timestamps
+
+    set_startup_timestamps(program_start=_PROGRAM_START, main_entry=time.time())
+    compat.skip_dataset_helper_compilation()
+    model_config, container, choice = build_configs(args)
+    log(choice.describe())
+    dataset_config = dataset_config_from_args(args, get_tokenizer())
+    datasets_provider = partial(train_valid_test_datasets_provider,
+                                dataset_config=dataset_config, mock_data=args.mock_data)
+    datasets_provider.is_distributed = True
+    step = partial(forward_step, layout=BatchLayout.from_args(args),
+                   checks=LossChecks.from_args(args))
+    device_context = cpu_mode.active() if args.cpu else contextlib.nullcontext()
+    with device_context:
+        pretrain(container, datasets_provider, ModelType.encoder_or_decoder, step,
+                 get_embedding_ranks=get_embedding_ranks)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse and check the launch, then train (or, with --dry-run, print the plan)."""
+    from megagpt.errors import UserError
+
+    try:
+        args = entry_arguments.parse_arguments(argv)
+        if args.cpu:
+            cpu_mode.default_rendezvous_env()
+        if args.dry_run:
+            from megagpt.preflight import run_dry_run
+            return run_dry_run(args)
+        entry_arguments.validate_arguments(args, device_arch=0 if args.cpu else None)
+        entry_arguments.set_megatron_globals(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
