@@ -51,7 +51,12 @@ COVERED_SITES: tuple[CoveredSite, ...] = (
                 "torch.cuda.device_count() reports one device so model-parallel groups are built"),
     CoveredSite("megatron.training.initialize", "_set_random_seed",
                 "if torch.cuda.device_count() > 0:",
-                "the CUDA RNG tracker is the no-op inference tracker (args.inference_rng_tracker)"),
+                "the CUDA RNG tracker is CpuRngTracker, which forks CPU generator states"),
+    CoveredSite("megatron.core.tensor_parallel.random.CudaRNGStatesTracker", "add",
+                "torch.cuda.get_rng_state()", "CpuRngTracker.add keeps a CPU generator state"),
+    CoveredSite("megatron.training.checkpointing", "load_checkpoint",
+                "if not rng_state['rng_tracker_states']:",
+                "CpuRngTracker has real states, so a checkpoint's RNG state loads"),
     CoveredSite("megatron.training.training", "pretrain",
                 "device='cuda'", "CudaToCpu rewrites the device of the start-time all-reduce"),
     CoveredSite("megatron.training.training", "pretrain",
@@ -204,6 +209,70 @@ def _cuda_stand_ins() -> dict[str, object]:
     return functions
 
 
+class CpuRngTracker:
+    """Megatron's RNG tracker for the CPU: named generator states that ``fork`` swaps in.
+
+    Megatron keeps separate CUDA RNG streams for tensor-parallel regions (so dropout
+    differs across TP ranks but matches across DP ranks). On the CPU every op draws from
+    the CPU generator, so ``fork`` swaps the CPU generator's state instead. States are
+    real tensors, saved and restored with checkpoints like the CUDA ones.
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.states_ = {}
+        self.seeds_ = set()
+        self._is_initialized = False
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = dict(states)
+
+    def add(self, name, seed):
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+def _install_rng_tracker() -> tuple:
+    import megatron.core.tensor_parallel.random as mrandom
+
+    saved = (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
+    mrandom._CUDA_RNG_STATE_TRACKER = CpuRngTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    return saved
+
+
+def _restore_rng_tracker(saved: tuple) -> None:
+    import megatron.core.tensor_parallel.random as mrandom
+
+    mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved
+
+
 # ---------------------------------------------------------------------------
 # 3. Arguments and process setup
 # ---------------------------------------------------------------------------
@@ -230,8 +299,6 @@ def adapt_args(args, log: Callable[[str], None]) -> None:
         raise CpuModeError("CPU mode (--cpu) cannot run with: " + "; ".join(problems))
     settings = {
         "distributed_backend": "gloo",
-        # Dropout in CPU mode draws from the CPU generator; the CUDA tracker has nothing to track.
-        "inference_rng_tracker": True,
         "use_cpu_initialization": True,
         # Kernels that exist only on GPUs.
         "gradient_accumulation_fusion": False,
@@ -276,6 +343,7 @@ def active():
     original_init = saved_init
     saved_jit_options = mtraining.set_jit_fusion_options
     saved_dynamo_disable = torch._dynamo.config.disable
+    saved_tracker = _install_rng_tracker()
 
     def initialize_megatron_without_cuda(*args, **kwargs):
         kwargs["allow_no_cuda"] = True
@@ -297,3 +365,4 @@ def active():
         mtraining.initialize_megatron = saved_init
         mtraining.set_jit_fusion_options = saved_jit_options
         torch._dynamo.config.disable = saved_dynamo_disable
+        _restore_rng_tracker(saved_tracker)
