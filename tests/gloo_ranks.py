@@ -1,0 +1,58 @@
+"""Run a function on N real gloo processes (CPU), for tests of distributed hooks."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, errors):
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        fn(rank, world_size, *args)
+    except BaseException:  # report to the parent, which fails the test
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(fn, world_size: int, *args, timeout: float = 120) -> None:
+    """Call ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; raise on failure.
+
+    ``fn`` must be importable (module level) so the spawned processes can find it.
+    """
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    messages = []
+    while not errors.empty():
+        messages.append(errors.get())
+    if alive:
+        messages.append(f"{len(alive)} rank(s) did not finish within {timeout}s")
+    failed = [p.exitcode for p in procs if p.exitcode not in (0, None)]
+    if messages or failed:
+        raise AssertionError("\n".join(messages) or f"exit codes {failed}")
