@@ -1,0 +1,56 @@
+"""Compatibility with what is installed: adaptations, explicit requests, the Makefile step."""
+
+import argparse
+
+import pytest
+
+from megagpt import compat
+
+NOTHING = compat.Installed(transformer_engine=False, apex=False, fused_layer_norm=False,
+                           masked_softmax_kernels=False, gradient_accumulation_kernels=False)
+EVERYTHING = compat.Installed(transformer_engine=True, apex=True, fused_layer_norm=True,
+                              masked_softmax_kernels=True, gradient_accumulation_kernels=True)
+
+
+def megatron_defaults(argv=()):
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_megatron_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_plain_install_adapts_the_five_settings_with_one_line_each():
+    args, lines = megatron_defaults(), []
+    compat.adapt_args_to_installed(args, [], NOTHING, lines.append)
+    assert args.transformer_impl == "local"
+    assert args.no_persist_layer_norm is True
+    assert args.masked_softmax_fusion is False
+    assert args.gradient_accumulation_fusion is False
+    assert len(lines) == 4 and all(line.startswith("compat: ") for line in lines)
+
+
+def test_nothing_changes_when_everything_is_installed():
+    args, lines = megatron_defaults(), []
+    compat.adapt_args_to_installed(args, [], EVERYTHING, lines.append)
+    assert args.transformer_impl == "transformer_engine" and lines == []
+
+
+def test_explicit_transformer_engine_request_without_te_is_a_clear_error():
+    argv = ["--transformer-impl", "transformer_engine"]
+    with pytest.raises(compat.MissingDependencyError, match="Transformer Engine is not installed"):
+        compat.adapt_args_to_installed(megatron_defaults(argv), argv, NOTHING, print)
+
+
+def test_detect_reports_this_environment():
+    installed = compat.Installed.detect()
+    assert "transformer-engine=" in installed.summary()
+
+
+def test_dataset_helper_compilation_is_skipped_when_the_extension_is_prebuilt():
+    import megatron.core.datasets.utils as dataset_utils
+    from megatron.core.datasets import helpers_cpp  # noqa: F401  (the wheel ships it)
+
+    compat.skip_dataset_helper_compilation()
+    dataset_utils.compile_helpers()  # would run `make` and sys.exit(1) without the skip
+    assert dataset_utils.compile_helpers._megagpt_skipped
