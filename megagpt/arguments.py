@@ -110,6 +110,7 @@ def parse_arguments(argv: list[str] | None = None,
     installed = compat.Installed.detect()
     log(f"installed: {installed.summary()}")
     compat.adapt_args_to_installed(args, argv, installed, log)
+    compat.check_required_packages(args, installed)
     if args.cpu:
         cpu_mode.adapt_args(args, log)
     _default_tokenizer(args, argv)

@@ -110,6 +110,16 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
 )
 
 
+def check_required_packages(args, installed: Installed) -> None:
+    """Settings that no adaptation can rescue: fail before any work with what is missing."""
+    if args.context_parallel_size > 1 and not installed.transformer_engine:
+        raise MissingDependencyError(
+            f"--context-parallel-size {args.context_parallel_size} needs Transformer Engine: "
+            "megatron's local attention (DotProductAttention) cannot split a sequence across "
+            "ranks. Install it (pip install 'megagpt[te]') or use tensor/pipeline/data "
+            "parallelism instead.")
+
+
 def explicit_flags(argv: Iterable[str]) -> set[str]:
     """The long option names present in argv (``--flag`` and ``--flag=value`` forms)."""
     return {tok.split("=", 1)[0] for tok in argv if tok.startswith("--")}

@@ -54,3 +54,10 @@ def test_dataset_helper_compilation_is_skipped_when_the_extension_is_prebuilt():
     compat.skip_dataset_helper_compilation()
     dataset_utils.compile_helpers()  # would run `make` and sys.exit(1) without the skip
     assert dataset_utils.compile_helpers._megagpt_skipped
+
+
+def test_context_parallelism_without_transformer_engine_is_refused_early():
+    args = megatron_defaults(["--context-parallel-size", "2"])
+    with pytest.raises(compat.MissingDependencyError, match="--context-parallel-size 2 needs"):
+        compat.check_required_packages(args, NOTHING)
+    compat.check_required_packages(args, EVERYTHING)  # with TE it is fine
