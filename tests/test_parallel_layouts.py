@@ -1,0 +1,45 @@
+"""Megatron's own parallelism through the entry, on two gloo processes (CPU mode).
+
+Tensor and data parallelism must reproduce the single-process losses (same initial weights:
+CPU initialisation builds each full weight, then splits it; same samples per step). Pipeline
+parallelism seeds each stage differently (megatron adds 100 x stage to the seed), so its
+losses are only close, and must fall the same way.
+"""
+
+import pytest
+
+from helpers import TINY_MODEL, parse_losses, run_entry
+
+pytestmark = pytest.mark.slow
+
+RUN = [*TINY_MODEL, "--train-iters", "8", "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    out = run_entry(RUN, cwd=tmp_path_factory.mktemp("one"))
+    assert out.returncode == 0, out.stdout[-3000:]
+    return parse_losses(out.stdout)
+
+
+def _two_processes(tmp_path, *layout):
+    out = run_entry([*RUN, *layout], cwd=tmp_path, nproc=2)
+    assert out.returncode == 0, out.stdout[-3000:]
+    losses = parse_losses(out.stdout)
+    assert sorted(losses) == list(range(1, 9))
+    return losses
+
+
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"], []],
+                         ids=["tp2", "dp2"])
+def test_tensor_and_data_parallel_match_one_process(tmp_path, single_process, layout):
+    losses = _two_processes(tmp_path, *layout)
+    for i, loss in single_process.items():
+        assert losses[i] == pytest.approx(loss, rel=1e-4), (i, losses[i], loss)
+
+
+def test_pipeline_parallel_trains_like_one_process(tmp_path, single_process):
+    losses = _two_processes(tmp_path, "--pipeline-model-parallel-size", "2")
+    for i, loss in single_process.items():
+        assert losses[i] == pytest.approx(loss, abs=0.05), (i, losses[i], loss)
+    assert losses[8] < losses[1]
