@@ -41,8 +41,6 @@ class LayerSpecChoice:
 
 
 def _fast_spec_unsupported_reason(args) -> str | None:
-    if getattr(args, "no_fast_spec", False):
-        return "--no-fast-spec"
     try:
         from megagpt.fast_spec.spec import fast_spec_unsupported_reason
     except ImportError:

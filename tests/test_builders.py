@@ -1,0 +1,81 @@
+"""gpt_builders' layer-spec choice and model_provider's build, on real megatron objects."""
+
+import pytest
+import torch
+
+import gpt_builders
+import model_provider
+from megagpt import arguments, cpu_mode
+
+TINY = ["--cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "64",
+        "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2",
+        "--vocab-size", "128"]
+
+
+def choose(*extra):
+    return gpt_builders.choose_layer_spec(arguments.parse_arguments([*TINY, *extra]))
+
+
+def test_default_without_transformer_engine_is_the_fast_spec():
+    assert choose().path == gpt_builders.FAST
+
+
+def test_no_fast_spec_falls_back_to_local_and_says_why():
+    choice = choose("--no-fast-spec")
+    assert choice.path == gpt_builders.LOCAL
+    assert "--no-fast-spec" in choice.describe()
+
+
+def test_experts_use_the_moe_block_spec():
+    assert choose("--num-experts", "4").path == gpt_builders.MOE_BLOCK
+
+
+def test_user_spec_is_left_to_megatron():
+    choice = choose("--spec", "megatron.core.models.gpt.gpt_layer_specs",
+                    "get_gpt_layer_local_spec")
+    assert choice.path == gpt_builders.USER_SPEC
+
+
+def test_transformer_engine_spec_when_selected():
+    args = arguments.parse_arguments(TINY)
+    args.transformer_impl = "transformer_engine"  # as compat leaves it when TE is installed
+    assert gpt_builders.choose_layer_spec(args).path == gpt_builders.TRANSFORMER_ENGINE
+
+
+@pytest.fixture()
+def one_rank():
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from gloo_ranks import _free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
+                            rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    with cpu_mode.active():
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(1234)
+        yield
+    from megatron.training.global_vars import unset_global_variables
+
+    unset_global_variables()  # set by the test through set_megatron_globals
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("extra", [[], ["--no-fast-spec"]], ids=["fast", "local"])
+def test_model_provider_builds_a_stage_that_runs(one_rank, extra):
+    import pretrain_gpt
+
+    args = arguments.parse_arguments([*TINY, *extra])
+    arguments.validate_arguments(args, device_arch=0)
+    arguments.set_megatron_globals(args)
+    model_config, _, choice = pretrain_gpt.build_configs(args)
+    model = model_provider.model_provider(model_config)
+    tokens = torch.randint(0, 128, (2, 32))
+    positions = torch.arange(32).repeat(2, 1)
+    losses = model(tokens, positions, None, labels=tokens)
+    assert losses.shape == (2, 32) and torch.isfinite(losses).all()
+    assert choice.path == (gpt_builders.LOCAL if extra else gpt_builders.FAST)
