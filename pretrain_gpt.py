@@ -33,7 +33,9 @@ from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_
 import gpt_builders
 from megagpt import arguments as entry_arguments
 from megagpt import compat, cpu_mode
+from megagpt import resilience
 from megagpt.log import log
+from megagpt.rendezvous import default_single_process_env
 
 # A loss ten times the largest seen so far counts as a spike (--check-for-spiky-loss).
 SPIKY_LOSS_FACTOR = 10
@@ -207,9 +209,14 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, checks: Loss
 
 
 def forward_step(data_iterator, model, checkpoint_activations_microbatch=None, *,
-                 layout: BatchLayout, checks: LossChecks):
+                 layout: BatchLayout, checks: LossChecks, output_processor=None):
     """Run the model on the next micro-batch; return its per-token losses and the closure
-    the pipeline schedule calls to reduce them."""
+    the pipeline schedule calls to reduce them.
+
+    ``output_processor`` replaces GPTModel's LM head + cross entropy on the last stage
+    (the fast path's chunked loss, which never holds the full [tokens, vocab] logits);
+    None keeps megatron's.
+    """
     from megatron.core.utils import get_attr_wrapped_model
     from megatron.training import get_timers
 
@@ -220,8 +227,9 @@ def forward_step(data_iterator, model, checkpoint_activations_microbatch=None, *
         data_iterator, layout, vp_stage)
     timers("batch-generator").stop()
 
+    extra = {"output_processor": output_processor} if output_processor is not None else {}
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels,
-                          loss_mask=loss_mask)
+                          loss_mask=loss_mask, **extra)
     return output_tensor, partial(loss_func, loss_mask, checks=checks)
 
 
@@ -249,6 +257,15 @@ def build_configs(args):
     return model_config, container, choice
 
 
+def lm_loss_processor(args):
+    """The fast path's chunked LM-head loss when this run uses it, else None."""
+    try:
+        from megagpt.fast_spec.lm_loss import get_output_processor
+    except ImportError:
+        return None
+    return get_output_processor(args)
+
+
 def run(args) -> None:
     """Train with validated, global args (see main)."""
     from megatron.training import get_tokenizer, pretrain, set_startup_timestamps
@@ -257,14 +274,17 @@ def run(args) -> None:
     compat.skip_dataset_helper_compilation()
     model_config, container, choice = build_configs(args)
     log(choice.describe())
+    if choice.path == gpt_builders.FAST:
+        from megagpt.fast_spec.spec import describe_fast_spec
+        log(describe_fast_spec(args))
     dataset_config = dataset_config_from_args(args, get_tokenizer())
     datasets_provider = partial(train_valid_test_datasets_provider,
                                 dataset_config=dataset_config, mock_data=args.mock_data)
     datasets_provider.is_distributed = True
     step = partial(forward_step, layout=BatchLayout.from_args(args),
-                   checks=LossChecks.from_args(args))
+                   checks=LossChecks.from_args(args), output_processor=lm_loss_processor(args))
     device_context = cpu_mode.active() if args.cpu else contextlib.nullcontext()
-    with device_context:
+    with device_context, resilience.active(args, container):
         pretrain(container, datasets_provider, ModelType.encoder_or_decoder, step,
                  get_embedding_ranks=get_embedding_ranks)
 
@@ -275,17 +295,19 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         args = entry_arguments.parse_arguments(argv)
-        if args.cpu:
-            cpu_mode.default_rendezvous_env()
+        default_single_process_env()
         if args.dry_run:
             from megagpt.preflight import run_dry_run
             return run_dry_run(args)
+        from megagpt.preflight import check_layout
+        check_layout(args, args.world_size)  # the dry run's checks, with their numbers
         entry_arguments.validate_arguments(args, device_arch=0 if args.cpu else None)
         entry_arguments.set_megatron_globals(args)
+        resilience.prepare(args)  # preemption defaults, --load checks (one-line errors)
+        run(args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    run(args)
     return 0
 
 

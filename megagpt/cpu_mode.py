@@ -20,8 +20,6 @@ and ``pretrain`` run on a laptop, in tests and in CI.
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
 import types
 from dataclasses import dataclass
 from typing import Callable
@@ -317,18 +315,6 @@ def adapt_args(args, log: Callable[[str], None]) -> None:
         log("cpu mode: --transformer-impl local (Transformer Engine kernels need a GPU)")
         args.transformer_impl = "local"
     log("cpu mode: gloo, fp32, CPU initialisation, GPU-only fusions off")
-
-
-def default_rendezvous_env() -> None:
-    """Single-process runs without torchrun: provide the variables torchrun would set."""
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
 
 
 @contextlib.contextmanager

@@ -1,0 +1,309 @@
+#!/usr/bin/env python3
+"""Training throughput on one GPU: the project's entry (local spec, fast spec) vs plain PyTorch.
+
+One invocation, one GPU. For each requested path it runs
+
+  local      pretrain_gpt.py --transformer-impl local --no-fast-spec --no-fast-optimizer
+             --no-fast-lm-loss   (megatron's local modules: upstream's path without TE)
+  fast       pretrain_gpt.py --transformer-impl local   (the project's default without TE)
+  reference  bench/reference_gpt.py   (plain PyTorch: SDPA, fused AdamW, torch.compile)
+
+with mock data and upstream Megatron flags (``--mock-data --log-throughput --log-interval
+--train-iters --bf16`` and the shape's flags), parses the entry's log, and prints for each:
+tokens/s, TFLOP/s/GPU (megatron's count, ``num_floating_point_operations``), the share of
+the bf16 matmul peak it measures itself (8192^3), peak memory (max allocated) and the
+ratio to the reference. Iterations inside the first ``--warmup-iters`` (compilation,
+allocator warm-up) are left out of the figures.
+
+  python bench/bench_throughput.py --shape 345M --paths local,fast,reference --out runs/bench
+
+``--compare-losses`` logs every iteration and prints how far the fast path's losses are from
+the local spec's (same data, same seed; dropout makes them differ within noise).
+Extra entry flags: ``--entry-args "--no-fast-spec-compile"`` (applied to every entry path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from reference_gpt import SHAPES, megatron_flops, pad_vocab  # noqa: E402
+
+VOCAB = 50257
+
+ENTRY_PATH_FLAGS = {
+    "local": ["--no-fast-spec", "--no-fast-optimizer", "--no-fast-lm-loss"],
+    "fast": [],
+}
+
+ITER_RE = re.compile(
+    r"iteration\s+(\d+)/\s*(\d+)\s*\|.*?elapsed time per iteration \(ms\):\s*([\d.]+)"
+)
+TFLOPS_RE = re.compile(r"throughput per GPU \(TFLOP/s/GPU\):\s*([\d.]+)")
+LOSS_RE = re.compile(r"lm loss:\s*([\d.Ee+-]+)")
+MEM_RE = re.compile(r"max allocated:\s*([\d.]+)")
+SPEC_RE = re.compile(r"(layer spec:[^\n]*)")
+
+
+def shape_flags(shape: str, train_iters: int, log_interval: int, seed: int) -> list[str]:
+    layers, hidden, heads, seq, mb = SHAPES[shape]
+    return [
+        "--num-layers", str(layers), "--hidden-size", str(hidden),
+        "--num-attention-heads", str(heads), "--seq-length", str(seq),
+        "--max-position-embeddings", str(seq),
+        "--micro-batch-size", str(mb), "--global-batch-size", str(mb),
+        "--train-iters", str(train_iters),
+        "--lr", "1.5e-4", "--min-lr", "1.0e-5", "--lr-decay-style", "cosine",
+        "--lr-warmup-iters", "0", "--weight-decay", "0.1", "--adam-beta1", "0.9",
+        "--adam-beta2", "0.95", "--clip-grad", "1.0", "--init-method-std", "0.02",
+        "--bf16", "--seed", str(seed),
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
+        "--log-throughput", "--log-interval", str(log_interval),
+        "--log-memory-interval", str(log_interval),
+        "--eval-iters", "0", "--eval-interval", str(10 * train_iters),
+        "--transformer-impl", "local", "--no-persist-layer-norm",
+        "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion",
+    ]
+
+
+def parse_entry_log(text: str, warmup_iters: int) -> dict:
+    """Figures from megatron's training log (intervals ending after ``warmup_iters``)."""
+    rows = []
+    for line in text.splitlines():
+        m = ITER_RE.search(line)
+        if not m:
+            continue
+        t = TFLOPS_RE.search(line)
+        loss = LOSS_RE.search(line)
+        rows.append(dict(iteration=int(m.group(1)), ms=float(m.group(3)),
+                         tflops=float(t.group(1)) if t else None,
+                         loss=float(loss.group(1)) if loss else None))
+    mems = [float(x) for x in MEM_RE.findall(text)]
+    spec = SPEC_RE.findall(text)
+    steady = [r for r in rows if r["iteration"] > warmup_iters] or rows[-1:]
+    out = dict(
+        intervals=len(rows),
+        losses=[(r["iteration"], r["loss"]) for r in rows],
+        peak_mem_gb=(max(mems) * 2**20 / 1e9) if mems else None,
+        layer_spec=spec[-1] if spec else None,
+    )
+    if steady:
+        out["ms_per_iter"] = statistics.median(r["ms"] for r in steady)
+        tf = [r["tflops"] for r in steady if r["tflops"] is not None]
+        out["tflops_logged"] = statistics.median(tf) if tf else None
+    return out
+
+
+def measure_matmul_peak(n: int = 8192, reps: int = 30) -> float:
+    import torch
+
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(5):
+        a @ b
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        a @ b
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    peak = 2 * n**3 / (statistics.median(times) / 1e3) / 1e12
+    del a, b
+    torch.cuda.empty_cache()
+    return peak
+
+
+def entry_command(a, path: str, train_iters: int, log_interval: int) -> list[str]:
+    entry = str(ROOT / a.entry)
+    if a.launcher == "torchrun":
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                  "--nproc-per-node", "1", entry]
+    else:
+        launch = [sys.executable, entry]
+    return (launch + shape_flags(a.shape, train_iters, log_interval, a.seed)
+            + ENTRY_PATH_FLAGS[path] + shlex.split(a.entry_args))
+
+
+def run_entry(a, path: str, out_dir: Path, train_iters: int, log_interval: int,
+              tag: str = "") -> dict:
+    cmd = entry_command(a, path, train_iters, log_interval)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
+    log_path = out_dir / f"entry_{path}{tag}_{a.shape}.log"
+    print(f"[bench] {path}: {shlex.join(cmd)}", flush=True)
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, timeout=a.timeout)
+        text, rc = p.stdout, p.returncode
+    except subprocess.TimeoutExpired as e:
+        text = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        rc = "timeout"
+    log_path.write_text(text)
+    res = dict(path=path, rc=rc, wall_s=time.time() - t0, log=str(log_path),
+               command=shlex.join(cmd))
+    res.update(parse_entry_log(text, a.warmup_iters))
+    if rc != 0 or "ms_per_iter" not in res:
+        tail = "\n".join(text.splitlines()[-25:])
+        print(f"[bench] {path} failed (rc={rc}); log tail:\n{tail}", flush=True)
+    return res
+
+
+def run_reference(a, out_dir: Path) -> dict:
+    cmd = [sys.executable, str(HERE / "reference_gpt.py"), "--shape", a.shape,
+           "--iters", str(max(5, a.train_iters - a.warmup_iters)),
+           "--warmup", str(a.warmup_iters), "--dropout", str(a.reference_dropout)]
+    print(f"[bench] reference: {shlex.join(cmd)}", flush=True)
+    p = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       text=True, timeout=a.timeout)
+    (out_dir / f"reference_{a.shape}.log").write_text(p.stderr + p.stdout)
+    lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
+    if p.returncode != 0 or not lines:
+        print(f"[bench] reference failed (rc={p.returncode}):\n{p.stderr[-3000:]}", flush=True)
+        return dict(path="reference", rc=p.returncode, command=shlex.join(cmd))
+    res = json.loads(lines[-1])
+    res.update(rc=0, command=shlex.join(cmd))
+    return res
+
+
+def compare_losses(local: dict, fast: dict) -> dict:
+    a = {i: v for i, v in local.get("losses", []) if v is not None}
+    b = {i: v for i, v in fast.get("losses", []) if v is not None}
+    common = sorted(set(a) & set(b))
+    if not common:
+        return {}
+    diffs = [abs(a[i] - b[i]) for i in common]
+    rel = [abs(a[i] - b[i]) / abs(a[i]) for i in common]
+    return dict(iterations=len(common), max_abs_diff=max(diffs), max_rel_diff=max(rel),
+                mean_abs_diff=statistics.mean(diffs),
+                last=(common[-1], a[common[-1]], b[common[-1]]))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="345M")
+    p.add_argument("--paths", default="local,fast,reference",
+                   help="comma-separated subset of local, fast, reference")
+    p.add_argument("--train-iters", type=int, default=40)
+    p.add_argument("--warmup-iters", type=int, default=10,
+                   help="iterations left out of the figures (compile, warm-up)")
+    p.add_argument("--log-interval", type=int, default=5)
+    p.add_argument("--entry", default="pretrain_gpt.py")
+    p.add_argument("--launcher", choices=["torchrun", "python"], default="torchrun")
+    p.add_argument("--entry-args", default="", help="extra flags for every entry run")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--reference-dropout", type=float, default=0.1,
+                   help="dropout of the plain-PyTorch reference (megatron's default is 0.1)")
+    p.add_argument("--compare-losses", type=int, default=0, metavar="N",
+                   help="also run local and fast for N iterations logging every iteration "
+                        "and compare their losses")
+    p.add_argument("--timeout", type=int, default=1200, help="seconds per run")
+    p.add_argument("--out", default=str(ROOT / "runs" / "bench"))
+    a = p.parse_args(argv)
+    paths = [x for x in a.paths.split(",") if x]
+    for x in paths:
+        if x not in ("local", "fast", "reference"):
+            p.error(f"unknown path {x!r}")
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench_throughput needs a CUDA GPU", file=sys.stderr)
+        return 2
+    info = dict(
+        date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        gpu=torch.cuda.get_device_name(0),
+        torch=torch.__version__,
+        shape=a.shape,
+    )
+    try:
+        from importlib.metadata import version
+
+        info["megatron_core"] = version("megatron-core")
+    except Exception:  # noqa: BLE001 - carried wheel without metadata
+        info["megatron_core"] = "unknown"
+    peak = measure_matmul_peak()
+    info["bf16_matmul_peak_tflops"] = peak
+    print(f"[bench] {info}", flush=True)
+
+    layers, hidden, heads, seq, mb = SHAPES[a.shape]
+    flops = megatron_flops(layers, hidden, heads, seq, mb, pad_vocab(VOCAB))
+    try:  # cross-check the written-out count against megatron's own function
+        sys.path.insert(0, str(ROOT))
+        from megagpt.fast_spec.flops import megatron_flops as mflops
+
+        m = mflops(layers, hidden, heads, seq, mb, pad_vocab(VOCAB))
+        if abs(m - flops) > 1e-6 * flops:
+            print(f"[bench] warning: FLOP count {flops:.4e} != megatron's {m:.4e}; using megatron's")
+            flops = m
+    except Exception as e:  # noqa: BLE001
+        print(f"[bench] megatron FLOP count unavailable ({e}); using the written-out formula")
+
+    results = {}
+    for path in paths:
+        if path == "reference":
+            results[path] = run_reference(a, out_dir)
+        else:
+            results[path] = run_entry(a, path, out_dir, a.train_iters, a.log_interval)
+        r = results[path]
+        if r.get("ms_per_iter"):
+            r["tokens_per_s"] = mb * seq / (r["ms_per_iter"] / 1e3)
+            r["tflops_per_gpu"] = flops / (r["ms_per_iter"] / 1e3) / 1e12
+            r["peak_share"] = r["tflops_per_gpu"] / peak
+
+    loss_cmp = None
+    if a.compare_losses:
+        runs = {pth: run_entry(a, pth, out_dir, a.compare_losses, 1, tag="_losses")
+                for pth in ("local", "fast")}
+        loss_cmp = compare_losses(runs["local"], runs["fast"])
+
+    ref = results.get("reference", {}).get("tflops_per_gpu")
+    print()
+    print(f"shape {a.shape}: {layers} layers x {hidden} hidden x {heads} heads, seq {seq}, "
+          f"micro-batch {mb}; {flops/1e12:.2f} TFLOP per iteration (megatron's count)")
+    print(f"{info['gpu']}, torch {info['torch']}, megatron-core {info['megatron_core']}, "
+          f"bf16 matmul peak {peak:.0f} TFLOP/s (8192^3, measured)")
+    hdr = f"{'path':10s} {'ms/iter':>8s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'logged':>7s} " \
+          f"{'%peak':>6s} {'peak GB':>8s} {'vs ref':>7s}"
+    print(hdr)
+    for path, r in results.items():
+        if not r.get("ms_per_iter"):
+            print(f"{path:10s} FAILED (rc={r.get('rc')}); see {r.get('log', 'stderr')}")
+            continue
+        logged = r.get("tflops_logged")
+        print(f"{path:10s} {r['ms_per_iter']:8.1f} {r['tokens_per_s']:10.0f} "
+              f"{r['tflops_per_gpu']:8.1f} {logged if logged is not None else '-':>7} "
+              f"{100 * r['peak_share']:5.1f}% "
+              f"{r['peak_mem_gb'] if r.get('peak_mem_gb') is not None else float('nan'):8.2f} "
+              f"{(r['tflops_per_gpu'] / ref) if ref else float('nan'):7.2f}")
+    for path, r in results.items():
+        if r.get("layer_spec"):
+            print(f"  {path}: {r['layer_spec']}")
+    if loss_cmp:
+        print(f"losses, fast vs local, first {loss_cmp['iterations']} iterations: "
+              f"max |diff| {loss_cmp['max_abs_diff']:.4f} (max rel {loss_cmp['max_rel_diff']:.2%}),"
+              f" mean |diff| {loss_cmp['mean_abs_diff']:.4f}; last {loss_cmp['last']}")
+    summary = dict(info=info, flops_per_iter=flops, results=results, loss_comparison=loss_cmp)
+    (out_dir / f"bench_{a.shape}.json").write_text(json.dumps(summary, indent=1, default=str))
+    ok = all(r.get("ms_per_iter") for r in results.values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

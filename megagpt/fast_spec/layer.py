@@ -1,0 +1,354 @@
+"""A TransformerLayer whose common case runs as one (optionally torch.compile'd) function.
+
+``FastTransformerLayer`` is megatron's ``TransformerLayer`` (same submodules, same
+parameters, same state dict and checkpoint layout). Its ``forward`` takes a fused path when
+the layer is a plain dense pre-norm GPT block on one tensor-parallel rank:
+
+    x = x + dropout(proj(sdpa(qkv(norm1(x)))) + b_proj)
+    x = x + dropout(fc2(act(fc1(norm2(x)))) + b_fc2)
+
+written with plain torch ops over the layer's own parameters, so that ``torch.compile``
+can fuse the norms, bias + activation and bias + dropout + residual, and so that the
+~25 Python-level module calls per layer of megatron's path collapse into one call (at the
+345M shape the step is bound by per-op CPU overhead, not arithmetic). Anything else (tensor
+or sequence parallelism, MoE, cross attention, recompute, offloading, inference contexts,
+packed sequences, q/k norms, FP8, ...) goes through ``TransformerLayer.forward`` unchanged,
+with the SDPA core attention of the fast spec.
+
+Gradients reach the parameters through ordinary autograd, so megatron's DDP hooks
+(``main_grad`` accumulation, overlapped reduce) see them exactly as with the local
+linears when gradient-accumulation fusion is off (it needs TE or apex anyway).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.utils import make_viewless_tensor
+
+from .attention import SDPADotProductAttention
+
+logger = logging.getLogger(__name__)
+
+# Module-wide switch for torch.compile of the fused layer function. The spec sets it
+# from --fast-spec-compile / --no-fast-spec-compile; tests set it directly.
+_COMPILE = {"enabled": True, "options": None}
+_compiled_fn: Optional[Callable] = None
+
+
+def set_layer_compile(enabled: bool, options: Optional[dict] = None) -> None:
+    """Turn torch.compile of the fused layer function on or off (process-wide)."""
+    global _compiled_fn
+    _COMPILE["enabled"] = bool(enabled)
+    _COMPILE["options"] = options
+    _compiled_fn = None
+
+
+def _norm(x: Tensor, w: Tensor, b: Optional[Tensor], eps: float, rms: bool) -> Tensor:
+    if rms:
+        return F.rms_norm(x, (x.size(-1),), w, eps)
+    return F.layer_norm(x, (x.size(-1),), w, b, eps)
+
+
+def _activation(x: Tensor, act: str) -> Tensor:
+    if act == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if act == "gelu":
+        return F.gelu(x)
+    if act == "silu":
+        return F.silu(x)
+    if act == "swiglu":
+        a, b = torch.chunk(x, 2, dim=-1)
+        return F.silu(a) * b
+    if act == "relu":
+        return F.relu(x)
+    raise ValueError(act)
+
+
+def fused_layer_forward(
+    x: Tensor,
+    ln1_w: Tensor,
+    ln1_b: Optional[Tensor],
+    qkv_w: Tensor,
+    qkv_b: Optional[Tensor],
+    proj_w: Tensor,
+    proj_b: Optional[Tensor],
+    ln2_w: Tensor,
+    ln2_b: Optional[Tensor],
+    fc1_w: Tensor,
+    fc1_b: Optional[Tensor],
+    fc2_w: Tensor,
+    fc2_b: Optional[Tensor],
+    rope: Optional[Tensor],
+    eps: float,
+    rms: bool,
+    groups: int,
+    q_per_group: int,
+    head_dim: int,
+    scale: float,
+    attn_p: float,
+    hidden_p: float,
+    act: str,
+    rotary_interleaved: bool,
+    rope_mscale: float,
+    training: bool,
+) -> Tensor:
+    """One dense pre-norm GPT layer on ``x`` of shape [s, b, h]; megatron's layouts."""
+    s, b, _ = x.shape
+    y = _norm(x, ln1_w, ln1_b, eps, rms)
+    qkv = F.linear(y, qkv_w, qkv_b)
+    # megatron's fused QKV layout: per query group [q_1..q_k, k, v]
+    qkv = qkv.view(s, b, groups, (q_per_group + 2) * head_dim)
+    q, k, v = torch.split(qkv, [q_per_group * head_dim, head_dim, head_dim], dim=-1)
+    q = q.reshape(s, b, groups * q_per_group, head_dim)
+    if rope is not None:
+        q = _apply_rotary_pos_emb_bshd(
+            q, rope, rotary_interleaved=rotary_interleaved, mscale=rope_mscale
+        )
+        k = _apply_rotary_pos_emb_bshd(
+            k, rope, rotary_interleaved=rotary_interleaved, mscale=rope_mscale
+        )
+    q = q.permute(1, 2, 0, 3)
+    k = k.permute(1, 2, 0, 3)
+    v = v.permute(1, 2, 0, 3)
+    if q_per_group > 1:
+        k = k.repeat_interleave(q_per_group, dim=1)
+        v = v.repeat_interleave(q_per_group, dim=1)
+    o = F.scaled_dot_product_attention(
+        q, k, v, dropout_p=attn_p if training else 0.0, is_causal=True, scale=scale
+    )
+    o = o.permute(2, 0, 1, 3).reshape(s, b, groups * q_per_group * head_dim)
+    a = F.linear(o, proj_w)
+    if proj_b is not None:
+        a = a + proj_b
+    x = x + F.dropout(a, hidden_p, training)
+    y = _norm(x, ln2_w, ln2_b, eps, rms)
+    f = _activation(F.linear(y, fc1_w, fc1_b), act)
+    m = F.linear(f, fc2_w)
+    if fc2_b is not None:
+        m = m + fc2_b
+    return x + F.dropout(m, hidden_p, training)
+
+
+def _get_fn() -> Callable:
+    global _compiled_fn
+    if not _COMPILE["enabled"]:
+        return fused_layer_forward
+    if _compiled_fn is None:
+        opts = dict(_COMPILE["options"] or {})
+        opts.setdefault("dynamic", False)
+        opts.setdefault("fullgraph", True)
+        _compiled_fn = torch.compile(fused_layer_forward, **opts)
+    return _compiled_fn
+
+
+def _mlp_activation_name(mlp: MLP) -> Optional[str]:
+    cfg = mlp.config
+    if getattr(cfg, "use_te_activation_func", False):
+        return None
+    if getattr(cfg, "activation_func_clamp_value", None) is not None:
+        return None
+    if getattr(cfg, "glu_linear_offset", 0.0) not in (0, 0.0, None):
+        return None
+    fn = mlp.activation_func
+    if cfg.gated_linear_unit:
+        return "swiglu" if fn is F.silu else None
+    if fn is F.gelu:
+        if cfg.bias_activation_fusion:
+            # megatron's bias_gelu fusion is the tanh approximation
+            return "gelu_tanh" if cfg.add_bias_linear else None
+        return "gelu"
+    if fn is F.silu:
+        return None if cfg.bias_activation_fusion else "silu"
+    if fn is F.relu:
+        return None if cfg.bias_activation_fusion else "relu"
+    return None
+
+
+class FastTransformerLayer(TransformerLayer):
+    """megatron ``TransformerLayer`` with a fused single-function path for the common case."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fused_unsupported_reason = self._static_fused_check()
+        if self.fused_unsupported_reason is not None and self.layer_number == 1:
+            logger.info("fast spec: fused layer off: %s", self.fused_unsupported_reason)
+
+    # ---- when the fused path applies -------------------------------------------------
+    def _static_fused_check(self) -> Optional[str]:
+        cfg = self.config
+        att = self.self_attention
+        if type(att) is not SelfAttention:
+            return f"attention module {type(att).__name__}"
+        if not isinstance(att.core_attention, SDPADotProductAttention):
+            return "core attention is not SDPA"
+        if att.core_attention.honour_attention_mask:
+            return "attention mask must be honoured (--reset-attention-mask)"
+        if att.attn_mask_type != AttnMaskType.causal:
+            return "attention mask type is not causal"
+        if att.pg_collection.tp.size() != 1:
+            return "tensor parallelism"
+        if cfg.sequence_parallel:
+            return "sequence parallelism"
+        if getattr(cfg, "context_parallel_size", 1) != 1:
+            return "context parallelism"
+        if not isinstance(att.q_layernorm, (IdentityOp, type(None))) or not isinstance(
+            att.k_layernorm, (IdentityOp, type(None))
+        ):
+            return "q/k norms"
+        if getattr(cfg, "attention_output_gate", False):
+            return "attention output gate"
+        if type(att.linear_qkv) is not ColumnParallelLinear:
+            return "linear_qkv is not megatron's ColumnParallelLinear"
+        if type(att.linear_proj) is not RowParallelLinear:
+            return "linear_proj is not megatron's RowParallelLinear"
+        if getattr(att, "_yarn_concentration_factor", 1.0) is None:
+            return "yarn"
+        if type(self.mlp) is not MLP:
+            return f"mlp module {type(self.mlp).__name__}"
+        if type(self.mlp.linear_fc1) is not ColumnParallelLinear or type(
+            self.mlp.linear_fc2
+        ) is not RowParallelLinear:
+            return "mlp linears are not megatron's parallel linears"
+        if _mlp_activation_name(self.mlp) is None:
+            return "activation function has no fused equivalent"
+        for name in ("input_layernorm", "pre_mlp_layernorm"):
+            norm = getattr(self, name)
+            if type(norm) not in (torch.nn.LayerNorm, torch.nn.RMSNorm):
+                return f"{name} is {type(norm).__name__}"
+        if type(self.input_layernorm) is not type(self.pre_mlp_layernorm):
+            return "different norm types"
+        if not isinstance(self.pre_cross_attn_layernorm, IdentityOp) or not isinstance(
+            self.cross_attention, IdentityOp
+        ):
+            return "cross attention"
+        if cfg.recompute_granularity is not None:
+            return f"recompute granularity {cfg.recompute_granularity}"
+        for flag in (
+            "fine_grained_activation_offloading",
+            "cpu_offloading",
+            "apply_residual_connection_post_layernorm",
+            "fp32_residual_connection",
+            "test_mode",
+            "multi_latent_attention",
+            "delay_wgrad_compute",
+            "layernorm_zero_centered_gamma",
+            "use_mup",
+        ):
+            if getattr(cfg, flag, False):
+                return flag
+        if getattr(cfg, "fp8", None) or getattr(cfg, "fp4", None):
+            return "fp8/fp4"
+        if getattr(cfg, "no_rope_freq", None):
+            return "no_rope_freq"
+        # per-layer graphs replace this module's call; a full-iteration graph just records it
+        if getattr(cfg, "cuda_graph_impl", "none") not in ("none", None, "full_iteration"):
+            return f"cuda_graph_impl={cfg.cuda_graph_impl}"
+        if getattr(cfg, "softmax_type", "vanilla") != "vanilla":
+            return "softmax type"
+        if getattr(cfg, "window_size", None) is not None:
+            return "sliding window"
+        return None
+
+    @staticmethod
+    def _rope_ok(rotary_pos_emb) -> bool:
+        return rotary_pos_emb is None or (
+            isinstance(rotary_pos_emb, Tensor)
+            and rotary_pos_emb.size(-1) > 0
+        )
+
+    # ---- forward -----------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        if self.fused_unsupported_reason is None and not args:
+            hidden_states = kwargs.get("hidden_states")
+            rope = kwargs.get("rotary_pos_emb")
+            dynamic_ok = (
+                hidden_states is not None
+                and kwargs.get("context") is None
+                and kwargs.get("inference_context") is None
+                and kwargs.get("inference_params") is None
+                and kwargs.get("packed_seq_params") is None
+                and kwargs.get("attention_bias") is None
+                and kwargs.get("rotary_pos_cos") is None
+                and kwargs.get("rotary_pos_sin") is None
+                and kwargs.get("rotary_pos_cos_sin") is None
+                and self._rope_ok(rope)
+                and hidden_states.dim() == 3
+            )
+            if dynamic_ok:
+                return self._fused_forward(hidden_states, rope), kwargs.get("context")
+        return super().forward(*args, **kwargs)
+
+    def fused_arguments(self, rope: Optional[Tensor]):
+        """The tensors and constants ``fused_layer_forward`` takes for this layer."""
+        att, mlp, cfg = self.self_attention, self.mlp, self.config
+        core = att.core_attention
+        heads = core.num_attention_heads_per_partition
+        groups = core.num_query_groups_per_partition
+        ln1, ln2 = self.input_layernorm, self.pre_mlp_layernorm
+        rms = isinstance(ln1, torch.nn.RMSNorm)
+        eps = ln1.eps if ln1.eps is not None else torch.finfo(torch.float32).eps
+        mscale = getattr(att, "_yarn_concentration_factor", 1.0)
+        tensors = (
+            ln1.weight,
+            getattr(ln1, "bias", None),
+            att.linear_qkv.weight,
+            att.linear_qkv.bias,
+            att.linear_proj.weight,
+            att.linear_proj.bias,
+            ln2.weight,
+            getattr(ln2, "bias", None),
+            mlp.linear_fc1.weight,
+            mlp.linear_fc1.bias,
+            mlp.linear_fc2.weight,
+            mlp.linear_fc2.bias,
+            rope,
+        )
+        consts = dict(
+            eps=float(eps),
+            rms=rms,
+            groups=groups,
+            q_per_group=heads // groups,
+            head_dim=core.hidden_size_per_attention_head,
+            scale=float(core.softmax_scale),
+            attn_p=float(core.attention_dropout_p),
+            hidden_p=float(self.hidden_dropout),
+            act=_mlp_activation_name(mlp),
+            rotary_interleaved=bool(cfg.rotary_interleaved),
+            rope_mscale=float(mscale if mscale is not None else 1.0),
+            training=bool(self.training),
+        )
+        return tensors, consts
+
+    def _fused_forward(self, hidden_states: Tensor, rope: Optional[Tensor]) -> Tensor:
+        tensors, consts = self.fused_arguments(rope)
+        fn = _get_fn()
+        try:
+            out = fn(hidden_states, *tensors, **consts)
+        except Exception as e:  # noqa: BLE001
+            if fn is fused_layer_forward or not _is_compile_error(e):
+                raise
+            # a compiler failure must not stop training: run this function eagerly from now on
+            logger.warning("fast spec: torch.compile of the fused layer failed (%s: %s); "
+                           "running it eagerly", type(e).__name__, str(e)[:300])
+            set_layer_compile(False)
+            out = fused_layer_forward(hidden_states, *tensors, **consts)
+        return make_viewless_tensor(inp=out, requires_grad=out.requires_grad, keep_graph=True)
+
+
+def _is_compile_error(e: Exception) -> bool:
+    """Errors raised by dynamo / inductor themselves (not by the computation)."""
+    mod = type(e).__module__ or ""
+    return mod.startswith(("torch._dynamo", "torch._inductor", "torch.fx"))

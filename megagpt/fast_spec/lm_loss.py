@@ -1,0 +1,197 @@
+"""Chunked LM-head + cross-entropy: the [tokens, vocab] logits never exist all at once.
+
+megatron's default path computes the full logits (bf16, tokens x vocab) and then
+``vocab_parallel_cross_entropy`` in fp32, keeping an fp32 softmax of the same size for the
+backward pass. At the 345M shape (8192 tokens x 50304) that is ~0.8 GB of bf16 logits plus
+~1.6 GB fp32 per copy, several copies alive at the peak.
+
+``chunked_linear_cross_entropy(hidden, weight, labels)`` computes per-token losses
+chunk by chunk, saving only the log-sum-exp per token; the backward pass recomputes each
+chunk's logits (one extra [chunk, h] x [h, vocab] matmul per chunk, ~1/3 of the LM head's
+FLOPs) and accumulates the weight gradient in fp32. Same math as megatron's: fp32
+softmax statistics over bf16 logits.
+
+It plugs into ``GPTModel.forward(..., output_processor=...)`` through
+``fused_lm_head_loss``; ``get_output_processor(args)`` returns it or None. Where the
+fused path does not apply (tensor/sequence parallel output layer, an output-layer bias,
+MuP logit scaling, no labels) the processor runs megatron's own output layer and loss.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+# elements of one chunk's logits (tokens x vocab): 2**26 = 64 Mi = 128 MB in bf16
+_CHUNK_ELEMENTS = 2**26
+
+# torch.compile of the per-chunk kernels (one read of the bf16 logits forward, one fused
+# pointwise pass backward). Off on CPU and when set_loss_compile(False) was called.
+_COMPILE = {"enabled": True}
+_compiled: dict = {}
+
+
+def set_loss_compile(enabled: bool) -> None:
+    _COMPILE["enabled"] = bool(enabled)
+    _compiled.clear()
+
+
+def _chunks(n: int, vocab: int, chunk_elements: int):
+    # a power-of-two number of equal chunks where possible: one compiled shape per run
+    n_chunks = 2 ** max(0, math.ceil(math.log2(max(1.0, n * vocab / chunk_elements))))
+    size = math.ceil(n / min(n_chunks, n))
+    return [(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def _ce_forward_chunk(logits: Tensor, labels: Tensor, acc: torch.dtype):
+    """(per-token loss, log-sum-exp), statistics in ``acc`` (fp32) over low-precision logits."""
+    x = logits.to(acc)
+    lse = torch.logsumexp(x, dim=-1)
+    target = x.gather(1, labels.unsqueeze(1)).squeeze(1)
+    return lse - target, lse
+
+
+def _ce_backward_chunk(logits: Tensor, lse: Tensor, labels: Tensor, grad: Tensor):
+    """d loss_i / d logits_ij = (softmax_ij - [j == label_i]) * grad_i, in logits' dtype."""
+    x = logits.to(lse.dtype)
+    probs = torch.exp(x - lse.unsqueeze(1))
+    cols = torch.arange(x.size(1), device=x.device).unsqueeze(0)
+    onehot = (cols == labels.unsqueeze(1)).to(x.dtype)
+    return ((probs - onehot) * grad.unsqueeze(1)).to(logits.dtype)
+
+
+def _kernel(name: str, fn, device: torch.device):
+    if not (_COMPILE["enabled"] and device.type == "cuda"):
+        return fn
+    if name not in _compiled:
+        compiled = torch.compile(fn, dynamic=False, fullgraph=True)
+
+        def guarded(*args):
+            try:
+                return compiled(*args)
+            except Exception as e:  # noqa: BLE001
+                mod = type(e).__module__ or ""
+                if not mod.startswith(("torch._dynamo", "torch._inductor", "torch.fx")):
+                    raise
+                logging.getLogger(__name__).warning(
+                    "chunked LM loss: torch.compile failed (%s); running eagerly", type(e).__name__)
+                _compiled[name] = fn
+                return fn(*args)
+
+        _compiled[name] = guarded
+    return _compiled[name]
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk_elements: int):
+        n = hidden.size(0)
+        vocab = weight.size(0)
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 (fp64 in gradcheck)
+        losses = torch.empty(n, dtype=acc, device=hidden.device)
+        lse_all = torch.empty(n, dtype=acc, device=hidden.device)
+        fwd = _kernel("fwd", _ce_forward_chunk, hidden.device)
+        for a, b in _chunks(n, vocab, chunk_elements):
+            loss, lse = fwd(hidden[a:b] @ weight.t(), labels[a:b], acc)
+            losses[a:b] = loss
+            lse_all[a:b] = lse
+        ctx.save_for_backward(hidden, weight, labels, lse_all)
+        ctx.chunk_elements = chunk_elements
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses: Tensor):
+        hidden, weight, labels, lse_all = ctx.saved_tensors
+        n = hidden.size(0)
+        vocab = weight.size(0)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        acc = lse_all.dtype
+        grad_hidden = torch.empty_like(hidden) if need_h else None
+        # fp32 accumulator over chunks; each chunk's product is added without an fp32 copy
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_losses = grad_losses.to(acc)
+        bwd = _kernel("bwd", _ce_backward_chunk, hidden.device)
+        for a, b in _chunks(n, vocab, ctx.chunk_elements):
+            g = bwd(hidden[a:b] @ weight.t(), lse_all[a:b], labels[a:b], grad_losses[a:b])
+            if need_h:
+                torch.matmul(g, weight, out=grad_hidden[a:b])
+            if need_w:
+                grad_weight.add_(g.t() @ hidden[a:b])
+            del g
+        if need_w:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None
+
+
+def chunked_linear_cross_entropy(
+    hidden: Tensor, weight: Tensor, labels: Tensor, chunk_elements: int = _CHUNK_ELEMENTS
+) -> Tensor:
+    """Per-token ``cross_entropy(hidden @ weight.T, labels)`` (no reduction), fp32.
+
+    hidden: [N, h]; weight: [V, h]; labels: [N] int64. Returns [N] float32.
+    """
+    return _ChunkedLinearCE.apply(hidden, weight, labels.long(), chunk_elements)
+
+
+def fused_lm_head_unsupported_reason(output_layer, config) -> Optional[str]:
+    tp = getattr(output_layer, "tp_group", None)
+    if tp is not None and tp.size() != 1:
+        return "tensor-parallel output layer (vocab-parallel cross entropy)"
+    if getattr(output_layer, "sequence_parallel", False):
+        return "sequence parallelism"
+    if getattr(output_layer, "bias", None) is not None:
+        return "output layer bias"
+    if getattr(config, "use_mup", False):
+        return "MuP logit scaling"
+    return None
+
+
+def fused_lm_head_loss(
+    *,
+    hidden_states: Tensor,
+    output_layer,
+    output_weight: Optional[Tensor],
+    labels: Optional[Tensor],
+    compute_language_model_loss: Callable,
+    scale_logits: Callable,
+    config,
+    runtime_gather_output=None,
+    **_unused,
+) -> Tensor:
+    """``GPTModel`` output processor: per-token LM losses [b, s] without full logits."""
+    reason = None if labels is not None else "no labels"
+    if reason is None:
+        reason = fused_lm_head_unsupported_reason(output_layer, config)
+    if reason is not None:
+        logits, _ = output_layer(
+            hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output
+        )
+        logits = scale_logits(logits)
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        return compute_language_model_loss(labels, logits)
+    weight = output_weight if output_weight is not None else output_layer.weight
+    s, b, h = hidden_states.shape
+    flat_labels = labels.transpose(0, 1).reshape(s * b)  # [b, s] -> [s*b] in hidden's order
+    losses = chunked_linear_cross_entropy(hidden_states.reshape(s * b, h), weight, flat_labels)
+    return losses.view(s, b).transpose(0, 1).contiguous()
+
+
+def get_output_processor(args) -> Optional[Callable]:
+    """The output processor for ``model(..., output_processor=...)``, or None.
+
+    None (megatron's own LM head and loss) with ``--no-fast-lm-loss``, with Transformer
+    Engine selected (``--transformer-impl transformer_engine``: its path stays as upstream's),
+    and with ``--cross-entropy-loss-fusion`` (the user asked for megatron's fused loss).
+    """
+    if not getattr(args, "fast_lm_loss", True):
+        return None
+    if getattr(args, "transformer_impl", "local") == "transformer_engine":
+        return None
+    if getattr(args, "cross_entropy_loss_fusion", False):
+        return None
+    return fused_lm_head_loss

@@ -1,0 +1,201 @@
+"""Faster optimizer step for megatron-core without Transformer Engine or apex.
+
+Without TE/apex, megatron-core 0.19.2 falls back to:
+- ``torch.optim.AdamW`` with its default implementation (``foreach``, several passes over
+  the fp32 master weights and states), not the single-kernel ``fused=True`` one;
+- ``megatron.core.utils.local_multi_tensor_l2_norm`` for the gradient norm: one
+  ``torch.norm`` per tensor *and one host synchronisation per tensor* (it builds a CPU
+  tensor from a list of CUDA scalars) — hundreds of syncs a step;
+- ``local_multi_tensor_scale``: one ``dst.copy_(src * scale)`` pair of kernels per tensor;
+- for bf16 (``_dummy_overflow_buf is None``) a Python loop of per-tensor copies to write the
+  updated fp32 master weights back into the bf16 model weights.
+
+``install_fast_optimizer()`` replaces these fallbacks, inside megatron's optimizer modules
+only, with torch's fused AdamW and ``torch._foreach_*`` kernels (a handful of launches per
+step, one host synchronisation for the norm as with apex). It changes nothing when TE or
+apex provides the fused kernels, and each part can be left out. Numerics: the same
+operations in fp32 (AdamW math is torch's own; the norm is the same 2-norm computed in
+another order).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+import torch
+
+_ORIGINALS: dict = {}
+
+
+# ---------------------------------------------------------------------------------------
+# multi-tensor kernels with the apex / TE calling convention
+#   op(chunk_size, noop_flag, tensor_lists, *args)
+# ---------------------------------------------------------------------------------------
+def foreach_multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """``dst[i] = src[i] * scale`` for ``tensor_lists = [src, dst]`` (drop-in for amp_C's)."""
+    src: List[torch.Tensor] = list(tensor_lists[0])
+    dst: List[torch.Tensor] = list(tensor_lists[1])
+    if not src:
+        return
+    assert len(src) == len(dst)
+    same = all(s is d for s, d in zip(src, dst))
+    if same:
+        if scale != 1.0:
+            torch._foreach_mul_(dst, scale)
+        return
+    if scale == 1.0:
+        _foreach_copy(dst, src)
+    else:
+        _foreach_copy(dst, torch._foreach_mul(src, scale))
+
+
+def _foreach_copy(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
+    # group by (dtype pair, device) so that each group can take torch's fast path
+    groups: dict = {}
+    for d, s in zip(dst, src):
+        groups.setdefault((d.dtype, s.dtype, d.device), ([], []))
+        groups[(d.dtype, s.dtype, d.device)][0].append(d)
+        groups[(d.dtype, s.dtype, d.device)][1].append(s)
+    for ds, ss in groups.values():
+        torch._foreach_copy_(ds, ss)
+
+
+def foreach_multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """Total 2-norm of ``tensor_lists[0]`` as a 1-element fp32 tensor, no host sync.
+
+    Same return convention as megatron's local fallback: ``(norm[1], None)``.
+    """
+    tensors = list(tensor_lists[0])
+    if not tensors:
+        dev = noop_flag.device if isinstance(noop_flag, torch.Tensor) else "cpu"
+        return torch.zeros(1, dtype=torch.float, device=dev), None
+    by_dtype: dict = {}
+    for t in tensors:
+        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    partial = []
+    for ts in by_dtype.values():
+        norms = torch._foreach_norm(ts)
+        partial.append(torch.linalg.vector_norm(torch.stack([n.float() for n in norms])))
+    total = torch.linalg.vector_norm(torch.stack(partial)) if len(partial) > 1 else partial[0]
+    return total.reshape(1).float(), None
+
+
+def foreach_copy_this_to_that(this, that, overflow_buf=None):
+    """Drop-in for ``megatron.core.optimizer.optimizer._multi_tensor_copy_this_to_that``."""
+    if this:
+        _foreach_copy(list(that), list(this))
+
+
+# ---------------------------------------------------------------------------------------
+# fused AdamW with the TE/apex FusedAdam constructor megatron calls
+# ---------------------------------------------------------------------------------------
+def torch_fused_adam(
+    params,
+    lr: float = 1e-3,
+    weight_decay: float = 0.0,
+    betas=(0.9, 0.999),
+    eps: float = 1e-8,
+    capturable: bool = False,
+    adam_w_mode: bool = True,
+    **unsupported,
+):
+    """torch AdamW/Adam with ``fused=True``, called the way megatron calls apex/TE FusedAdam.
+
+    ``adam_w_mode=True`` (megatron's ``decoupled_weight_decay``, the default) gives AdamW,
+    otherwise Adam with L2 weight decay — the same split megatron makes for torch's classes.
+    Precision-aware options (``exp_avg_dtype``, ``master_weights``...) are TE-only.
+    """
+    if unsupported:
+        raise TypeError(
+            "torch fused AdamW does not take "
+            + ", ".join(sorted(unsupported))
+            + " (TE-only options); run with --no-fast-optimizer"
+        )
+    cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+    return cls(
+        params,
+        lr=lr,
+        weight_decay=weight_decay,
+        betas=tuple(betas),
+        eps=eps,
+        capturable=capturable,
+        fused=True,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+def megatron_uses_local_fallbacks() -> bool:
+    """True when megatron's optimizer modules took the no-TE/no-apex fallbacks."""
+    import megatron.core.optimizer as mopt
+
+    if "USING_PYTORCH_OPTIMIZER" in _ORIGINALS:  # we already replaced them in this process
+        return bool(_ORIGINALS["USING_PYTORCH_OPTIMIZER"])
+    return bool(getattr(mopt, "USING_PYTORCH_OPTIMIZER", False))
+
+
+def install_fast_optimizer(
+    fused_adam: bool = True, multi_tensor: bool = True, log: Optional[Callable[[str], None]] = None
+) -> List[str]:
+    """Patch megatron's optimizer modules (this process only). Returns what was changed.
+
+    Safe to call more than once; a no-op where TE or apex provides the fused kernels.
+    Must run before ``get_megatron_optimizer`` builds the optimizer (i.e. before
+    ``setup_model_and_optimizer``); ``apply_fast_path_defaults`` calls it.
+    """
+    import megatron.core.optimizer as mopt
+    import megatron.core.optimizer.clip_grads as mclip
+    import megatron.core.optimizer.optimizer as moo
+    from megatron.core import utils as mutils
+
+    changed: List[str] = []
+    if not megatron_uses_local_fallbacks():
+        if log:
+            log("fast optimizer: TE or apex fused optimizer kernels present; nothing changed")
+        return changed
+
+    if fused_adam and "Adam" not in _ORIGINALS:
+        _ORIGINALS["Adam"] = mopt.Adam
+        _ORIGINALS["USING_PYTORCH_OPTIMIZER"] = mopt.USING_PYTORCH_OPTIMIZER
+        mopt.Adam = torch_fused_adam
+        mopt.USING_PYTORCH_OPTIMIZER = False
+        changed.append("AdamW: torch fused=True (single kernel) instead of foreach")
+
+    if multi_tensor and "clip.l2_norm_impl" not in _ORIGINALS:
+        if mclip.l2_norm_impl is mutils.local_multi_tensor_l2_norm:
+            _ORIGINALS["clip.l2_norm_impl"] = mclip.l2_norm_impl
+            mclip.l2_norm_impl = foreach_multi_tensor_l2norm
+            changed.append("grad norm: torch._foreach_norm (was one host sync per tensor)")
+        if mclip.multi_tensor_scale_impl is mutils.local_multi_tensor_scale:
+            _ORIGINALS["clip.multi_tensor_scale_impl"] = mclip.multi_tensor_scale_impl
+            mclip.multi_tensor_scale_impl = foreach_multi_tensor_scale
+            changed.append("grad clip scale: torch._foreach_mul_")
+        if moo.multi_tensor_scale_impl is mutils.local_multi_tensor_scale:
+            _ORIGINALS["opt.multi_tensor_scale_impl"] = moo.multi_tensor_scale_impl
+            moo.multi_tensor_scale_impl = foreach_multi_tensor_scale
+        _ORIGINALS["opt._multi_tensor_copy_this_to_that"] = moo._multi_tensor_copy_this_to_that
+        moo._multi_tensor_copy_this_to_that = foreach_copy_this_to_that
+        changed.append("main<->model param copies: torch._foreach_copy_")
+
+    if log:
+        for c in changed:
+            log(f"fast optimizer: {c}")
+    return changed
+
+
+def uninstall_fast_optimizer() -> None:
+    """Undo ``install_fast_optimizer`` (tests, benchmarks comparing both)."""
+    import megatron.core.optimizer as mopt
+    import megatron.core.optimizer.clip_grads as mclip
+    import megatron.core.optimizer.optimizer as moo
+
+    if "Adam" in _ORIGINALS:
+        mopt.Adam = _ORIGINALS.pop("Adam")
+        mopt.USING_PYTORCH_OPTIMIZER = _ORIGINALS.pop("USING_PYTORCH_OPTIMIZER")
+    if "clip.l2_norm_impl" in _ORIGINALS:
+        mclip.l2_norm_impl = _ORIGINALS.pop("clip.l2_norm_impl")
+    if "clip.multi_tensor_scale_impl" in _ORIGINALS:
+        mclip.multi_tensor_scale_impl = _ORIGINALS.pop("clip.multi_tensor_scale_impl")
+    if "opt.multi_tensor_scale_impl" in _ORIGINALS:
+        moo.multi_tensor_scale_impl = _ORIGINALS.pop("opt.multi_tensor_scale_impl")
+    if "opt._multi_tensor_copy_this_to_that" in _ORIGINALS:
+        moo._multi_tensor_copy_this_to_that = _ORIGINALS.pop("opt._multi_tensor_copy_this_to_that")

@@ -1,0 +1,222 @@
+"""User-visible switches of the fast path (training without Transformer Engine).
+
+``add_fast_path_arguments(parser)`` adds, to megatron's argparse parser (or a group of it):
+
+  --no-fast-spec                 use megatron's local layer spec instead of the fast spec
+  --no-fast-spec-fused-layer     keep megatron's TransformerLayer (only SDPA attention changes)
+  --fast-spec-compile / --no-fast-spec-compile
+                                 torch.compile the fused layer and the chunked loss kernels
+                                 (default: on exactly when a full-iteration CUDA graph is used;
+                                 without the graph the step is CPU-bound and eager is faster)
+  --fast-cuda-graph / --no-fast-cuda-graph
+                                 capture forward+backward of each iteration as one CUDA graph
+                                 (megatron's --cuda-graph-impl full_iteration); default: on for
+                                 single-GPU runs of the fast spec, off otherwise
+  --no-fast-optimizer            keep megatron's no-TE/no-apex optimizer fallbacks
+                                 (foreach AdamW, per-tensor norm with one sync per tensor)
+  --no-fast-lm-loss              megatron's LM head + cross entropy instead of the chunked one
+
+``apply_fast_path_defaults(args, log)`` runs after parsing, before the model and optimizer
+are built, and resolves the automatic defaults. What it changes is listed in its docstring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from typing import Callable, Optional
+
+
+def add_fast_path_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the fast-path switches to ``parser`` (an ArgumentParser or an argument group)."""
+    if isinstance(parser, argparse.ArgumentParser):
+        group = parser.add_argument_group(
+            title="fast path without Transformer Engine (megagpt.fast_spec)"
+        )
+    else:  # already an argument group: argparse deprecates nesting groups
+        group = parser
+    group.add_argument(
+        "--no-fast-spec",
+        action="store_false",
+        dest="fast_spec",
+        help="Without TE, build layers from megatron's local spec instead of megagpt's fast "
+        "spec (SDPA core attention + a fused dense layer).",
+    )
+    group.add_argument(
+        "--no-fast-spec-fused-layer",
+        action="store_false",
+        dest="fast_spec_fused_layer",
+        help="Fast spec: keep megatron's TransformerLayer module path; only the core "
+        "attention is replaced by torch scaled_dot_product_attention.",
+    )
+    group.add_argument(
+        "--fast-spec-compile",
+        action=argparse.BooleanOptionalAction,
+        dest="fast_spec_compile",
+        default=None,
+        help="torch.compile the fast spec's fused layer and the chunked LM loss kernels. "
+        "Default: on when a full-iteration CUDA graph is used, else off (without the graph "
+        "the step is bound by CPU launch overhead and compiled code launches slower).",
+    )
+    group.add_argument(
+        "--fast-cuda-graph",
+        action=argparse.BooleanOptionalAction,
+        dest="fast_cuda_graph",
+        default=None,
+        help="Capture each iteration's forward and backward as one CUDA graph (sets "
+        "megatron's --cuda-graph-impl full_iteration and --no-check-for-nan-in-loss-and-grad; "
+        "losses are still logged). Default: on for single-GPU runs of the fast spec.",
+    )
+    group.add_argument(
+        "--no-fast-optimizer",
+        action="store_false",
+        dest="fast_optimizer",
+        help="Without TE/apex, keep megatron's fallback optimizer kernels (torch foreach "
+        "AdamW, per-tensor gradient norm with one host sync per tensor) instead of torch's "
+        "fused AdamW and torch._foreach_* norm/scale/copy.",
+    )
+    group.add_argument(
+        "--no-fast-lm-loss",
+        action="store_false",
+        dest="fast_lm_loss",
+        help="Compute the LM head and cross entropy as megatron does (full logits, fp32 "
+        "softmax) instead of megagpt's chunked LM-head cross entropy (tensor-parallel "
+        "size 1 only; other layouts use megatron's path either way).",
+    )
+    return parser
+
+
+def _have(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def transformer_engine_available() -> bool:
+    return _have("transformer_engine")
+
+
+def fast_path_selected(args) -> bool:
+    """Whether this run builds layers from the fast spec (mirrors gpt_builders' choice)."""
+    from .spec import fast_spec_unsupported_reason
+
+    if getattr(args, "spec", None):
+        return False
+    if getattr(args, "transformer_impl", "local") == "transformer_engine":
+        return False
+    if getattr(args, "num_experts", None) is not None:
+        return False
+    if getattr(args, "no_fast_spec", False):
+        return False
+    return fast_spec_unsupported_reason(args) is None
+
+
+def cuda_graph_unsupported_reason(args) -> Optional[str]:
+    """Why the full-iteration CUDA graph is not switched on automatically (None: it is)."""
+    if getattr(args, "cpu", False):
+        return "CPU mode"
+    if not fast_path_selected(args):
+        return "the fast spec is not used"
+    if getattr(args, "cuda_graph_impl", "none") not in ("none", None):
+        return f"--cuda-graph-impl {args.cuda_graph_impl} was given"
+    if (getattr(args, "world_size", 1) or 1) != 1:
+        return "more than one GPU (full-iteration graphs are validated on one GPU only)"
+    if getattr(args, "check_for_spiky_loss", False):
+        return "--check-for-spiky-loss needs a host sync inside the step"
+    if (getattr(args, "tensor_model_parallel_size", 1) or 1) != 1 or (
+        getattr(args, "pipeline_model_parallel_size", 1) or 1
+    ) != 1:
+        return "model parallelism"
+    return None
+
+
+def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) -> None:
+    """Adjust a parsed megatron namespace for the fast path. Call after parsing, before
+    megatron's ``validate_args`` / the model and optimizer are built.
+
+    What it does:
+    - makes sure the fast-path attributes exist (``fast_spec``, ``fast_spec_fused_layer``,
+      ``fast_spec_compile``, ``fast_cuda_graph``, ``fast_optimizer``, ``fast_lm_loss``) with
+      their defaults, for namespaces that did not go through ``add_fast_path_arguments``;
+    - CUDA graph: if ``fast_cuda_graph`` is on (explicitly, or by default when
+      ``cuda_graph_unsupported_reason(args)`` is None): sets ``args.cuda_graph_impl =
+      "full_iteration"`` and ``args.check_for_nan_in_loss_and_grad = False`` (megatron
+      requires it: the NaN check synchronises with the host inside the captured step);
+    - compile: ``fast_spec_compile`` left at its default becomes True exactly when
+      ``args.cuda_graph_impl == "full_iteration"``; CPU mode forces it off;
+    - optimizer: if ``fast_optimizer`` and megatron's optimizer modules are on their
+      no-TE/no-apex fallbacks, installs torch's fused AdamW as megatron's Adam class and
+      torch._foreach_* versions of the gradient-norm / scale / param-copy kernels
+      (``megagpt.fast_spec.optim.install_fast_optimizer``). Fused AdamW is left out, with
+      a logged reason, for ``--use-precision-aware-optimizer``, ``--optimizer-cpu-offload``
+      and optimizers other than adam;
+    - changes no other argument. Every change is logged through ``log``.
+    """
+    log = log or (lambda s: None)
+    for name, default in (
+        ("fast_spec", True),
+        ("fast_spec_fused_layer", True),
+        ("fast_spec_compile", None),
+        ("fast_cuda_graph", None),
+        ("fast_optimizer", True),
+        ("fast_lm_loss", True),
+    ):
+        if not hasattr(args, name):
+            setattr(args, name, default)
+
+    # --- full-iteration CUDA graph ---------------------------------------------------
+    if args.fast_cuda_graph is None:
+        reason = cuda_graph_unsupported_reason(args)
+        args.fast_cuda_graph = reason is None
+        if reason is not None and fast_path_selected(args):
+            log(f"fast path: full-iteration CUDA graph off: {reason}")
+    elif args.fast_cuda_graph:
+        if getattr(args, "cpu", False) or not fast_path_selected(args):
+            log("fast path: --fast-cuda-graph ignored (CPU mode or the fast spec is not used)")
+            args.fast_cuda_graph = False
+        elif getattr(args, "cuda_graph_impl", "none") not in ("none", None, "full_iteration"):
+            log(f"fast path: --fast-cuda-graph ignored: --cuda-graph-impl {args.cuda_graph_impl}")
+            args.fast_cuda_graph = False
+    if args.fast_cuda_graph:
+        args.cuda_graph_impl = "full_iteration"
+        if getattr(args, "check_for_nan_in_loss_and_grad", False):
+            args.check_for_nan_in_loss_and_grad = False
+            log("fast path: --no-check-for-nan-in-loss-and-grad (needed inside a CUDA graph; "
+                "losses are still logged)")
+        log("fast path: forward+backward captured as one CUDA graph per iteration "
+            "(--cuda-graph-impl full_iteration; --no-fast-cuda-graph turns it off)")
+
+    # --- torch.compile ------------------------------------------------------------------
+    if getattr(args, "cpu", False):
+        if args.fast_spec_compile:
+            log("fast spec: CPU mode: the fused layer runs eagerly (no torch.compile)")
+        args.fast_spec_compile = False
+    elif args.fast_spec_compile is None:
+        args.fast_spec_compile = getattr(args, "cuda_graph_impl", "none") == "full_iteration"
+    from .layer import set_layer_compile
+    from .lm_loss import set_loss_compile
+
+    set_layer_compile(bool(args.fast_spec_compile))
+    set_loss_compile(bool(args.fast_spec_compile))
+
+    # --- optimizer ----------------------------------------------------------------------
+    if not args.fast_optimizer:
+        log("fast optimizer: off (--no-fast-optimizer)")
+        return
+    from .optim import install_fast_optimizer, megatron_uses_local_fallbacks
+
+    if not megatron_uses_local_fallbacks():
+        log("fast optimizer: not needed (TE or apex provides fused optimizer kernels)")
+        return
+    fused_adam = True
+    if getattr(args, "optimizer", "adam") != "adam":
+        fused_adam = False
+        log(f"fast optimizer: --optimizer {args.optimizer}: fused AdamW not applicable")
+    elif getattr(args, "use_precision_aware_optimizer", False):
+        fused_adam = False
+        log("fast optimizer: precision-aware optimizer requested; fused AdamW left out")
+    elif getattr(args, "optimizer_cpu_offload", False):
+        fused_adam = False
+        log("fast optimizer: optimizer CPU offload requested; fused AdamW left out")
+    install_fast_optimizer(fused_adam=fused_adam, multi_tensor=True, log=log)

@@ -1,0 +1,122 @@
+"""The fast GPT layer spec used when Transformer Engine is not in use.
+
+It is megatron's local spec (``get_gpt_layer_local_submodules``: torch norms, megatron's
+parallel linears, bias-GeLU and bias-dropout-add fusions) with two changes:
+
+1. core attention is ``SDPADotProductAttention`` (torch ``scaled_dot_product_attention``:
+   flash / cuDNN / memory-efficient kernels; no [b, heads, s, s] score tensor);
+2. the layer class is ``FastTransformerLayer``, which runs a dense pre-norm layer on one
+   tensor-parallel rank as one ``torch.compile``'d function over the same parameters
+   (``--no-fast-spec-fused-layer`` keeps megatron's ``TransformerLayer``;
+   ``--no-fast-spec-compile`` runs that function eagerly).
+
+Parameters, their names and the checkpoint layout are those of the local spec, so a
+checkpoint moves freely between ``--no-fast-spec`` and the fast spec.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from .attention import SDPADotProductAttention
+from .layer import FastTransformerLayer, set_layer_compile
+from .lm_loss import set_loss_compile
+
+
+class SDPAMaskedDotProductAttention(SDPADotProductAttention):
+    """SDPA core attention that applies the attention mask it is given (document masks)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("honour_attention_mask", True)
+        super().__init__(*args, **kwargs)
+
+
+def _get(args, name, default=None):
+    value = getattr(args, name, default)
+    return default if value is None and default is not None else value
+
+
+def fast_spec_unsupported_reason(args) -> Optional[str]:
+    """Why the fast spec cannot be used for this run (None if it can).
+
+    ``args`` is megatron's parsed argument namespace (or anything with the same names).
+    """
+    if not _get(args, "fast_spec", True):
+        return "disabled by --no-fast-spec"
+    if (_get(args, "context_parallel_size", 1) or 1) > 1:
+        return (
+            "context parallelism (CP > 1) needs Transformer Engine's attention; "
+            "SDPA core attention has no CP ring exchange"
+        )
+    if _get(args, "multi_latent_attention", False):
+        return "multi-latent attention is not covered by the fast spec"
+    if _get(args, "softmax_type", "vanilla") not in ("vanilla", None):
+        return f"--softmax-type {args.softmax_type} (SDPA has no softmax offset)"
+    if _get(args, "window_size", None) is not None:
+        return "sliding-window attention (--window-size)"
+    if _get(args, "use_kitchen", False):
+        return "--use-kitchen"
+    if _get(args, "fp8", None) or _get(args, "fp4", None):
+        return "FP8/FP4 training needs Transformer Engine"
+    if _get(args, "spec", None):
+        return "a user layer spec was given with --spec"
+    if _get(args, "heterogeneous_layers_config_path", None) or _get(
+        args, "heterogeneous_layers_config_encoded_json", None
+    ):
+        return "heterogeneous layer configs"
+    if _get(args, "experimental_attention_variant", None):
+        return f"--experimental-attention-variant {args.experimental_attention_variant}"
+    return None
+
+
+def get_fast_gpt_layer_spec(args) -> ModuleSpec:
+    """The fast layer spec for megatron's parsed ``args`` (see module docstring).
+
+    Reads: num_experts, moe_grouped_gemm, qk_layernorm, qk_l2_norm, normalization,
+    reset_attention_mask, fast_spec_fused_layer, fast_spec_compile.
+    """
+    reason = fast_spec_unsupported_reason(args)
+    if reason is not None:
+        raise ValueError(f"fast spec cannot be used: {reason}")
+    submodules = get_gpt_layer_local_submodules(
+        num_experts=_get(args, "num_experts", None),
+        moe_grouped_gemm=bool(_get(args, "moe_grouped_gemm", False)),
+        qk_layernorm=bool(_get(args, "qk_layernorm", False)),
+        multi_latent_attention=False,
+        normalization=_get(args, "normalization", "LayerNorm"),
+        qk_l2_norm=bool(_get(args, "qk_l2_norm", False)),
+    )
+    core = (
+        SDPAMaskedDotProductAttention
+        if _get(args, "reset_attention_mask", False)
+        else SDPADotProductAttention
+    )
+    submodules.self_attention.submodules.core_attention = core
+
+    fused = bool(_get(args, "fast_spec_fused_layer", True))
+    compile_ = _get(args, "fast_spec_compile", None)
+    if compile_ is None:  # apply_fast_path_defaults normally resolved it already
+        compile_ = _get(args, "cuda_graph_impl", "none") == "full_iteration"
+    set_layer_compile(bool(compile_))
+    set_loss_compile(bool(compile_))
+    layer_cls = FastTransformerLayer if fused else TransformerLayer
+    return ModuleSpec(module=layer_cls, submodules=submodules)
+
+
+def describe_fast_spec(args) -> str:
+    """One line for the log: which fast-path pieces are on."""
+    parts = ["SDPA core attention"]
+    if _get(args, "fast_spec_fused_layer", True):
+        mode = "torch.compile" if _get(args, "fast_spec_compile", False) else "eager"
+        parts.append(f"fused dense layer ({mode}; TP=1 dense layers, else megatron's layer)")
+    if _get(args, "fast_lm_loss", True):
+        parts.append("chunked LM-head cross entropy (TP=1)")
+    if _get(args, "cuda_graph_impl", "none") == "full_iteration":
+        parts.append("full-iteration CUDA graph")
+    if _get(args, "fast_optimizer", True):
+        parts.append("fused AdamW + foreach optimizer kernels")
+    return "fast spec (no Transformer Engine): " + ", ".join(parts)

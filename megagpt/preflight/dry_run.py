@@ -1,0 +1,222 @@
+"""``--dry-run``: check a launch and print its plan without a GPU or a process group.
+
+Order: our layout checks (clear numbers) → megatron's validate_args (at the intended world
+size, with the GPU's arch given rather than asked of CUDA) → parameters, memory, FLOPs →
+the resolved configuration as YAML. A layout that cannot run, or whose memory estimate
+exceeds the GPU, exits non-zero with a message that names the numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+from dataclasses import dataclass
+
+import yaml
+
+from megagpt.preflight import estimate as est
+from megagpt.preflight.checks import LayoutError, check_layout, model_parallel_size
+from megagpt.preflight.gpus import KNOWN_GPUS, Gpu, resolve_gpu
+
+
+class MemoryBudgetError(LayoutError):
+    """The memory estimate per GPU is above the GPU's memory."""
+
+
+def add_preflight_arguments(group) -> None:
+    """The dry run's options, added to the entry's argument group."""
+    group.add_argument("--dry-run-world-size", type=int, default=None, metavar="N",
+                       help="GPUs the dry run plans for (default: WORLD_SIZE as torchrun "
+                            "sets it, else 1).")
+    group.add_argument("--gpu-type", choices=sorted(KNOWN_GPUS), default=None,
+                       help="GPU the dry run plans for: memory and arch (default: this "
+                            "machine's GPU, else A100-80GB).")
+    group.add_argument("--gpu-memory-gb", type=float, default=None, metavar="GIB",
+                       help="GPU memory in GiB for the dry run's memory check (overrides "
+                            "--gpu-type's).")
+    group.add_argument("--dry-run-yaml", type=str, default=None, metavar="FILE",
+                       help="Write the dry run's resolved configuration to FILE instead "
+                            "of printing it.")
+
+
+def dry_run_world_size(args) -> int:
+    if args.dry_run_world_size is not None:
+        return args.dry_run_world_size
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _validate(args, gpu: Gpu) -> None:
+    """megatron's validate_args at the planned size; its argument table is kept quiet."""
+    from megagpt.arguments import validate_arguments
+
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(captured):
+            validate_arguments(args, device_arch=gpu.arch)
+    except ValueError as exc:  # megatron raises a few ValueErrors besides its assertions
+        if isinstance(exc, LayoutError) or type(exc).__module__.startswith("megagpt"):
+            raise
+        raise LayoutError(f"invalid arguments: {exc}") from None
+
+
+def _vocab_size(args) -> int:
+    """The tokenizer's vocabulary size (the tokenizer is built, as the run will build it)."""
+    from megagpt.arguments import build_tokenizer
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return build_tokenizer(args).vocab_size
+    except Exception as exc:  # noqa: BLE001 - any failure to load is about the user's files
+        if args.vocab_size is not None:
+            return args.vocab_size
+        if args.tokenizer_type == "GPT2BPETokenizer":
+            return 50257  # GPT-2's BPE; its files are read on the cluster, not here
+        raise LayoutError(f"cannot load the tokenizer to size the vocabulary ({exc}); "
+                          f"pass --vocab-size for the dry run") from None
+
+
+def _set_padded_vocab(args) -> None:
+    from megatron.training.vocab_utils import calculate_padded_vocab_size
+
+    args.padded_vocab_size = calculate_padded_vocab_size(
+        _vocab_size(args), args.make_vocab_size_divisible_by, args.tensor_model_parallel_size,
+        logging_enabled=False)
+
+
+def resolved_yaml(args) -> str:
+    """Every argument after validation, as YAML (dest names; enums and dtypes as text)."""
+    def plain(value):
+        if value is None or type(value) in (bool, int, float, str):
+            return value
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {str(k): plain(v) for k, v in value.items()}
+        return str(value)
+
+    data = {k: plain(v) for k, v in sorted(vars(args).items()) if not k.startswith("_")}
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100)
+
+
+def plan_lines(args, gpu: Gpu, params: est.ParameterCount, memory: est.MemoryEstimate) -> list[str]:
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    cp, dp = args.context_parallel_size, args.data_parallel_size
+    mbs, gbs, seq = args.micro_batch_size, args.global_batch_size, args.seq_length
+    nmb = est.microbatches_per_step(args)
+    tokens = gbs * seq
+    flops = est.flops_per_iteration(args)
+    lines = [
+        "layout:",
+        f"  GPUs            {args.world_size} = TP {tp} × PP {pp} × CP {cp} × DP {dp}",
+        f"  per replica     {gpus(model_parallel_size(args))}; {dp} data-parallel "
+        f"replica{'s' if dp > 1 else ''}",
+        "batch:",
+        f"  micro-batches   {nmb} per step = global batch {gbs} / (micro-batch {mbs} × DP {dp})",
+        f"  tokens/step     {tokens:,} = {gbs} sequences × {seq} tokens",
+    ]
+    if args.train_iters:
+        lines.append(f"  tokens/run      {human_tokens(tokens * args.train_iters)} = "
+                     f"{tokens:,} × {args.train_iters:,} iterations")
+    lines += [
+        "parameters:",
+        f"  total           {params.total:,} ({est.human(params.total)}), of which embeddings "
+        f"{params.embedding:,} (padded vocab {args.padded_vocab_size})",
+    ]
+    stages = params.stages
+    middle = len(stages) > 3  # stages 1..PP-2 hold the same: show one for all
+    for s in (stages[0], stages[1], stages[-1]) if middle else stages:
+        many = middle and s is stages[1]
+        name = f"stages 1..{len(stages) - 2}" if many else f"stage {s.index}"
+        extra = f" incl. tied embedding copy {s.tied_copy:,}" if s.tied_copy else ""
+        lines.append(f"  {name:<15} {s.layers} layers, {s.total:,}{' each' if many else ''}"
+                     f"{extra}; per TP shard {s.per_tp_rank:,}")
+    lines += [
+        f"memory per GPU (most loaded rank, {gpu.name} {gpu.memory_gib:.1f} GiB, {gpu.source}):",
+        f"  weights         {est.gib(memory.weights)}",
+        f"  gradients       {est.gib(memory.gradients)}",
+        f"  optimizer       {est.gib(memory.optimizer)}"
+        + (f" (distributed over DP {dp})" if args.use_distributed_optimizer else ""),
+        f"  activations     {est.gib(memory.activations)} ({memory.activation_formula})",
+        f"  runtime reserve {est.gib(memory.reserve)} (CUDA context, NCCL, allocator)",
+        f"  total           {est.gib(memory.total)} of {gpu.memory_gib:.1f} GiB",
+        f"  (megatron's own weights + optimizer formula, bf16 rule: "
+        f"{est.gib(est.megatron_weight_and_optimizer_bytes(args))})",
+        "compute:",
+        f"  model FLOPs     {flops:.3e} per iteration (megatron's count), "
+        f"{flops / args.world_size:.3e} per GPU",
+    ]
+    return lines
+
+
+def gpus(n: int) -> str:
+    return f"{n} GPU" if n == 1 else f"{n} GPUs"
+
+
+def human_tokens(n: int) -> str:
+    return est.human(n) + " tokens"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A checked launch and what it costs (args validated at the planned world size)."""
+
+    args: object
+    gpu: Gpu
+    params: est.ParameterCount
+    memory: est.MemoryEstimate
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.gpu.memory_gib * est.GIB
+
+    def memory_error(self) -> "MemoryBudgetError":
+        m, gpu = self.memory, self.gpu
+        return MemoryBudgetError(
+            f"estimated memory per GPU {est.gib(m.total)} (weights {est.gib(m.weights)} "
+            f"+ gradients {est.gib(m.gradients)} + optimizer {est.gib(m.optimizer)} "
+            f"+ activations {est.gib(m.activations)} + reserve {est.gib(m.reserve)}) "
+            f"is above the {gpu.name}'s {gpu.memory_gib:.1f} GiB; raise TP/PP, use "
+            f"--use-distributed-optimizer, --recompute-activations or a smaller micro-batch")
+
+
+def make_plan(args) -> Plan:
+    """Check parsed args at the dry run's world size, validate them and estimate the costs.
+
+    Raises LayoutError (a UserError) when the layout cannot run; mutates ``args`` the way
+    megatron's validation does.
+    """
+    world_size = dry_run_world_size(args)
+    args.world_size = world_size
+    args.rank = 0
+    gpu = resolve_gpu(args.gpu_type, args.gpu_memory_gb, cpu=args.cpu)
+    check_layout(args, world_size)
+    _validate(args, gpu)
+    _set_padded_vocab(args)
+    try:
+        params = est.count_parameters(args)
+    except NotImplementedError as exc:
+        raise LayoutError(f"--dry-run: {exc}; this run's layout passed the checks above") from None
+    memory = est.estimate_memory(args, params, est.microbatches_per_step(args))
+    return Plan(args, gpu, params, memory)
+
+
+def run_dry_run(args) -> int:
+    """Check the launch at its intended size and print the plan; 0 when it can run."""
+    plan = make_plan(args)
+    text = resolved_yaml(plan.args)
+    if args.dry_run_yaml:
+        with open(args.dry_run_yaml, "w", encoding="utf-8") as f:
+            f.write(text)
+        print(f"resolved configuration written to {args.dry_run_yaml}")
+    else:
+        print("# resolved configuration")
+        print(text)
+    print("\n".join(plan_lines(plan.args, plan.gpu, plan.params, plan.memory)))
+    sys.stdout.flush()
+    if not plan.fits:
+        raise plan.memory_error()
+    print(f"dry run OK: {gpus(args.world_size)}, {est.human(plan.params.total)} parameters, "
+          f"{est.gib(plan.memory.total)} per GPU")
+    return 0

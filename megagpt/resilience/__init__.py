@@ -1,0 +1,81 @@
+"""Resume and faults: a run survives preemption, crashes and bad checkpoints.
+
+Two entry points for ``pretrain_gpt``:
+
+``prepare(args)``
+    before megatron's globals are set: preemption defaults (``preemption``) and the
+    checks of ``--load`` (``checkpoint_guard``); raises ``UserError`` subclasses with a
+    one-line message naming the problem and the path.
+
+``active(args, container)``
+    a context manager around ``megatron.training.pretrain`` that installs the contained
+    adaptations of megatron's training loop: resume fidelity (``fidelity``), the resolved
+    configuration beside every checkpoint (``config_snapshot``), load errors as one-line
+    messages (``checkpoint_guard``). Each wraps one module-level function of
+    ``megatron.training.training`` and is undone on exit.
+
+docs/resilience.md describes the behaviour and the rules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from megagpt.log import log
+from megagpt.resilience import checkpoint_guard, config_snapshot, divergence, fidelity, preemption
+
+
+def prepare(args) -> None:
+    """Launch-time decisions about saving, loading, signals and faults (every rank, after
+    megatron's globals are set, before ``pretrain`` initialises torch.distributed)."""
+    preemption.apply_defaults(args, log)
+    divergence.apply_defaults(args, getattr(args, "entry_argv", None), log)
+    checkpoint_guard.prepare_load(args, log)
+
+
+@contextlib.contextmanager
+def active(args, container=None):
+    """Install the training-loop adaptations for the duration of ``pretrain``."""
+    import megatron.training.training as mtraining
+
+    wrappers = {
+        "training_log": fidelity.first_log_boundary_resets,
+        "build_train_valid_test_data_iterators": fidelity.without_drawing_random_numbers,
+        "save_checkpoint": lambda fn: config_snapshot.writing_snapshot(fn, args, container),
+        "load_checkpoint": lambda fn: checkpoint_guard.one_line_load_errors(fn, args),
+    }
+    saved = {name: getattr(mtraining, name) for name in wrappers}
+    try:
+        for name, wrap in wrappers.items():
+            setattr(mtraining, name, wrap(saved[name]))
+        yield
+    except BaseException as exc:
+        _stop_data_workers()
+        error = divergence.divergence_error(exc, args, checkpoint_guard.resume_hint(args))
+        if error is None:
+            raise
+        raise error from None
+    finally:
+        for name, original in saved.items():
+            setattr(mtraining, name, original)
+
+
+def _stop_data_workers() -> None:
+    """Kill the data-loader workers of a run that is leaving with an exception.
+
+    With ``--exit-signal-handler`` the workers ignore SIGTERM (megatron installs the handler
+    in them too), which is what ``multiprocessing`` sends its daemon children at interpreter
+    exit, and then waits for: a run that failed would hang instead of exiting.
+    """
+    import multiprocessing
+    import signal
+
+    children = [child for child in multiprocessing.active_children() if child.daemon]
+    if not children:
+        return
+    # torch's SIGCHLD handler would raise "DataLoader worker ... is killed" for each one.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in children:
+        child.kill()
+    for child in children:
+        child.join(timeout=5)

@@ -1,0 +1,328 @@
+"""Before loading: find the newest complete checkpoint, refuse bad ones in one line.
+
+How megatron 0.19 writes a ``torch_dist`` checkpoint (``training/checkpointing.py``
+``save_checkpoint``, ``core/dist_checkpointing/serialization.py`` ``save``):
+
+1. every rank writes its shards (``__<rank>_<n>.distcp``) into ``iter_XXXXXXX/``;
+2. the coordinator writes the global index ``.metadata`` (torch.distributed.checkpoint);
+3. rank 0 writes ``metadata.json`` (backend and version), then all ranks meet at a barrier;
+4. rank 0 rewrites ``latest_checkpointed_iteration.txt`` with the iteration (plain
+   ``open(..., "w")``: neither atomic nor synced).
+
+So the tracker moves only after the data is complete, but a ``kill -9`` can still leave:
+a partial newest ``iter_`` directory (harmless to megatron, which follows the tracker, but
+overwritten in place on the next save of that iteration); a complete directory the tracker
+does not name yet (killed between 3 and 4); or an empty tracker (killed inside 4), which
+megatron's ``read_metadata`` answers with ``sys.exit()`` and status 0. A directory is
+*complete* here when ``metadata.json`` parses, ``.metadata`` parses, and every shard file
+the index names exists and is long enough for its last byte range.
+
+Rules applied by ``prepare_load`` (all ranks compute the same answer; rank 0 writes):
+
+- The tracker's checkpoint is loaded when it is complete.
+- Otherwise the newest complete checkpoint below it (any, if the tracker is unreadable) is
+  loaded instead, with a logged line; the tracker is rewritten atomically to name it.
+- Directories newer than the one loaded are moved to ``<save>/.megagpt-set-aside/`` when
+  ``--load`` is the ``--save`` directory (the resumed run will write those iterations again).
+- ``--load`` with no checkpoint at all is an error, except when it is also the ``--save``
+  directory: the usual "same command for the first launch and every resume" then starts
+  fresh, and says so.
+- A checkpoint with a ``megagpt_config.yaml`` is compared with this run: another model
+  shape, tokenizer or vocabulary is an error naming each difference; another parallel
+  layout is fine (the distributed format reshards) and is logged.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from megagpt.errors import UserError
+from megagpt.resilience import config_snapshot
+
+TRACKER = "latest_checkpointed_iteration.txt"
+SET_ASIDE = ".megagpt-set-aside"
+_ITER_DIR = re.compile(r"^iter_(\d{7})$")
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint cannot be resumed from; the message names the problem and the path."""
+
+
+# ---------------------------------------------------------------------------
+# Inspecting a checkpoint directory (no torch.distributed needed)
+# ---------------------------------------------------------------------------
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def saved_iterations(root: str) -> list[int]:
+    """Iterations with an ``iter_XXXXXXX`` directory under ``root``, ascending."""
+    if not os.path.isdir(root):
+        return []
+    found = (_ITER_DIR.match(name) for name in os.listdir(root))
+    return sorted(int(m.group(1)) for m in found
+                  if m and os.path.isdir(os.path.join(root, m.group(0))))
+
+
+def read_tracker(root: str) -> int | str | None:
+    """The tracker's iteration, ``"release"``, ``None`` if absent; ValueError if unreadable."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if text == "release":
+        return text
+    if not text.isdigit():
+        raise ValueError(f"{path}: {text[:40]!r} is not an iteration number")
+    return int(text)
+
+
+def write_tracker(root: str, iteration: int) -> None:
+    """Replace the tracker atomically (a crash leaves the old one or the new one)."""
+    path = os.path.join(root, TRACKER)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def incompleteness(ckpt_dir: str) -> str | None:
+    """Why ``ckpt_dir`` is not a complete checkpoint, or None when it is."""
+    if not os.path.isdir(ckpt_dir):
+        return "the directory does not exist"
+    legacy = [d for d in os.listdir(ckpt_dir) if d.startswith("mp_rank_")]
+    if legacy and not os.path.exists(os.path.join(ckpt_dir, "metadata.json")):
+        empty = [d for d in legacy
+                 if not os.path.isfile(os.path.join(ckpt_dir, d, "model_optim_rng.pt"))
+                 or os.path.getsize(os.path.join(ckpt_dir, d, "model_optim_rng.pt")) == 0]
+        return f"{empty[0]}/model_optim_rng.pt is missing or empty" if empty else None
+    try:
+        with open(os.path.join(ckpt_dir, "metadata.json")) as f:
+            json.load(f)
+    except FileNotFoundError:
+        return "metadata.json is missing (the save did not finish)"
+    except (OSError, ValueError) as exc:
+        return f"metadata.json is unreadable ({exc})"
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        metadata = FileSystemReader(ckpt_dir).read_metadata()
+    except FileNotFoundError:
+        return ".metadata is missing (the save did not finish)"
+    except Exception as exc:  # noqa: BLE001 - a truncated pickle raises anything
+        return f".metadata is unreadable ({type(exc).__name__})"
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, end in sorted(needed.items()):
+        path = os.path.join(ckpt_dir, name)
+        if not os.path.isfile(path):
+            return f"shard {name} is missing"
+        size = os.path.getsize(path)
+        if size < end:
+            return f"shard {name} is truncated ({size} of at least {end} bytes)"
+    return None
+
+
+# ---------------------------------------------------------------------------
+# The decision
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What to load from ``root``: ``iteration`` None means start fresh."""
+
+    root: str
+    iteration: int | None
+    reason: str
+    tracker: int | str | None = None
+    set_aside: tuple[int, ...] = ()
+
+
+def _same_dir(a: str | None, b: str | None) -> bool:
+    return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
+
+
+def plan_load(load: str, save: str | None) -> LoadPlan:
+    """Choose the checkpoint to resume from under ``load`` (see the module docstring)."""
+    resuming_own = _same_dir(load, save)
+    try:
+        tracker = read_tracker(load)
+        tracker_problem = None
+    except (OSError, ValueError) as exc:
+        tracker, tracker_problem = None, str(exc)
+    iterations = saved_iterations(load)
+    if tracker == "release":
+        return LoadPlan(load, None, "release checkpoint (left to megatron)", tracker)
+    if tracker is None and not iterations and tracker_problem is None:
+        if resuming_own:
+            return LoadPlan(load, None, f"no checkpoint in {load} yet: starting from scratch "
+                                        "(it is also --save; later launches resume from it)")
+        what = "does not exist" if not os.path.exists(load) else \
+            f"has no checkpoint (no {TRACKER}, no iter_* directories)"
+        raise CheckpointError(f"--load {load} {what}; drop --load to start from scratch, "
+                              "or give the --save directory of the run to resume")
+
+    problems = {}
+    if tracker is not None:
+        problem = incompleteness(iteration_dir(load, tracker))
+        if problem is None:
+            newer = tuple(i for i in iterations if i > tracker)
+            return LoadPlan(load, tracker, f"iteration {tracker}", tracker,
+                            newer if resuming_own else ())
+        problems[tracker] = problem
+    ceiling = tracker if tracker is not None else float("inf")
+    for candidate in sorted((i for i in iterations if i < ceiling), reverse=True):
+        problem = incompleteness(iteration_dir(load, candidate))
+        if problem is None:
+            if tracker_problem:
+                why = f"{TRACKER} is unreadable ({tracker_problem})"
+            else:
+                why = f"iter_{tracker:07d} is incomplete: {problems[tracker]}"
+            newer = tuple(i for i in iterations if i > candidate)
+            return LoadPlan(load, candidate,
+                            f"iteration {candidate}, the newest complete checkpoint ({why})",
+                            tracker, newer if resuming_own else ())
+        problems[candidate] = problem
+    if tracker is None and tracker_problem is None and resuming_own:
+        # Killed during the first save: nothing was ever completed; same as a first launch.
+        return LoadPlan(load, None, f"no complete checkpoint in {load} yet: starting from "
+                                    "scratch (it is also --save)", None, tuple(iterations))
+    listed = "; ".join(f"iter_{i:07d}: {p}" for i, p in sorted(problems.items(), reverse=True))
+    if tracker_problem:
+        listed = f"{TRACKER}: {tracker_problem}" + (f"; {listed}" if listed else "")
+    raise CheckpointError(f"--load {load}: no complete checkpoint to resume from ({listed})")
+
+
+def compare_with_run(ckpt_dir: str, args) -> tuple[list[str], list[str]]:
+    """(differences that forbid loading, layout changes) between a checkpoint and this run."""
+    saved = config_snapshot.read(ckpt_dir)
+    if saved is None:
+        return [], []
+    now = config_snapshot.entry_section(args, 0)
+    blocking = []
+    for section, label in (("model", "model"), ("tokenizer", "tokenizer")):
+        for key, before in (saved.get(section) or {}).items():
+            after = now[section].get(key)
+            if after is None and section == "tokenizer":
+                continue  # not given in this run: the tokenizer decides (padded size checked)
+            if before != after:
+                flag = "--" + key.replace("_", "-")
+                blocking.append(f"{label} {flag} {before} there, {after} here")
+    layout = []
+    for key, before in (saved.get("layout") or {}).items():
+        after = now["layout"].get(key)
+        if before != after and key != "world_size":
+            layout.append(f"{key.replace('_model_parallel_size', '').replace('_size', '')} "
+                          f"{before}->{after}")
+    return blocking, layout
+
+
+def _rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _set_aside(root: str, iterations: tuple[int, ...], log) -> None:
+    if not iterations or not _rank0():
+        return
+    target = os.path.join(root, SET_ASIDE)
+    os.makedirs(target, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for i in iterations:
+        src = iteration_dir(root, i)
+        if os.path.isdir(src):
+            shutil.move(src, os.path.join(target, f"iter_{i:07d}-{stamp}"))
+    names = ", ".join(f"iter_{i:07d}" for i in iterations)
+    log(f"resume: moved {names} (newer than the checkpoint loaded) to {target}")
+
+
+def prepare_load(args, log: Callable[[str], None]) -> LoadPlan | None:
+    """Check ``--load`` and point megatron at the checkpoint to resume from."""
+    if not args.load or args.ckpt_format not in ("torch_dist", "torch"):
+        return None
+    if args.ckpt_step:
+        return None  # the user chose an iteration; megatron loads exactly that one
+    plan = plan_load(args.load, args.save)
+    if plan.iteration is None:
+        _set_aside(plan.root, plan.set_aside, log)
+        log(f"resume: {plan.reason}")
+        return plan
+    ckpt_dir = iteration_dir(plan.root, plan.iteration)
+    blocking, layout = compare_with_run(ckpt_dir, args)
+    if blocking:
+        raise CheckpointError(f"--load {ckpt_dir} was saved for another model: "
+                              + "; ".join(blocking))
+    if plan.tracker != plan.iteration:
+        args.ckpt_step = plan.iteration
+        if _rank0():
+            write_tracker(plan.root, plan.iteration)
+    _set_aside(plan.root, plan.set_aside, log)
+    log(f"resume: loading {ckpt_dir} ({plan.reason})")
+    if layout:
+        log("resume: parallel layout changed (" + ", ".join(layout)
+            + "); the distributed checkpoint format reshards on load")
+    return plan
+
+
+def resume_hint(args) -> str:
+    """Which checkpoint a relaunch would resume from, as a sentence."""
+    if not args.save:
+        return "Nothing is saved (no --save)."
+    complete = [i for i in reversed(saved_iterations(args.save))
+                if incompleteness(iteration_dir(args.save, i)) is None]
+    if not complete:
+        return f"{args.save} has no complete checkpoint yet."
+    return f"The newest checkpoint, {iteration_dir(args.save, complete[0])}, is untouched."
+
+
+# ---------------------------------------------------------------------------
+# Errors raised while megatron loads
+# ---------------------------------------------------------------------------
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]
+
+
+def one_line_load_errors(load_checkpoint, args):
+    """Wrap megatron's ``load_checkpoint``: failures become a ``CheckpointError``.
+
+    Megatron reports a bad checkpoint with a stack trace from deep in torch.distributed
+    (shape mismatch, unreadable shard) or with a bare ``sys.exit()`` (RNG state missing).
+    """
+
+    @functools.wraps(load_checkpoint)
+    def wrapper(*a, **kw):
+        where = args.load
+        if args.ckpt_step:
+            where = iteration_dir(args.load, args.ckpt_step)
+        else:
+            try:
+                tracker = read_tracker(args.load) if args.load else None
+            except (OSError, ValueError):
+                tracker = None
+            if isinstance(tracker, int):
+                where = iteration_dir(args.load, tracker)
+        try:
+            return load_checkpoint(*a, **kw)
+        except SystemExit as exc:
+            raise CheckpointError(f"cannot load checkpoint {where}: megatron gave up "
+                                  f"(exit status {exc.code}); see the lines above") from None
+        except Exception as exc:  # noqa: BLE001 - any failure here is about the checkpoint
+            raise CheckpointError(f"cannot load checkpoint {where}: {type(exc).__name__}: "
+                                  f"{_first_line(exc)}") from exc
+
+    wrapper._megagpt_original = load_checkpoint
+    return wrapper

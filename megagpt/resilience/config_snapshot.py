@@ -1,0 +1,118 @@
+"""The resolved configuration beside every checkpoint: ``iter_XXXXXXX/megagpt_config.yaml``.
+
+Written by rank 0 right after megatron's ``save_checkpoint`` returns (the checkpoint is
+complete by then; a crash in between leaves a complete checkpoint without the file,
+which the loader accepts). Two sections:
+
+``entry``      what ``checkpoint_guard`` compares before loading: the model's shape, the
+               tokenizer and vocabulary, the parallel layout, the iteration, the command line;
+``container``  megatron's ``PretrainConfigContainer`` as its own ``to_dict`` writes it (the
+               same content as ``container.to_yaml``); omitted if it does not serialise.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import yaml
+
+FILENAME = "megagpt_config.yaml"
+
+# Arguments that fix the shapes of the saved tensors, or the meaning of the token ids.
+# A checkpoint loads only into a run that agrees on all of them.
+MODEL_KEYS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+    "num_query_groups", "group_query_attention", "kv_channels",
+    "max_position_embeddings", "position_embedding_type", "normalization", "swiglu",
+    "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
+    "num_experts", "padded_vocab_size",
+)
+TOKENIZER_KEYS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
+# Free to change between save and load (the distributed format reshards).
+LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+               "context_parallel_size", "data_parallel_size", "world_size")
+
+
+def _plain(value):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return str(value)
+
+
+def entry_section(args, iteration: int) -> dict:
+    """What the guard checks, as plain YAML values."""
+    pick = lambda keys: {k: _plain(getattr(args, k, None)) for k in keys}  # noqa: E731
+    model = pick(MODEL_KEYS)
+    if not model["group_query_attention"]:
+        # megatron fills this in during model building; without GQA it is the head count.
+        model["num_query_groups"] = model["num_attention_heads"]
+    return {
+        "iteration": int(iteration),
+        "consumed_train_samples": int(getattr(args, "consumed_train_samples", 0) or 0),
+        "model": model,
+        "tokenizer": pick(TOKENIZER_KEYS),
+        "layout": pick(LAYOUT_KEYS),
+        "ckpt_format": args.ckpt_format,
+        "argv": [str(a) for a in (getattr(args, "entry_argv", None) or [])],
+    }
+
+
+def _container_section(container):
+    if container is None:
+        return None
+    from megatron.training.config.container import safe_yaml_representers
+
+    try:
+        with safe_yaml_representers():
+            # Round trip through the dumper so that a value YAML cannot represent shows up here.
+            return yaml.safe_load(yaml.safe_dump(container.to_dict(), default_flow_style=False))
+    except Exception:  # noqa: BLE001 - the snapshot must never fail a save
+        return None
+
+
+def write(checkpoint_dir: str, args, iteration: int, container=None) -> str:
+    """Write the snapshot into ``checkpoint_dir`` atomically; return its path."""
+    snapshot = {"entry": entry_section(args, iteration)}
+    container_dict = _container_section(container)
+    if container_dict is not None:
+        snapshot["container"] = container_dict
+    path = os.path.join(checkpoint_dir, FILENAME)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        yaml.safe_dump(snapshot, f, default_flow_style=False, sort_keys=False)
+    os.replace(tmp, path)
+    return path
+
+
+def read(checkpoint_dir: str) -> dict | None:
+    """The snapshot's ``entry`` section, or None when the checkpoint has none."""
+    path = os.path.join(checkpoint_dir, FILENAME)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return (yaml.safe_load(f) or {}).get("entry")
+
+
+def writing_snapshot(save_checkpoint, args, container=None):
+    """Wrap megatron's ``save_checkpoint`` to add the snapshot to each persistent save."""
+
+    @functools.wraps(save_checkpoint)
+    def wrapper(iteration, *a, **kw):
+        result = save_checkpoint(iteration, *a, **kw)
+        import torch
+
+        from megatron.training.checkpointing import get_checkpoint_name
+
+        rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        persistent = not kw.get("non_persistent_ckpt", False)
+        if rank0 and persistent and args.save and not args.async_save:
+            checkpoint_dir = get_checkpoint_name(args.save, iteration, return_base_dir=True)
+            if os.path.isdir(checkpoint_dir):
+                write(checkpoint_dir, args, iteration, container)
+        return result
+
+    wrapper._megagpt_original = save_checkpoint
+    return wrapper

@@ -1,0 +1,88 @@
+"""Shared test helpers: run the entry as a real process, read losses from its log."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ENTRY = REPO / "pretrain_gpt.py"
+PYTHON = sys.executable
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+# A model that trains in well under a second per iteration on two CPU cores.
+TINY_MODEL = [
+    "--cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "64",
+    "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings", "64",
+    "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
+    "--log-interval", "1", "--vocab-size", "512", "--eval-iters", "0",
+    "--deterministic-mode",
+]
+
+_LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\blm loss: ([-+0-9.eEnaNif]+)")
+
+
+def entry_env(env: dict | None = None) -> dict:
+    """The environment for an entry process: one intra-op thread per process (two cores
+    shared by the trainer, its data workers and often a second rank), unbuffered output."""
+    merged = dict(os.environ)
+    merged.setdefault("OMP_NUM_THREADS", "1")
+    merged["PYTHONUNBUFFERED"] = "1"
+    merged.update(env or {})
+    return merged
+
+
+def entry_command(args: list[str], nproc: int = 1) -> list[str]:
+    """The command line that runs ``pretrain_gpt.py args`` on ``nproc`` processes."""
+    if nproc == 1:
+        return [PYTHON, str(ENTRY), *args]
+    return [TORCHRUN, "--nproc-per-node", str(nproc), "--master-port", str(_free_port()),
+            str(ENTRY), *args]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_entry(args: list[str], cwd, env: dict | None = None, nproc: int = 1,
+              timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run the entry to completion; stdout and stderr together in ``.stdout``."""
+    return subprocess.run(entry_command(args, nproc), cwd=cwd, env=entry_env(env),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout)
+
+
+def parse_losses(log_text: str) -> dict[int, float]:
+    """``{iteration: lm loss}`` from megatron's training log lines (the last one wins)."""
+    return {int(it): float(loss) for it, loss in _LOSS.findall(log_text)}
+
+
+def start_entry(args: list[str], cwd, log_path, env: dict | None = None,
+                nproc: int = 1) -> subprocess.Popen:
+    """Start the entry in its own process group (as a scheduler would), output to log_path."""
+    log = open(log_path, "w")
+    return subprocess.Popen(entry_command(args, nproc), cwd=cwd, env=entry_env(env),
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for_log(log_path, pattern: str, proc: subprocess.Popen, timeout: float = 180):
+    """Wait until ``pattern`` (a regex) appears in the log; the match, or AssertionError."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        match = re.search(pattern, Path(log_path).read_text())
+        if match:
+            return match
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    tail = Path(log_path).read_text()[-3000:]
+    raise AssertionError(f"{pattern!r} not in the log (exit status {proc.poll()}):\n{tail}")

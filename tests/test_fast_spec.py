@@ -1,0 +1,605 @@
+"""The fast path without Transformer Engine (megagpt.fast_spec): numerics against megatron's
+local spec on a tiny GPTModel on the CPU (fp32, same weights -> same losses and gradients),
+causal masking, fallbacks, the optimizer kernels, the chunked LM loss and the switches."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import operator
+import socket
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+SEQ, BATCH, VOCAB = 16, 2, 96
+
+
+# ---------------------------------------------------------------------------------------
+# one-process gloo + megatron model-parallel state, and the CPU shim GPTModel.forward needs
+# ---------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def megatron_cpu():
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    created_pg = False
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                world_size=1, rank=0)
+        created_pg = True
+    if dist.get_world_size() != 1:
+        pytest.skip("needs a one-process group")
+    created_mp = False
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+        created_mp = True
+    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True, force_reset_rng=True)
+    yield
+    if created_mp:
+        parallel_state.destroy_model_parallel()
+    if created_pg:
+        dist.destroy_process_group()
+
+
+@pytest.fixture()
+def cpu_buffers(monkeypatch, megatron_cpu):
+    """megatron's GlobalMemoryBuffer allocates on torch.cuda.current_device(); on the CPU
+    the local DotProductAttention needs it on the CPU (test-only shim)."""
+    import megatron.core.utils as mutils
+
+    def get_tensor(self, shape, dtype, name, mem_alloc_context=None):
+        n = functools.reduce(operator.mul, shape, 1)
+        return torch.empty(n, dtype=dtype).view(*shape)
+
+    monkeypatch.setattr(mutils.GlobalMemoryBuffer, "get_tensor", get_tensor)
+    if not torch.cuda.is_available():
+        # RotaryEmbedding moves its inverse frequencies to torch.cuda.current_device()
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _restore_compile_switches():
+    """The compile switches are process-wide: leave them as each test found them."""
+    from megagpt.fast_spec import layer, lm_loss
+
+    saved = (dict(layer._COMPILE), dict(lm_loss._COMPILE))
+    yield
+    layer.set_layer_compile(saved[0]["enabled"], saved[0]["options"])
+    lm_loss.set_loss_compile(saved[1]["enabled"])
+
+
+def _config(**overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = dict(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+              hidden_dropout=0.0, attention_dropout=0.0, masked_softmax_fusion=False,
+              persist_layer_norm=False, gradient_accumulation_fusion=False,
+              bias_activation_fusion=True, bias_dropout_fusion=True)
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def _args(**kw):
+    base = dict(fast_spec=True, fast_spec_fused_layer=True, fast_spec_compile=False,
+                normalization="LayerNorm", qk_layernorm=False, num_experts=None,
+                reset_attention_mask=False, context_parallel_size=1)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def _models(config, args, position_embedding_type="learned_absolute"):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megagpt.fast_spec.spec import get_fast_gpt_layer_spec
+
+    torch.manual_seed(0)
+    local_spec = get_gpt_layer_local_spec(normalization=args.normalization)
+    ref = GPTModel(config, local_spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                   position_embedding_type=position_embedding_type)
+    fast = GPTModel(config, get_fast_gpt_layer_spec(args), vocab_size=VOCAB,
+                    max_sequence_length=SEQ, position_embedding_type=position_embedding_type)
+    missing = fast.load_state_dict(ref.state_dict(), strict=True)
+    assert not missing.missing_keys and not missing.unexpected_keys
+    return ref, fast
+
+
+def _batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    pos = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+    return tokens, pos, mask, labels
+
+
+def _loss_and_grads(model, batch, **kw):
+    model.zero_grad(set_to_none=True)
+    tokens, pos, mask, labels = batch
+    losses = model(tokens, pos, mask, labels=labels, **kw)
+    # a non-uniform weighting so every token's loss matters differently
+    weights = torch.linspace(0.5, 1.5, losses.numel()).view_as(losses)
+    (losses * weights).sum().backward()
+    return losses.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _assert_same(ref, fast, batch, rtol=1e-4, **fast_kw):
+    l_ref, g_ref = _loss_and_grads(ref, batch)
+    l_fast, g_fast = _loss_and_grads(fast, batch, **fast_kw)
+    torch.testing.assert_close(l_fast, l_ref, rtol=rtol, atol=1e-5)
+    assert g_ref.keys() == g_fast.keys()
+    for name in g_ref:
+        scale = g_ref[name].abs().max().clamp_min(1e-6)
+        err = (g_fast[name] - g_ref[name]).abs().max() / scale
+        assert err < rtol * 10, f"{name}: relative gradient error {err:.2e}"
+
+
+class _Spy:
+    """Counts calls of megagpt.fast_spec.layer.fused_layer_forward (eager mode)."""
+
+    def __init__(self, monkeypatch):
+        import megagpt.fast_spec.layer as layer_mod
+
+        self.calls = 0
+        original = layer_mod.fused_layer_forward
+
+        def spy(*a, **k):
+            self.calls += 1
+            return original(*a, **k)
+
+        monkeypatch.setattr(layer_mod, "fused_layer_forward", spy)
+
+
+# ---------------------------------------------------------------------------------------
+# numerics against the local spec
+# ---------------------------------------------------------------------------------------
+def test_sdpa_core_attention_matches_local_spec(cpu_buffers):
+    ref, fast = _models(_config(), _args(fast_spec_fused_layer=False))
+    from megagpt.fast_spec.attention import SDPADotProductAttention
+
+    layer = fast.decoder.layers[0]
+    assert type(layer).__name__ == "TransformerLayer"
+    assert isinstance(layer.self_attention.core_attention, SDPADotProductAttention)
+    _assert_same(ref, fast, _batch())
+
+
+@pytest.mark.parametrize(
+    "overrides,args_kw,pos_type",
+    [
+        ({}, {}, "learned_absolute"),  # megatron's default GPT: LayerNorm, bias-GeLU (tanh)
+        ({"bias_activation_fusion": False}, {}, "learned_absolute"),  # exact GeLU
+        ({"num_query_groups": 2}, {}, "learned_absolute"),  # grouped-query attention
+        ({"normalization": "RMSNorm", "gated_linear_unit": True, "activation_func": F.silu,
+          "add_bias_linear": False, "bias_activation_fusion": False},
+         {"normalization": "RMSNorm"}, "rope"),  # llama-style block
+    ],
+    ids=["gpt-default", "exact-gelu", "gqa", "rmsnorm-swiglu-rope"],
+)
+def test_fused_layer_matches_local_spec(cpu_buffers, monkeypatch, overrides, args_kw, pos_type):
+    spy = _Spy(monkeypatch)
+    ref, fast = _models(_config(**overrides), _args(**args_kw), pos_type)
+    for layer in fast.decoder.layers:
+        assert layer.fused_unsupported_reason is None
+    _assert_same(ref, fast, _batch(1))
+    assert spy.calls == len(fast.decoder.layers)
+
+
+def test_fused_layer_falls_back_and_still_matches(cpu_buffers, monkeypatch):
+    """A layer the fused path does not cover runs megatron's layer code (with SDPA)."""
+    spy = _Spy(monkeypatch)
+    ref, fast = _models(_config(apply_residual_connection_post_layernorm=True), _args())
+    reason = fast.decoder.layers[0].fused_unsupported_reason
+    assert reason == "apply_residual_connection_post_layernorm"
+    _assert_same(ref, fast, _batch(2))
+    assert spy.calls == 0
+
+
+def test_dropout_is_applied_in_training_and_not_in_eval(cpu_buffers):
+    cfg = _config(hidden_dropout=0.5, attention_dropout=0.5)
+    _, fast = _models(cfg, _args())
+    tokens, pos, mask, labels = _batch(3)
+    fast.eval()
+    with torch.no_grad():
+        a = fast(tokens, pos, mask, labels=labels)
+        b = fast(tokens, pos, mask, labels=labels)
+    torch.testing.assert_close(a, b)
+    fast.train()
+    with torch.no_grad():
+        c = fast(tokens, pos, mask, labels=labels)
+    assert not torch.allclose(a, c)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-layer", "sdpa-only"])
+def test_attention_is_causal(cpu_buffers, fused):
+    """Changing token t changes no output before t, and changes the output at t."""
+    _, fast = _models(_config(), _args(fast_spec_fused_layer=fused))
+    fast.eval()
+    tokens, pos, mask, _ = _batch(4)
+    t = SEQ // 2
+    changed = tokens.clone()
+    changed[:, t] = (changed[:, t] + 1) % VOCAB
+    with torch.no_grad():
+        a = fast(tokens, pos, mask)  # logits [b, s, v]
+        b = fast(changed, pos, mask)
+    torch.testing.assert_close(a[:, :t], b[:, :t], rtol=1e-5, atol=1e-6)
+    assert (a[:, t:] - b[:, t:]).abs().max() > 1e-3
+
+
+def test_document_mask_is_honoured_with_reset_attention_mask(cpu_buffers):
+    """--reset-attention-mask: the fast spec applies the mask it is given, like the local one."""
+    ref, fast = _models(_config(), _args(reset_attention_mask=True))
+    from megagpt.fast_spec.spec import SDPAMaskedDotProductAttention
+
+    assert isinstance(fast.decoder.layers[0].self_attention.core_attention,
+                      SDPAMaskedDotProductAttention)
+    assert fast.decoder.layers[0].fused_unsupported_reason is not None
+    tokens, pos, _, labels = _batch(5)
+    doc = torch.zeros(SEQ, SEQ, dtype=torch.bool)
+    doc[SEQ // 2:, : SEQ // 2] = True  # second document cannot see the first
+    mask = (torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1) | doc).expand(BATCH, 1, SEQ, SEQ)
+    _assert_same(ref, fast, (tokens, pos, mask.contiguous(), labels))
+
+
+@pytest.mark.parametrize("pos_type", ["learned_absolute", "rope"])
+def test_fused_layer_traces_as_one_graph_for_all_layers(cpu_buffers, pos_type):
+    """torch.compile(fullgraph=True) traces the fused layer without graph breaks, one graph
+    shared by every layer (backend 'eager': no C++ compiler needed), same numbers."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from megagpt.fast_spec.layer import set_layer_compile
+
+    ref, fast = _models(_config(num_layers=3), _args(), pos_type)
+    batch = _batch(6)
+    l_ref, g_ref = _loss_and_grads(ref, batch)  # megatron's own torch.compile'd fusions run here
+    torch._dynamo.reset()
+    counters.clear()
+    set_layer_compile(True, {"backend": "eager"})
+    try:
+        l_fast, g_fast = _loss_and_grads(fast, batch)
+    finally:
+        set_layer_compile(False)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch.testing.assert_close(l_fast, l_ref, rtol=1e-4, atol=1e-5)
+    for name in g_ref:
+        torch.testing.assert_close(g_fast[name], g_ref[name], rtol=1e-3, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# chunked LM-head cross entropy
+# ---------------------------------------------------------------------------------------
+def test_chunked_cross_entropy_gradcheck():
+    from megagpt.fast_spec.lm_loss import chunked_linear_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(23, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(11, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    labels = torch.randint(0, 11, (23,), generator=g)
+    # 4 chunks of at most 6 tokens
+    assert torch.autograd.gradcheck(
+        lambda h, w: chunked_linear_cross_entropy(h, w, labels, chunk_elements=11 * 6), (h, w))
+    ref = F.cross_entropy(h @ w.t(), labels, reduction="none")
+    torch.testing.assert_close(chunked_linear_cross_entropy(h, w, labels, 11 * 6), ref)
+
+
+def test_chunked_lm_loss_matches_megatron_loss_in_gpt_model(cpu_buffers):
+    from megagpt.fast_spec.lm_loss import fused_lm_head_loss
+
+    ref, fast = _models(_config(), _args())
+    _assert_same(ref, fast, _batch(7), output_processor=fused_lm_head_loss)
+    # no labels: the processor returns logits exactly as GPTModel does
+    tokens, pos, mask, _ = _batch(7)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(tokens, pos, mask, output_processor=fused_lm_head_loss),
+                                   ref(tokens, pos, mask), rtol=1e-5, atol=1e-5)
+
+
+def test_chunk_kernels_trace_without_graph_breaks():
+    from megagpt.fast_spec.lm_loss import _ce_backward_chunk, _ce_forward_chunk
+
+    logits = torch.randn(5, 13)
+    labels = torch.randint(0, 13, (5,))
+    fwd = torch.compile(_ce_forward_chunk, backend="eager", fullgraph=True)
+    loss, lse = fwd(logits, labels, torch.float32)
+    torch.testing.assert_close(loss, F.cross_entropy(logits, labels, reduction="none"))
+    grad = torch.rand(5)
+    bwd = torch.compile(_ce_backward_chunk, backend="eager", fullgraph=True)
+    x = logits.clone().requires_grad_(True)
+    (F.cross_entropy(x, labels, reduction="none") * grad).sum().backward()
+    torch.testing.assert_close(bwd(logits, lse, labels, grad), x.grad)
+
+
+# ---------------------------------------------------------------------------------------
+# optimizer kernels
+# ---------------------------------------------------------------------------------------
+def test_foreach_multi_tensor_kernels():
+    from megagpt.fast_spec.optim import (
+        foreach_copy_this_to_that,
+        foreach_multi_tensor_l2norm,
+        foreach_multi_tensor_scale,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(n, generator=g) for n in (3, 17, 1000)] + [torch.randn(4, 4).bfloat16()]
+    norm, _ = foreach_multi_tensor_l2norm(2048, None, [ts], False)
+    expected = torch.cat([t.float().flatten() for t in ts]).norm()
+    assert norm.shape == (1,) and norm.dtype == torch.float32
+    torch.testing.assert_close(norm[0], expected, rtol=1e-5, atol=0)
+
+    src = [t.float() for t in ts[:3]]
+    dst = [torch.zeros_like(t) for t in src]
+    foreach_multi_tensor_scale(2048, None, [src, dst], 0.5)
+    for s, d in zip(src, dst):
+        torch.testing.assert_close(d, s * 0.5)
+    foreach_multi_tensor_scale(2048, None, [dst, dst], 2.0)  # in place
+    for s, d in zip(src, dst):
+        torch.testing.assert_close(d, s)
+
+    low = [torch.empty_like(s, dtype=torch.bfloat16) for s in src]
+    foreach_copy_this_to_that(src, low)  # fp32 master -> bf16 model weights
+    for s, d in zip(src, low):
+        torch.testing.assert_close(d, s.bfloat16())
+
+
+def test_install_fast_optimizer_swaps_megatron_fallbacks_and_restores():
+    import megatron.core.optimizer as mopt
+    import megatron.core.optimizer.clip_grads as mclip
+    import megatron.core.optimizer.optimizer as moo
+    from megatron.core import utils as mutils
+
+    from megagpt.fast_spec import optim
+
+    if not optim.megatron_uses_local_fallbacks():
+        pytest.skip("TE or apex installed: megatron has its fused kernels")
+    was_installed = "Adam" in optim._ORIGINALS  # e.g. an in-process entry run before this test
+    optim.uninstall_fast_optimizer()
+    before = (mopt.Adam, mclip.l2_norm_impl, moo._multi_tensor_copy_this_to_that)
+    assert mopt.USING_PYTORCH_OPTIMIZER and mclip.l2_norm_impl is mutils.local_multi_tensor_l2_norm
+    changed = optim.install_fast_optimizer()
+    try:
+        assert changed
+        assert mopt.Adam is optim.torch_fused_adam and not mopt.USING_PYTORCH_OPTIMIZER
+        assert mclip.l2_norm_impl is optim.foreach_multi_tensor_l2norm
+        assert mclip.multi_tensor_scale_impl is optim.foreach_multi_tensor_scale
+        assert moo._multi_tensor_copy_this_to_that is optim.foreach_copy_this_to_that
+        assert optim.install_fast_optimizer() == []  # idempotent
+    finally:
+        optim.uninstall_fast_optimizer()
+    assert (mopt.Adam, mclip.l2_norm_impl, moo._multi_tensor_copy_this_to_that) == before
+    assert mclip.l2_norm_impl is mutils.local_multi_tensor_l2_norm
+    assert mopt.USING_PYTORCH_OPTIMIZER
+    if was_installed:
+        optim.install_fast_optimizer()
+
+
+def test_torch_fused_adam_takes_megatrons_arguments_and_matches_foreach_adamw():
+    from megagpt.fast_spec.optim import torch_fused_adam
+
+    torch.manual_seed(0)
+    p1 = torch.nn.Parameter(torch.randn(64))
+    p2 = torch.nn.Parameter(p1.detach().clone())
+    kw = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    fused = torch_fused_adam([p1], capturable=False, adam_w_mode=True, **kw)
+    assert isinstance(fused, torch.optim.AdamW) and fused.defaults["fused"]
+    plain = torch.optim.AdamW([p2], foreach=False, **kw)
+    for step in range(3):
+        grad = torch.randn(64, generator=torch.Generator().manual_seed(step))
+        p1.grad, p2.grad = grad.clone(), grad.clone()
+        fused.step()
+        plain.step()
+    torch.testing.assert_close(p1, p2, rtol=1e-6, atol=1e-7)
+    assert isinstance(torch_fused_adam([torch.nn.Parameter(torch.zeros(2))], adam_w_mode=False),
+                      torch.optim.Adam)
+    with pytest.raises(TypeError, match="exp_avg_dtype"):
+        torch_fused_adam([torch.nn.Parameter(torch.zeros(2))], exp_avg_dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------
+# switches and when the fast path applies
+# ---------------------------------------------------------------------------------------
+def _parse(argv):
+    from megagpt.fast_spec.settings import add_fast_path_arguments
+
+    p = argparse.ArgumentParser()
+    add_fast_path_arguments(p)
+    return p.parse_args(argv)
+
+
+def _resolved(argv=(), **attrs):
+    from megagpt.fast_spec.settings import apply_fast_path_defaults
+
+    args = _parse(list(argv))
+    base = dict(transformer_impl="local", spec=None, num_experts=None, world_size=1,
+                tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                context_parallel_size=1, cuda_graph_impl="none",
+                check_for_nan_in_loss_and_grad=True, check_for_spiky_loss=False,
+                cpu=False, optimizer="adam")
+    base.update(attrs)
+    for k, v in base.items():
+        setattr(args, k, v)
+    lines = []
+    apply_fast_path_defaults(args, lines.append)
+    return args, lines
+
+
+@pytest.fixture()
+def restore_optimizer():
+    from megagpt.fast_spec import optim
+
+    was_installed = "Adam" in optim._ORIGINALS
+    optim.uninstall_fast_optimizer()
+    yield
+    optim.uninstall_fast_optimizer()
+    if was_installed:
+        optim.install_fast_optimizer()
+
+
+def test_flags_parse_on_a_parser_and_on_a_group():
+    from megagpt.fast_spec.settings import add_fast_path_arguments
+
+    a = _parse([])
+    assert a.fast_spec and a.fast_spec_fused_layer and a.fast_optimizer and a.fast_lm_loss
+    assert a.fast_spec_compile is None and a.fast_cuda_graph is None
+    a = _parse(["--no-fast-spec", "--no-fast-spec-compile", "--no-fast-cuda-graph",
+                "--no-fast-optimizer", "--no-fast-lm-loss", "--no-fast-spec-fused-layer"])
+    assert not any([a.fast_spec, a.fast_spec_compile, a.fast_cuda_graph, a.fast_optimizer,
+                    a.fast_lm_loss, a.fast_spec_fused_layer])
+    p = argparse.ArgumentParser()
+    add_fast_path_arguments(p.add_argument_group("entry"))
+    assert p.parse_args(["--fast-cuda-graph"]).fast_cuda_graph is True
+
+
+def test_defaults_single_gpu_fast_path_uses_graph_and_compile(restore_optimizer):
+    args, lines = _resolved()
+    assert args.cuda_graph_impl == "full_iteration" and args.fast_cuda_graph
+    assert args.fast_spec_compile is True
+    assert args.check_for_nan_in_loss_and_grad is False
+    assert any("CUDA graph" in line for line in lines)
+
+
+@pytest.mark.parametrize(
+    "argv,attrs,reason",
+    [
+        (["--no-fast-cuda-graph"], {}, None),
+        ([], {"world_size": 8}, "more than one GPU"),
+        ([], {"check_for_spiky_loss": True}, "spiky"),
+        ([], {"cuda_graph_impl": "local"}, "--cuda-graph-impl local"),
+        (["--no-fast-spec"], {}, None),
+        ([], {"context_parallel_size": 2}, None),
+        ([], {"transformer_impl": "transformer_engine"}, None),
+    ],
+)
+def test_graph_stays_off_where_it_does_not_apply(restore_optimizer, argv, attrs, reason):
+    args, lines = _resolved(argv, **attrs)
+    assert not args.fast_cuda_graph
+    assert args.cuda_graph_impl == attrs.get("cuda_graph_impl", "none")
+    assert args.check_for_nan_in_loss_and_grad is True
+    assert args.fast_spec_compile is False  # eager without the graph (CPU-bound step)
+    if reason:
+        assert any(reason in line for line in lines), lines
+
+
+def test_cpu_mode_never_compiles_or_graphs(restore_optimizer):
+    args, _ = _resolved(["--fast-spec-compile", "--fast-cuda-graph"], cpu=True)
+    assert args.fast_spec_compile is False and not args.fast_cuda_graph
+    assert args.cuda_graph_impl == "none"
+
+
+def test_no_fast_optimizer_leaves_megatron_alone(restore_optimizer):
+    import megatron.core.optimizer as mopt
+
+    before = mopt.Adam
+    _resolved(["--no-fast-optimizer"])
+    assert mopt.Adam is before
+
+
+@pytest.mark.parametrize(
+    "attrs,needle",
+    [
+        ({"context_parallel_size": 2}, "context parallelism"),
+        ({"multi_latent_attention": True}, "multi-latent"),
+        ({"softmax_type": "off-by-one"}, "softmax"),
+        ({"window_size": (64, 0)}, "sliding-window"),
+        ({"fast_spec": False}, "--no-fast-spec"),
+        ({"spec": ["mod", "fn"]}, "--spec"),
+    ],
+)
+def test_fast_spec_unsupported_reasons(attrs, needle):
+    from megagpt.fast_spec.spec import fast_spec_unsupported_reason
+
+    assert fast_spec_unsupported_reason(_args()) is None
+    reason = fast_spec_unsupported_reason(_args(**attrs))
+    assert reason is not None and needle in reason
+
+
+# ---------------------------------------------------------------------------------------
+# GPU (skipped without CUDA)
+# ---------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_gpu_compiled_chunked_loss_matches_eager():
+    from megagpt.fast_spec import lm_loss
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(4096, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = (torch.randn(5000, 256, device="cuda", generator=g) * 0.05).bfloat16()
+    labels = torch.randint(0, 5000, (4096,), device="cuda", generator=g)
+    out = {}
+    for compiled in (True, False):
+        lm_loss.set_loss_compile(compiled)
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = lm_loss.chunked_linear_cross_entropy(hh, ww, labels, chunk_elements=2**21)
+        loss.sum().backward()
+        out[compiled] = (loss, hh.grad.float(), ww.grad.float())
+    lm_loss.set_loss_compile(True)
+    ref = F.cross_entropy((h.float() @ w.float().t()), labels, reduction="none")
+    torch.testing.assert_close(out[True][0], ref, rtol=2e-2, atol=2e-2)
+    for a, b in zip(out[True], out[False]):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_layer_compiled_matches_eager_bf16():
+    from megagpt.fast_spec.layer import fused_layer_forward
+
+    torch.manual_seed(0)
+    s, b, h, heads = 256, 2, 256, 4
+    dev, dt = "cuda", torch.bfloat16
+
+    def p(*shape, scale=0.02):
+        return (torch.randn(*shape, device=dev) * scale).to(dt).requires_grad_()
+
+    x = torch.randn(s, b, h, device=dev, dtype=dt, requires_grad=True)
+    tensors = [torch.ones(h, device=dev, dtype=dt, requires_grad=True), p(h), p(3 * h, h),
+               p(3 * h), p(h, h), p(h), torch.ones(h, device=dev, dtype=dt, requires_grad=True),
+               p(h), p(4 * h, h), p(4 * h), p(h, 4 * h), p(h), None]
+    consts = dict(eps=1e-5, rms=False, groups=heads, q_per_group=1, head_dim=h // heads,
+                  scale=(h // heads) ** -0.5, attn_p=0.0, hidden_p=0.0, act="gelu_tanh",
+                  rotary_interleaved=False, rope_mscale=1.0, training=True)
+    outs = []
+    for fn in (fused_layer_forward, torch.compile(fused_layer_forward, fullgraph=True)):
+        for t in [x, *tensors]:
+            if t is not None:
+                t.grad = None
+        y = fn(x, *tensors, **consts)
+        y.float().square().mean().backward()
+        outs.append((y.float(), x.grad.float(), tensors[2].grad.float()))
+    for a, b_ in zip(*outs):
+        torch.testing.assert_close(a, b_, rtol=3e-2, atol=3e-3)
+
+
+def test_output_processor_choice():
+    from megagpt.fast_spec.lm_loss import fused_lm_head_loss, get_output_processor
+
+    ns = argparse.Namespace
+    assert get_output_processor(ns(fast_lm_loss=True, transformer_impl="local")) is fused_lm_head_loss
+    assert get_output_processor(ns(fast_lm_loss=False, transformer_impl="local")) is None
+    assert get_output_processor(ns(fast_lm_loss=True, transformer_impl="transformer_engine")) is None
+    assert get_output_processor(ns(fast_lm_loss=True, transformer_impl="local",
+                                   cross_entropy_loss_fusion=True)) is None
+
+
+def test_compiler_failure_falls_back_to_eager(cpu_buffers):
+    """A torch.compile failure does not stop training: the fused layer runs eagerly."""
+    import torch._dynamo
+
+    from megagpt.fast_spec import layer as layer_mod
+
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("backend exploded")
+
+    ref, fast = _models(_config(), _args())
+    torch._dynamo.reset()
+    layer_mod.set_layer_compile(True, {"backend": broken_backend})
+    _assert_same(ref, fast, _batch(8))
+    assert layer_mod._COMPILE["enabled"] is False

@@ -1,0 +1,226 @@
+"""The preflight: exact parameter counts, the layout checks with their numbers, the dry run's
+output and exit codes, and the same checks on a real launch."""
+
+import contextlib
+import io
+
+import pytest
+import yaml
+
+import pretrain_gpt
+from megagpt.arguments import ArgumentError, parse_arguments
+from megagpt.errors import UserError
+from megagpt.preflight import LayoutError, MemoryBudgetError, make_plan
+from megagpt.preflight import estimate as est
+
+TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
+        "--vocab-size", "512", "--lr", "1e-3", "--train-iters", "2", "--dry-run"]
+
+
+def plan(*extra, world_size=1):
+    args = parse_arguments([*TINY, "--dry-run-world-size", str(world_size), *extra])
+    with contextlib.redirect_stdout(io.StringIO()):
+        return make_plan(args)
+
+
+# ---------------------------------------------------------------------------
+# Parameters: the count is exact against the model the entry builds
+# ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def one_gloo_rank():
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from gloo_ranks import _free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
+                            rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+VARIANTS = {
+    "gpt": [],
+    "llama-like": ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
+                   "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope",
+                   "--group-query-attention", "--num-query-groups", "2"],
+    "kv-channels-qk-norm": ["--ffn-hidden-size", "96", "--kv-channels", "8", "--qk-layernorm",
+                            "--add-qkv-bias", "--disable-bias-linear"],
+    "local-spec": ["--no-fast-spec"],
+}
+
+
+@pytest.mark.parametrize("extra", VARIANTS.values(), ids=VARIANTS.keys())
+def test_parameter_count_matches_the_built_model(extra, one_gloo_rank):
+    from megagpt import cpu_mode
+    from model_provider import model_provider
+
+    p = plan("--cpu", "--global-batch-size", "4", *extra)
+    with cpu_mode.active():
+        model_config, _, _ = pretrain_gpt.build_configs(p.args)
+        model = model_provider(model_config)
+    assert sum(t.numel() for t in model.parameters()) == p.params.total
+
+
+def test_pipeline_stages_split_layers_and_the_last_keeps_a_tied_embedding_copy():
+    p = plan("--num-layers", "8", "--pipeline-model-parallel-size", "4",
+             "--tensor-model-parallel-size", "2", "--global-batch-size", "4", world_size=8)
+    stages = p.params.stages
+    assert [s.layers for s in stages] == [2, 2, 2, 2]
+    word = p.args.padded_vocab_size * 64
+    assert stages[-1].tied_copy == word and stages[0].tied_copy == 0
+    assert sum(s.total - s.tied_copy for s in stages) == p.params.total
+    layer = est.layer_params(p.args)
+    assert stages[1].per_tp_rank == 2 * (layer.sharded // 2 + layer.replicated)
+    assert p.params.most_per_gpu == stages[0].per_tp_rank  # embeddings + positions + 2 layers
+
+
+# ---------------------------------------------------------------------------
+# Impossible layouts: each fails before megatron, with its numbers
+# ---------------------------------------------------------------------------
+
+IMPOSSIBLE = {
+    "world-size": (["--tensor-model-parallel-size", "8", "--num-attention-heads", "8"], 12,
+                   r"world size 12 is not divisible by TP 8 × PP 1 × CP 1 = 8 GPUs per model "
+                   r"replica \(12 / 8 = 1.50 replicas\); use a multiple of 8 GPUs"),
+    "heads": (["--tensor-model-parallel-size", "8"], 8,
+              r"--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 8"),
+    "query-groups": (["--group-query-attention", "--num-query-groups", "2",
+                      "--tensor-model-parallel-size", "4"], 4,
+                     r"--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4"),
+    "hidden-by-heads": (["--num-attention-heads", "6"], 1,
+                        r"--hidden-size 64 is not divisible by --num-attention-heads 6 "
+                        r"\(64 / 6 = 10.67\)"),
+    "layers": (["--pipeline-model-parallel-size", "4"], 4,
+               r"--num-layers 2 is not divisible by --pipeline-model-parallel-size 4 "
+               r"\(2 / 4 = 0.50 layers per stage\)"),
+    "global-batch": (["--global-batch-size", "4"], 3,
+                     r"--global-batch-size 4 is not divisible by --micro-batch-size 2 × DP 3 = 6 "
+                     r"\(4 / 6 = 0.67 micro-batches per step"),
+    "schedule-with-fixed-batch": (["--global-batch-size", "4", "--step-batch-size-schedule",
+                                   "0:4 1K:8"], 1,
+                                  r"cannot be combined with a fixed --global-batch-size 4"),
+    "schedule-batch": (["--step-batch-size-schedule", "0:4 1K:6"], 2,
+                       r"schedule batch 6 is not divisible by micro-batch 2 × DP 2 = 4"),
+    "rampup": (["--global-batch-size", "4", "--rampup-batch-size", "2", "2", "100"], 1,
+               r"--rampup-batch-size 2 2 100 is ignored by megatron-core 0.19"),
+    "sequence-longer-than-positions": (["--seq-length", "128"], 1,
+                                       r"--seq-length 128 is longer than the position table "
+                                       r"--max-position-embeddings 64"),
+}
+
+
+@pytest.mark.parametrize("extra,world_size,message", IMPOSSIBLE.values(), ids=IMPOSSIBLE.keys())
+def test_impossible_layout_fails_with_its_numbers(extra, world_size, message):
+    with pytest.raises(LayoutError, match=message):
+        plan(*extra, world_size=world_size)
+
+
+def test_every_problem_is_listed_at_once():
+    with pytest.raises(LayoutError, match=r"2 problems") as info:
+        plan("--pipeline-model-parallel-size", "4", "--seq-length", "128", world_size=4)
+    assert "layers per stage" in str(info.value) and "position table" in str(info.value)
+
+
+def test_a_step_schedule_without_a_fixed_batch_passes():
+    p = plan("--step-batch-size-schedule", "0:4 1K:8", world_size=2)
+    assert p.args.data_parallel_size == 2
+
+
+def test_megatron_validation_runs_after_ours_and_its_assertions_become_user_errors():
+    with pytest.raises(ArgumentError, match="invalid arguments"):
+        plan("--global-batch-size", "4", "--min-lr", "1e-2")  # megatron: min_lr <= lr
+
+
+def test_memory_above_the_gpu_fails_naming_the_parts():
+    from megagpt.preflight import run_dry_run
+
+    args = parse_arguments([*TINY, "--global-batch-size", "4", "--gpu-type", "A100-80GB",
+                            "--gpu-memory-gb", "1"])
+    with pytest.raises(MemoryBudgetError, match=r"estimated memory per GPU .* GiB \(weights .* "
+                                                r"is above the A100-80GB's 1.0 GiB"):
+        with contextlib.redirect_stdout(io.StringIO()):
+            run_dry_run(args)
+
+
+# ---------------------------------------------------------------------------
+# Numbers: memory parts and FLOPs
+# ---------------------------------------------------------------------------
+
+def test_bytes_per_parameter_follow_precision_and_the_distributed_optimizer():
+    mixed = plan("--bf16", "--use-distributed-optimizer", "--global-batch-size", "16", world_size=8)
+    assert est.bytes_per_parameter(mixed.args) == (2, 4, 12 / 8)  # fp32 master + Adam over DP 8
+    fp32 = plan("--global-batch-size", "4")
+    assert est.bytes_per_parameter(fp32.args) == (4, 4, 8)
+    n = fp32.params.most_per_gpu
+    assert (fp32.memory.weights, fp32.memory.optimizer) == (4 * n, 8 * n)
+
+
+def test_flops_are_megatrons_count_for_the_global_batch():
+    from megatron.training.training import num_floating_point_operations
+
+    p = plan("--global-batch-size", "8", world_size=2)
+    assert est.flops_per_iteration(p.args) == num_floating_point_operations(p.args, 8)
+    # About 6 FLOPs per parameter per token (forward + backward), plus attention and logits.
+    ratio = est.flops_per_iteration(p.args) / (6 * p.params.total * 8 * 64)
+    assert 1.0 < ratio < 2.0
+
+
+# ---------------------------------------------------------------------------
+# The command line: --dry-run output and exit codes, and the real launch
+# ---------------------------------------------------------------------------
+
+def test_dry_run_prints_the_resolved_yaml_and_the_plan(capsys):
+    code = pretrain_gpt.main([*TINY, "--global-batch-size", "8", "--dry-run-world-size", "2",
+                              "--gpu-type", "H200"])
+    out = capsys.readouterr().out
+    assert code == 0
+    resolved = yaml.safe_load(out.split("# resolved configuration\n", 1)[1].split("\nlayout:")[0])
+    assert resolved["num_layers"] == 2 and resolved["data_parallel_size"] == 2
+    assert resolved["world_size"] == 2
+    for line in ("GPUs            2 = TP 1 × PP 1 × CP 1 × DP 2",
+                 "micro-batches   2 per step = global batch 8 / (micro-batch 2 × DP 2)",
+                 "tokens/step     512 = 8 sequences × 64 tokens",
+                 "H200 140.4 GiB", "model FLOPs", "dry run OK: 2 GPUs"):
+        assert line in out
+
+
+def test_dry_run_world_size_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    args = parse_arguments([*TINY, "--global-batch-size", "8"])
+    with contextlib.redirect_stdout(io.StringIO()):
+        p = make_plan(args)
+    assert p.args.world_size == 4 and p.args.data_parallel_size == 4
+
+
+def test_dry_run_error_exits_2_with_the_message(capsys):
+    code = pretrain_gpt.main([*TINY, "--global-batch-size", "4", "--dry-run-world-size", "3"])
+    assert code == 2
+    assert "error: --global-batch-size 4 is not divisible by --micro-batch-size 2 × DP 3 = 6" \
+        in capsys.readouterr().err
+
+
+def test_the_real_launch_runs_the_same_checks_before_megatron(monkeypatch, capsys):
+    env = {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29599"}
+    for name, value in env.items():  # restored after the test
+        monkeypatch.setenv(name, value)
+    argv = [a for a in TINY if a != "--dry-run"]
+    code = pretrain_gpt.main([*argv, "--cpu", "--pipeline-model-parallel-size", "4"])
+    assert code == 2
+    # Megatron's own assertion would say 'Number of layers should be divisible ...'.
+    assert "error: --num-layers 2 is not divisible by --pipeline-model-parallel-size 4 " \
+           "(2 / 4 = 0.50 layers per stage)" in capsys.readouterr().err
+
+
+def test_gpu_types_set_memory_and_arch():
+    from megagpt.preflight.gpus import resolve_gpu
+
+    assert (resolve_gpu("A100-40GB", None).memory_gib, resolve_gpu("A100-40GB", None).arch) == (40, 8)
+    h100 = resolve_gpu("H100", 70)
+    assert (h100.memory_gib, h100.arch) == (70, 9)
+    assert issubclass(LayoutError, UserError)

@@ -1,0 +1,15 @@
+#!/usr/bin/env python
+"""Plot loss, learning rate and throughput of training runs: see megagpt.plots.
+
+    python tools/plot_runs.py runs/a/train.log runs/b/tensorboard --labels a b --out runs.png
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megagpt.plots import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
