@@ -198,7 +198,8 @@ def main(argv=None) -> int:
             if losses and dist.get_rank() == parallel_state.get_pipeline_model_parallel_last_rank():
                 print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
             if not args.cpu and dist.get_rank() == 0:
-                print(f"max GPU memory allocated: {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB")
+                peak = torch.cuda.max_memory_allocated() / 2**20
+                print(f"max GPU memory allocated: {peak:.0f} MiB")
         finally:
             parallel_state.destroy_model_parallel()
             dist.destroy_process_group()

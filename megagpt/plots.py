@@ -168,7 +168,8 @@ def plot_runs(runs: list[Run], out: str | Path, title: str | None = None) -> Pat
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megagpt.plots", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m megagpt.plots",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", help="training logs, TensorBoard folders or event files")
     p.add_argument("--labels", nargs="+", default=None, help="one label per run")
     p.add_argument("--out", default="runs.png", help="PNG to write (default: runs.png)")
@@ -185,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for run in runs:
         its = sorted(run.loss)
-        span = f"iterations {its[0]}..{its[-1]}, loss {run.loss[its[0]]:.3f} -> {run.loss[its[-1]]:.3f}" \
-            if its else "no loss"
+        span = (f"iterations {its[0]}..{its[-1]}, "
+                f"loss {run.loss[its[0]]:.3f} -> {run.loss[its[-1]]:.3f}") if its else "no loss"
         print(f"{run.label}: {span}")
     print(f"wrote {out}")
     return 0

@@ -5,7 +5,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -16,8 +15,8 @@ EXAMPLES = REPO / "examples"
 
 def run_script(script, *args, env=None, timeout=240) -> subprocess.CompletedProcess:
     merged = entry_env({"PYTHON": sys.executable, **(env or {})})
-    for name in ("SLURM_NNODES", "SLURM_NODEID", "SLURM_JOB_NODELIST", "WORLD_SIZE",
-                 "NNODES", "NODE_RANK", "GPUS_PER_NODE"):
+    for name in ("SLURM_NNODES", "SLURM_NODEID", "SLURM_JOB_NODELIST", "WORLD_SIZE", "RANK",
+                 "NNODES", "NODE_RANK", "GPUS_PER_NODE", "MASTER_ADDR", "MASTER_PORT"):
         if name not in (env or {}):
             merged.pop(name, None)
     return subprocess.run(["bash", str(EXAMPLES / script), *map(str, args)], cwd=REPO,

@@ -75,7 +75,8 @@ def _schedule_batch_sizes(schedule: str) -> list[int]:
     from megatron.core.num_microbatches_calculator import StepBatchsizeNumMicroBatchesCalculator
 
     try:
-        return [bs for _, bs in StepBatchsizeNumMicroBatchesCalculator._parse_schedule(schedule, None)]
+        parsed = StepBatchsizeNumMicroBatchesCalculator._parse_schedule(schedule, None)
+        return [bs for _, bs in parsed]
     except ValueError as exc:
         raise LayoutError(f"--step-batch-size-schedule {schedule!r}: {exc}") from None
 

@@ -115,7 +115,8 @@ def count_parameters(args) -> ParameterCount:
             elif pp > 1:
                 tied_copy = word  # the last stage keeps its own copy of the tied embedding
                 sharded += word
-        stages.append(StageParams(i, n, sharded + replicated, sharded // tp + replicated, tied_copy))
+        stages.append(StageParams(i, n, sharded + replicated, sharded // tp + replicated,
+                                  tied_copy))
     total = sum(s.total - s.tied_copy for s in stages)
     return ParameterCount(total, word + position + output, tuple(stages))
 
@@ -147,7 +148,9 @@ class MemoryEstimate:
 def _dtype_bytes(dtype, default: int) -> int:
     import torch
 
-    return torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else default
+    if not isinstance(dtype, torch.dtype):
+        return default
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def bytes_per_parameter(args) -> tuple[int, int, float]:
