@@ -20,8 +20,9 @@ the index names exists and is long enough for its last byte range.
 Rules applied by ``prepare_load`` (all ranks compute the same answer; rank 0 writes):
 
 - The tracker's checkpoint is loaded when it is complete.
-- Otherwise the newest complete checkpoint below it (any, if the tracker is unreadable) is
-  loaded instead, with a logged line; the tracker is rewritten atomically to name it.
+- Otherwise the newest complete checkpoint below it (any, if the tracker is missing or
+  unreadable) is loaded instead (megatron's ``--ckpt-step``), with a logged line; in the
+  run's own ``--save`` directory the tracker is rewritten atomically to name it.
 - Directories newer than the one loaded are moved to ``<save>/.megagpt-set-aside/`` when
   ``--load`` is the ``--save`` directory (the resumed run will write those iterations again).
 - ``--load`` with no checkpoint at all is an error, except when it is also the ``--save``
@@ -189,6 +190,8 @@ def plan_load(load: str, save: str | None) -> LoadPlan:
         if problem is None:
             if tracker_problem:
                 why = f"{TRACKER} is unreadable ({tracker_problem})"
+            elif tracker is None:
+                why = f"no {TRACKER}"
             else:
                 why = f"iter_{tracker:07d} is incomplete: {problems[tracker]}"
             newer = tuple(i for i in iterations if i > candidate)
@@ -265,9 +268,15 @@ def prepare_load(args, log: Callable[[str], None]) -> LoadPlan | None:
         raise CheckpointError(f"--load {ckpt_dir} was saved for another model: "
                               + "; ".join(blocking))
     if plan.tracker != plan.iteration:
-        args.ckpt_step = plan.iteration
-        if _rank0():
-            write_tracker(plan.root, plan.iteration)
+        args.ckpt_step = plan.iteration  # what megatron loads; the tracker is only repaired
+        # in our own --save directory, or where megatron could not read it at all.
+        if _rank0() and (_same_dir(args.load, args.save) or plan.tracker is None):
+            try:
+                write_tracker(plan.root, plan.iteration)
+            except OSError as exc:
+                raise CheckpointError(f"{os.path.join(plan.root, TRACKER)} names no complete "
+                                      f"checkpoint and cannot be rewritten ({exc}); pass "
+                                      f"--ckpt-step {plan.iteration}") from None
     _set_aside(plan.root, plan.set_aside, log)
     log(f"resume: loading {ckpt_dir} ({plan.reason})")
     if layout:
@@ -290,6 +299,18 @@ def resume_hint(args) -> str:
 # ---------------------------------------------------------------------------
 # Errors raised while megatron loads
 # ---------------------------------------------------------------------------
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """torch.distributed.checkpoint wraps each rank's error in a CheckpointException
+    (a BaseException) whose ``failures`` map ranks to the original exceptions."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
+            return first[0]  # (exception, traceback summary)
+        return getattr(first, "exception", first)
+    return exc
+
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
@@ -320,9 +341,12 @@ def one_line_load_errors(load_checkpoint, args):
         except SystemExit as exc:
             raise CheckpointError(f"cannot load checkpoint {where}: megatron gave up "
                                   f"(exit status {exc.code}); see the lines above") from None
-        except Exception as exc:  # noqa: BLE001 - any failure here is about the checkpoint
-            raise CheckpointError(f"cannot load checkpoint {where}: {type(exc).__name__}: "
-                                  f"{_first_line(exc)}") from exc
+        except (KeyboardInterrupt, GeneratorExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - any failure here is about the checkpoint
+            cause = _root_cause(exc)
+            raise CheckpointError(f"cannot load checkpoint {where}: {type(cause).__name__}: "
+                                  f"{_first_line(cause)}") from exc
 
     wrapper._megagpt_original = load_checkpoint
     return wrapper

@@ -92,8 +92,13 @@ def read(checkpoint_dir: str) -> dict | None:
     path = os.path.join(checkpoint_dir, FILENAME)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return (yaml.safe_load(f) or {}).get("entry")
+    try:
+        with open(path) as f:
+            snapshot = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return None  # an edited or damaged snapshot: leave the checks to megatron's loader
+    entry = snapshot.get("entry") if isinstance(snapshot, dict) else None
+    return entry if isinstance(entry, dict) else None
 
 
 def writing_snapshot(save_checkpoint, args, container=None):

@@ -1,0 +1,286 @@
+"""Crashes during a save, bad checkpoints, resharding and divergence, on real checkpoints.
+
+A module fixture trains the tiny CPU model and saves at iterations 4 and 8; the fast
+tests damage copies of it the way a crash or a bad disk would and check which checkpoint
+``checkpoint_guard`` chooses; the slow ones run the entry as real processes.
+"""
+
+import os
+import re
+import shutil
+import signal
+import time
+from argparse import Namespace
+
+import pytest
+import yaml
+
+from helpers import TINY_MODEL, parse_losses, run_entry, start_entry, wait_for_log
+from megagpt.resilience import checkpoint_guard as guard
+from megagpt.resilience.checkpoint_guard import CheckpointError, incompleteness, plan_load
+
+NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A --save directory with complete checkpoints at iterations 4 and 8."""
+    work = tmp_path_factory.mktemp("faults")
+    ckpt = work / "ckpt"
+    proc = run_entry(TINY_MODEL + NO_DROPOUT + ["--train-iters", "8", "--save", str(ckpt),
+                                                "--save-interval", "4"], cwd=work)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert guard.saved_iterations(str(ckpt)) == [4, 8]
+    return ckpt
+
+
+@pytest.fixture
+def ckpt(saved, tmp_path):
+    """A private copy of the saved directory, to damage."""
+    return str(shutil.copytree(saved, tmp_path / "ckpt"))
+
+
+def it_dir(root, i):
+    return os.path.join(root, f"iter_{i:07d}")
+
+
+def shard(root, i):
+    return os.path.join(it_dir(root, i), "__0_0.distcp")
+
+
+# ---------------------------------------------------------------------------
+# Which checkpoint is loaded (real checkpoints, damaged; no training)
+# ---------------------------------------------------------------------------
+
+def test_complete_checkpoints_load_as_tracked(ckpt):
+    assert incompleteness(it_dir(ckpt, 4)) is None
+    assert incompleteness(it_dir(ckpt, 8)) is None
+    assert plan_load(ckpt, ckpt).iteration == 8
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda c: os.remove(os.path.join(it_dir(c, 8), "metadata.json")), "metadata.json is missing"),
+    (lambda c: os.remove(os.path.join(it_dir(c, 8), ".metadata")), ".metadata is missing"),
+    (lambda c: os.truncate(shard(c, 8), os.path.getsize(shard(c, 8)) // 2), "is truncated"),
+    (lambda c: os.remove(shard(c, 8)), "shard __0_0.distcp is missing"),
+], ids=["killed-before-metadata.json", "killed-before-.metadata", "truncated-shard",
+        "missing-shard"])
+def test_incomplete_newest_falls_back_to_previous_complete(ckpt, damage, reason):
+    damage(ckpt)
+    assert reason in incompleteness(it_dir(ckpt, 8))
+    plan = plan_load(ckpt, ckpt)
+    assert plan.iteration == 4
+    assert reason in plan.reason and "iter_0000008" in plan.reason
+    assert plan.set_aside == (8,)
+
+
+def test_empty_tracker_resumes_from_newest_complete(ckpt):
+    open(os.path.join(ckpt, guard.TRACKER), "w").close()  # killed while writing it
+    plan = plan_load(ckpt, ckpt)
+    assert plan.iteration == 8 and "unreadable" in plan.reason
+
+
+def test_missing_tracker_resumes_from_newest_complete(ckpt):
+    os.remove(os.path.join(ckpt, guard.TRACKER))
+    os.remove(os.path.join(it_dir(ckpt, 8), "metadata.json"))
+    plan = plan_load(ckpt, ckpt)
+    assert plan.iteration == 4 and f"no {guard.TRACKER}" in plan.reason
+
+
+def test_untracked_newer_checkpoint_is_set_aside(ckpt):
+    guard.write_tracker(ckpt, 4)  # killed after iter_8 was complete, before the tracker moved
+    args = _args_like(it_dir(ckpt, 4), load=ckpt, save=ckpt, ckpt_step=None)
+    lines = []
+    guard.prepare_load(args, lines.append)
+    assert guard.saved_iterations(ckpt) == [4]
+    assert os.listdir(os.path.join(ckpt, guard.SET_ASIDE))[0].startswith("iter_0000008-")
+    assert any("moved iter_0000008" in line for line in lines)
+
+
+def test_fallback_points_megatron_at_the_complete_one(ckpt):
+    os.remove(os.path.join(it_dir(ckpt, 8), "metadata.json"))
+    args = _args_like(it_dir(ckpt, 4), load=ckpt, save=ckpt, ckpt_step=None)
+    guard.prepare_load(args, lambda line: None)
+    assert args.ckpt_step == 4
+    assert guard.read_tracker(ckpt) == 4
+
+
+def test_no_complete_checkpoint_names_each_problem(ckpt):
+    os.remove(os.path.join(it_dir(ckpt, 8), "metadata.json"))
+    os.remove(shard(ckpt, 4))
+    with pytest.raises(CheckpointError) as err:
+        plan_load(ckpt, None)
+    message = str(err.value)
+    assert ckpt in message and "iter_0000008: metadata.json is missing" in message
+    assert "iter_0000004: shard __0_0.distcp is missing" in message
+
+
+def test_load_path_without_checkpoint(tmp_path):
+    empty = str(tmp_path / "empty")
+    os.makedirs(empty)
+    with pytest.raises(CheckpointError, match=f"--load {re.escape(empty)} has no checkpoint"):
+        plan_load(empty, str(tmp_path / "elsewhere"))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        plan_load(str(tmp_path / "missing"), None)
+    # The same command for the first launch and every resume: --load is also --save.
+    assert plan_load(empty, empty).iteration is None
+    assert plan_load(str(tmp_path / "new"), str(tmp_path / "new")).iteration is None
+
+
+def _args_like(ckpt_dir, **changes):
+    entry = yaml.safe_load(open(os.path.join(ckpt_dir, "megagpt_config.yaml")))["entry"]
+    values = {**entry["model"], **entry["tokenizer"], **entry["layout"]}
+    values.update(changes)
+    return Namespace(ckpt_format="torch_dist", **values)
+
+
+def test_another_model_or_vocabulary_is_refused_another_layout_is_not(ckpt):
+    ckpt_dir = it_dir(ckpt, 8)
+    blocking, layout = guard.compare_with_run(ckpt_dir, _args_like(ckpt_dir))
+    assert blocking == [] and layout == []
+    blocking, _ = guard.compare_with_run(ckpt_dir, _args_like(ckpt_dir, hidden_size=128))
+    assert blocking == ["model --hidden-size 64 there, 128 here"]
+    blocking, _ = guard.compare_with_run(ckpt_dir, _args_like(ckpt_dir, vocab_size=500))
+    assert blocking == ["tokenizer --vocab-size 512 there, 500 here"]
+    blocking, _ = guard.compare_with_run(
+        ckpt_dir, _args_like(ckpt_dir, tokenizer_type="HuggingFaceTokenizer",
+                             tokenizer_model="/data/tok"))
+    assert len(blocking) == 2 and "--tokenizer-type NullTokenizer there" in blocking[0]
+    blocking, layout = guard.compare_with_run(
+        ckpt_dir, _args_like(ckpt_dir, tensor_model_parallel_size=2, world_size=2))
+    assert blocking == [] and layout == ["tensor 1->2"]
+
+
+# ---------------------------------------------------------------------------
+# The entry, end to end
+# ---------------------------------------------------------------------------
+
+def _one_line_error(proc):
+    assert proc.returncode == 2, proc.stdout[-3000:]
+    assert "Traceback" not in proc.stdout, proc.stdout[-3000:]
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, proc.stdout[-3000:]
+    return errors[0]
+
+
+@pytest.mark.slow
+def test_bad_checkpoints_stop_with_one_line(ckpt, tmp_path):
+    base = TINY_MODEL + NO_DROPOUT + ["--train-iters", "10"]
+    line = _one_line_error(run_entry(base + ["--hidden-size", "128", "--load", ckpt],
+                                     cwd=tmp_path))
+    assert f"--load {it_dir(ckpt, 8)} was saved for another model" in line
+    assert "--hidden-size 64 there, 128 here" in line
+    empty = tmp_path / "nothing"
+    empty.mkdir()
+    line = _one_line_error(run_entry(base + ["--load", str(empty)], cwd=tmp_path))
+    assert f"--load {empty} has no checkpoint" in line
+
+
+@pytest.mark.slow
+def test_mismatch_found_by_megatrons_loader_is_one_line_too(ckpt, tmp_path):
+    """Without our snapshot (a checkpoint from upstream's entry) megatron finds the shape
+    mismatch itself, deep in torch.distributed; the entry still says it in one line."""
+    for i in (4, 8):
+        os.remove(os.path.join(it_dir(ckpt, i), "megagpt_config.yaml"))
+    proc = run_entry(TINY_MODEL + NO_DROPOUT + ["--train-iters", "10", "--hidden-size", "128",
+                                                "--load", ckpt], cwd=tmp_path)
+    line = _one_line_error(proc)
+    assert f"cannot load checkpoint {it_dir(ckpt, 8)}" in line
+    assert "shape" in line.lower()
+
+
+def _kill_during_second_save(work):
+    """Train with saves every 2 iterations; SIGKILL the run as soon as the save of
+    iteration 4 has created its directory. The command, and whether the kill was in time."""
+    ckpt = work / "ckpt"
+    command = TINY_MODEL + NO_DROPOUT + ["--train-iters", "100", "--save", str(ckpt),
+                                         "--load", str(ckpt), "--save-interval", "2"]
+    log = work / "killed.log"
+    proc = start_entry(command, work, log)
+    try:
+        wait_for_log(log, r"successfully saved checkpoint from iteration\s+2 ", proc)
+        deadline = time.monotonic() + 120
+        while not os.path.isdir(it_dir(ckpt, 4)) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    return command, incompleteness(it_dir(ckpt, 4)) is not None
+
+
+@pytest.mark.slow
+def test_kill_during_save_resumes_from_previous_complete(tmp_path):
+    for attempt in range(3):  # the save takes a fraction of a second: the kill may be late
+        work = tmp_path / f"attempt{attempt}"
+        work.mkdir()
+        command, in_time = _kill_during_second_save(work)
+        if in_time:
+            break
+    assert in_time, "the kill never landed during the save"
+    ckpt = str(work / "ckpt")
+    assert guard.read_tracker(ckpt) == 2  # megatron moves the tracker only after the data
+
+    resumed = run_entry(command + ["--exit-interval", "3"], cwd=work)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert f"loading {it_dir(ckpt, 2)} (iteration 2)" in resumed.stdout
+    assert "moved iter_0000004" in resumed.stdout  # the partial one, out of the way
+    assert sorted(parse_losses(resumed.stdout)) == [3]
+    assert guard.read_tracker(ckpt) == 3 and incompleteness(it_dir(ckpt, 3)) is None
+
+
+@pytest.mark.slow
+def test_divergence_stops_at_its_iteration_and_keeps_the_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    # An absurd learning rate: the weights blow up after the first step, the loss is NaN.
+    proc = run_entry(TINY_MODEL + NO_DROPOUT + [
+        "--train-iters", "10", "--lr", "1e30", "--min-lr", "1e30", "--lr-warmup-iters", "0",
+        "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "1"], cwd=tmp_path)
+    line = _one_line_error(proc)
+    assert line.startswith("error: divergence at iteration 2: nan")
+    assert "NaN in local forward loss" in line
+    assert f"{it_dir(ckpt, 1)}, is untouched" in line
+    assert "--iterations-to-skip 2" in line
+    assert guard.saved_iterations(str(ckpt)) == [1] and guard.read_tracker(str(ckpt)) == 1
+    assert incompleteness(it_dir(ckpt, 1)) is None
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_under_tp2_loads_under_pp2_and_tp1(tmp_path):
+    base = TINY_MODEL + NO_DROPOUT + ["--train-iters", "6"]
+    ckpt = str(tmp_path / "ckpt")
+    reference = parse_losses(run_entry(base + ["--exit-interval", "4"], cwd=tmp_path).stdout)
+    saved = run_entry(base + ["--tensor-model-parallel-size", "2", "--save", ckpt,
+                              "--save-interval", "3", "--exit-interval", "3"],
+                      cwd=tmp_path, nproc=2)
+    assert saved.returncode == 0, saved.stdout[-3000:]
+    for layout, nproc, change in ((["--pipeline-model-parallel-size", "2"], 2,
+                                   "tensor 2->1, pipeline 1->2"), ([], 1, "tensor 2->1")):
+        resumed = run_entry(base + layout + ["--load", ckpt, "--exit-interval", "4"],
+                            cwd=tmp_path, nproc=nproc)
+        assert resumed.returncode == 0, resumed.stdout[-3000:]
+        assert f"parallel layout changed ({change})" in resumed.stdout
+        losses = parse_losses(resumed.stdout)
+        assert sorted(losses) == [4]
+        # Another layout sums in another order: equal to float32 rounding, not bit for bit.
+        assert losses[4] == pytest.approx(reference[4], rel=1e-5)
+
+
+def test_divergence_default_and_message():
+    from megagpt.resilience import divergence
+
+    args = Namespace(check_for_nan_in_loss_and_grad=True, rerun_mode="validate_results")
+    divergence.apply_defaults(args, ["--cpu"], lambda line: None)
+    assert args.rerun_mode == "disabled"
+    args = Namespace(check_for_nan_in_loss_and_grad=True, rerun_mode="validate_results")
+    divergence.apply_defaults(args, ["--rerun-mode", "validate_results"], lambda line: None)
+    assert args.rerun_mode == "validate_results"  # asked for: kept
+
+    # megatron's text (rerun_state_machine.validate_result, reruns disabled)
+    fault = RuntimeError("Rank 0, node vm, device 0, iteration 8: Unexpected result inf "
+                         "(message='found Inf in local forward loss calculation')")
+    error = divergence.divergence_error(fault, Namespace(curr_iteration=6), "Hint.")
+    assert str(error).startswith("divergence at iteration 7: inf "
+                                 "(found Inf in local forward loss calculation)")
+    assert divergence.divergence_error(RuntimeError("CUDA out of memory"),
+                                       Namespace(curr_iteration=6), "") is None
