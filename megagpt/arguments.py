@@ -58,6 +58,17 @@ def _add_optional_arguments(group) -> None:
         add_preflight_arguments(group)
 
 
+def _escape_stray_percent_signs(parser: argparse.ArgumentParser) -> None:
+    """argparse formats help with ``%``; some of megatron 0.19's help texts contain a bare
+    ``%`` (``... 10%)``) and ``--help`` crashes on them. Escape every ``%`` that does not
+    start an argparse placeholder such as ``%(default)s``."""
+    import re
+
+    for action in parser._actions:
+        if action.help and "%" in action.help:
+            action.help = re.sub(r"%(?!\()", "%%", action.help)
+
+
 @contextlib.contextmanager
 def _argv(tokens: list[str]):
     saved = sys.argv
@@ -100,7 +111,9 @@ def parse_arguments(argv: list[str] | None = None,
 
     def provider(parser):
         add_entry_arguments(parser)
-        return extra_args_provider(parser) if extra_args_provider else parser
+        parser = extra_args_provider(parser) if extra_args_provider else parser
+        _escape_stray_percent_signs(parser)
+        return parser
 
     with _argv(argv):
         args = parse_args(extra_args_provider=provider)
@@ -160,6 +173,9 @@ def validate_arguments(args, device_arch: int | None = None) -> None:
     """megatron's validate_args, with its assertions turned into ArgumentError."""
     from megatron.training.arguments import validate_args
 
+    if args.lr is None and not getattr(args, "skip_train", False):
+        # megatron has no default learning rate and fails deep inside the optimizer.
+        raise ArgumentError("--lr is required (the peak learning rate, e.g. --lr 3e-4)")
     needs_connections = args.tensor_model_parallel_size > 1 or args.context_parallel_size > 1
     if needs_connections and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
         # Megatron orders TP/CP communication on one hardware queue; it must be set

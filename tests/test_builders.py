@@ -10,7 +10,7 @@ from megagpt import arguments, cpu_mode
 TINY = ["--cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "64",
         "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
         "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2",
-        "--vocab-size", "128"]
+        "--vocab-size", "128", "--lr", "1e-3"]
 
 
 def choose(*extra):

@@ -284,3 +284,28 @@ def test_divergence_default_and_message():
                                  "(found Inf in local forward loss calculation)")
     assert divergence.divergence_error(RuntimeError("CUDA out of memory"),
                                        Namespace(curr_iteration=6), "") is None
+
+
+def test_grad_norm_guard_stops_a_run_whose_in_step_checks_are_off():
+    """The fast path's CUDA graph turns megatron's in-step NaN checks off; the guard checks
+    the gradient norm train_step returns (megatron's 8-tuple: grad norm is 6th)."""
+    from megagpt.resilience import divergence
+
+    def train_step(*args, iteration=None, **kwargs):
+        return ({}, False, False, False, 0, grad_norms[iteration], 0, None)
+
+    grad_norms = {0: 1.5, 1: float("nan"), 2: float("inf")}
+    guarded = divergence.grad_norm_guard(train_step, lambda: "The newest checkpoint, X, is untouched.")
+    assert guarded(iteration=0)[5] == 1.5
+    for it in (1, 2):
+        with pytest.raises(divergence.DivergenceError,
+                           match=rf"divergence at iteration {it + 1}: gradient norm .*X, is "
+                                 rf"untouched.*--iterations-to-skip {it + 1}"):
+            guarded(iteration=it)
+
+    off_by_fast_path = Namespace(check_for_nan_in_loss_and_grad=False)
+    assert divergence.needs_grad_norm_guard(off_by_fast_path, ["--bf16"])
+    assert not divergence.needs_grad_norm_guard(
+        off_by_fast_path, ["--no-check-for-nan-in-loss-and-grad"])  # the user's choice
+    assert not divergence.needs_grad_norm_guard(
+        Namespace(check_for_nan_in_loss_and_grad=True), [])

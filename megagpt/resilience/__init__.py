@@ -44,6 +44,9 @@ def active(args, container=None):
         "save_checkpoint": lambda fn: config_snapshot.writing_snapshot(fn, args, container),
         "load_checkpoint": lambda fn: checkpoint_guard.one_line_load_errors(fn, args),
     }
+    if divergence.needs_grad_norm_guard(args, getattr(args, "entry_argv", None)):
+        wrappers["train_step"] = lambda fn: divergence.grad_norm_guard(
+            fn, lambda: checkpoint_guard.resume_hint(args))
     saved = {name: getattr(mtraining, name) for name in wrappers}
     try:
         for name, wrap in wrappers.items():

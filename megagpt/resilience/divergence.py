@@ -20,6 +20,8 @@ megatron's ``--iterations-to-skip N`` (its batch is read and dropped).
 
 from __future__ import annotations
 
+import functools
+import math
 import re
 from typing import Callable
 
@@ -39,7 +41,13 @@ class DivergenceError(UserError, RuntimeError):
 def apply_defaults(args, argv, log: Callable[[str], None]) -> None:
     """Stop on the first fault without saving, unless the user chose a rerun mode."""
     if not args.check_for_nan_in_loss_and_grad:
-        log("divergence: NaN/Inf checks are off (--no-check-for-nan-in-loss-and-grad)")
+        if "--no-check-for-nan-in-loss-and-grad" in explicit_flags(argv or []):
+            log("divergence: NaN/Inf checks are off (--no-check-for-nan-in-loss-and-grad)")
+        else:
+            # The fast path's CUDA graph cannot hold megatron's in-step checks; the gradient
+            # norm, computed after the graph, is checked instead (grad_norm_guard).
+            log("divergence: NaN/Inf in the gradient norm stops the run at that iteration "
+                "(checked after each step; megatron's in-step checks are off)")
         return
     if "--rerun-mode" in explicit_flags(argv or []) or args.rerun_mode != "validate_results":
         return
@@ -73,3 +81,32 @@ def divergence_error(exc: BaseException, args, resume_hint: str) -> DivergenceEr
         f"divergence at iteration {iteration}: {result} ({what}); the run stopped without "
         f"saving. {resume_hint} To step over that batch, relaunch with "
         f"--iterations-to-skip {iteration}.")
+
+
+def needs_grad_norm_guard(args, argv) -> bool:
+    """Megatron's checks are off, but not because the user asked: check after each step."""
+    return (not args.check_for_nan_in_loss_and_grad
+            and "--no-check-for-nan-in-loss-and-grad" not in explicit_flags(argv or []))
+
+
+def grad_norm_guard(train_step, resume_hint: Callable[[], str]):
+    """Wrap megatron's ``train_step``: a NaN or Inf gradient norm raises DivergenceError.
+
+    A NaN or Inf anywhere in the loss reaches every gradient, so the norm the optimizer
+    computes (already on the host: it decides the clipping) reveals it at no extra cost.
+    The step's update has been applied in memory by then; the run stops before any later
+    save, so the newest checkpoint on disk is the last good one.
+    """
+    @functools.wraps(train_step)
+    def wrapper(*args, **kwargs):
+        result = train_step(*args, **kwargs)
+        grad_norm = result[5]
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            iteration = int(kwargs.get("iteration") or 0) + 1
+            raise DivergenceError(
+                f"divergence at iteration {iteration}: gradient norm {grad_norm}; the run "
+                f"stopped without saving. {resume_hint()} To step over that batch, relaunch "
+                f"with --iterations-to-skip {iteration}.")
+        return result
+
+    return wrapper
