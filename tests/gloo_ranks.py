@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import traceback
@@ -56,3 +57,20 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 120) -> None:
     failed = [p.exitcode for p in procs if p.exitcode not in (0, None)]
     if messages or failed:
         raise AssertionError("\n".join(messages) or f"exit codes {failed}")
+
+
+@contextlib.contextmanager
+def single_gloo_rank():
+    """This process as rank 0 of a one-process gloo group with megatron's parallel state
+    (what megatron's dataset builder and model constructors ask for)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
+                            rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()

@@ -5,6 +5,7 @@ import torch
 
 import gpt_builders
 import model_provider
+from gloo_ranks import single_gloo_rank
 from megagpt import arguments, cpu_mode
 
 TINY = ["--cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "64",
@@ -45,24 +46,13 @@ def test_transformer_engine_spec_when_selected():
 
 @pytest.fixture()
 def one_rank():
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from gloo_ranks import _free_port
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
-                            rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    with cpu_mode.active():
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(1234)
-        yield
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.training.global_vars import unset_global_variables
 
-    unset_global_variables()  # set by the test through set_megatron_globals
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    with single_gloo_rank(), cpu_mode.active():
+        model_parallel_cuda_manual_seed(1234)
+        yield
+        unset_global_variables()  # set by the test through set_megatron_globals
 
 
 @pytest.mark.parametrize("extra", [[], ["--no-fast-spec"]], ids=["fast", "local"])

@@ -2,7 +2,6 @@
 
 import gzip
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,8 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megagpt.data.cache import FetchError
-from megagpt.data.gpt2_files import ensure_gpt2_files
 from megagpt.data.preprocess import main, preprocess
 from megagpt.data.readers import InputError
 
@@ -25,16 +22,6 @@ TEXTS = [
     "a special token <|endoftext|> inside the text",
     "x",
 ] + [f"document {i}: " + "lorem ipsum dolor sit amet " * (i % 13) for i in range(60)]
-
-
-@pytest.fixture(scope="module")
-def gpt2():
-    try:
-        return ensure_gpt2_files()
-    except FetchError as e:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"GPT-2 files not cached and not fetchable here: {e}")
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,7 @@ import sys
 
 import pytest
 
-from megagpt.data.cache import FetchError
-from megagpt.data.gpt2_files import GPT2_EOD, GPT2_VOCAB_SIZE, MERGES_SHA256, VOCAB_SHA256, ensure_gpt2_files
+from megagpt.data.gpt2_files import GPT2_EOD, GPT2_VOCAB_SIZE, MERGES_SHA256, VOCAB_SHA256
 from megagpt.data.cache import sha256_file
 from megagpt.data import tokenizers as T
 
@@ -26,16 +25,6 @@ SAMPLES = [
     "a" * 5000,
     "\n".join(f"line {i}: {'x' * (i % 7)} {i * 37}" for i in range(200)),
 ]
-
-
-@pytest.fixture(scope="module")
-def gpt2():
-    try:
-        return ensure_gpt2_files()
-    except FetchError as e:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"GPT-2 files not cached and not fetchable here: {e}")
 
 
 @pytest.fixture(scope="module")

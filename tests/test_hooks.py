@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import pretrain_gpt
-from gloo_ranks import run_on_ranks
+from gloo_ranks import run_on_ranks, single_gloo_rank
 from megagpt import cpu_mode
 
 MICRO_BATCH, SEQ = 2, 8
@@ -201,17 +201,8 @@ def _dataset_config(**overrides):
 @pytest.fixture()
 def single_rank_data_parallel():
     """megatron's dataset builder asks parallel_state which ranks build; one gloo rank."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from gloo_ranks import _free_port
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
-                            rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    with single_gloo_rank():
+        yield
 
 
 def test_dataset_provider_reads_a_real_indexed_dataset(tmp_path, single_rank_data_parallel):

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 import pretrain_gpt
+from gloo_ranks import single_gloo_rank
 from megagpt.arguments import ArgumentError, parse_arguments
 from megagpt.errors import UserError
 from megagpt.preflight import LayoutError, MemoryBudgetError, make_plan
@@ -30,17 +31,8 @@ def plan(*extra, world_size=1):
 
 @pytest.fixture(scope="module")
 def one_gloo_rank():
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from gloo_ranks import _free_port
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
-                            rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    with single_gloo_rank():
+        yield
 
 
 VARIANTS = {
