@@ -24,6 +24,8 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 
+from megagpt.fast_spec.spec import fast_spec_unsupported_reason, get_fast_gpt_layer_spec
+
 TRANSFORMER_ENGINE = "transformer_engine"
 MOE_BLOCK = "moe_block"
 FAST = "fast"
@@ -40,14 +42,6 @@ class LayerSpecChoice:
         return f"layer spec: {self.path} ({self.reason})"
 
 
-def _fast_spec_unsupported_reason(args) -> str | None:
-    try:
-        from megagpt.fast_spec.spec import fast_spec_unsupported_reason
-    except ImportError:
-        return "megagpt.fast_spec is not available"
-    return fast_spec_unsupported_reason(args)
-
-
 def choose_layer_spec(args) -> LayerSpecChoice:
     """Decide the layer-spec path for this run from its (adapted) arguments."""
     if args.spec is not None:
@@ -58,7 +52,7 @@ def choose_layer_spec(args) -> LayerSpecChoice:
         return LayerSpecChoice(MOE_BLOCK, f"--num-experts {args.num_experts}, {impl} modules")
     if use_te:
         return LayerSpecChoice(TRANSFORMER_ENGINE, "Transformer Engine is installed and selected")
-    reason = _fast_spec_unsupported_reason(args)
+    reason = fast_spec_unsupported_reason(args)
     if reason is None:
         return LayerSpecChoice(FAST, "no Transformer Engine; SDPA attention and fused kernels")
     return LayerSpecChoice(LOCAL, f"megatron's local modules; fast spec off: {reason}")
@@ -69,8 +63,6 @@ def layer_spec_builder(choice: LayerSpecChoice, args) -> Callable | None:
     if choice.path == USER_SPEC:
         return None  # gpt_config_from_args already imported the user's spec
     if choice.path == FAST:
-        from megagpt.fast_spec.spec import get_fast_gpt_layer_spec
-
         spec = get_fast_gpt_layer_spec(args)
         return lambda config, vp_stage=None: spec
 

@@ -38,6 +38,8 @@ import gpt_builders
 from megagpt import arguments as entry_arguments
 from megagpt import compat, cpu_mode
 from megagpt import resilience
+from megagpt.fast_spec.lm_loss import get_output_processor
+from megagpt.fast_spec.spec import describe_fast_spec
 from megagpt.log import log
 from megagpt.rendezvous import default_single_process_env
 
@@ -94,10 +96,6 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
         partial(is_dataset_built_on_rank, vp_stage=vp_stage), dataset_config,
     ).build()
 
-
-# The datasets are built on every rank that needs them (megatron's core datasets are
-# distributed-aware), not only on TP rank 0 with a broadcast of the whole dataset.
-train_valid_test_datasets_provider.is_distributed = True
 
 
 # ---------------------------------------------------------------------------
@@ -261,15 +259,6 @@ def build_configs(args):
     return model_config, container, choice
 
 
-def lm_loss_processor(args):
-    """The fast path's chunked LM-head loss when this run uses it, else None."""
-    try:
-        from megagpt.fast_spec.lm_loss import get_output_processor
-    except ImportError:
-        return None
-    return get_output_processor(args)
-
-
 def run(args) -> None:
     """Train with validated, global args (see main)."""
     from megatron.training import get_tokenizer, pretrain, set_startup_timestamps
@@ -279,14 +268,16 @@ def run(args) -> None:
     model_config, container, choice = build_configs(args)
     log(choice.describe())
     if choice.path == gpt_builders.FAST:
-        from megagpt.fast_spec.spec import describe_fast_spec
         log(describe_fast_spec(args))
     dataset_config = dataset_config_from_args(args, get_tokenizer())
     datasets_provider = partial(train_valid_test_datasets_provider,
                                 dataset_config=dataset_config, mock_data=args.mock_data)
+    # Every rank that needs data builds it (megatron's core datasets are distributed-aware),
+    # rather than TP rank 0 building it and broadcasting the whole dataset.
     datasets_provider.is_distributed = True
     step = partial(forward_step, layout=BatchLayout.from_args(args),
-                   checks=LossChecks.from_args(args), output_processor=lm_loss_processor(args))
+                   checks=LossChecks.from_args(args),
+                   output_processor=get_output_processor(args))
     device_context = cpu_mode.active() if args.cpu else contextlib.nullcontext()
     with device_context, resilience.active(args, container):
         pretrain(container, datasets_provider, ModelType.encoder_or_decoder, step,

@@ -44,18 +44,17 @@ def add_entry_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--dry-run", action="store_true",
                        help="Check the launch and print the plan (parameters, memory, FLOPs, "
                             "layout); start nothing.")
-    _add_optional_arguments(group)
+    _add_package_arguments(group)
     return parser
 
 
-def _add_optional_arguments(group) -> None:
+def _add_package_arguments(group) -> None:
     """Options owned by other modules of the package (fast path, preflight)."""
-    with contextlib.suppress(ImportError):
-        from megagpt.fast_spec.settings import add_fast_path_arguments
-        add_fast_path_arguments(group)
-    with contextlib.suppress(ImportError):
-        from megagpt.preflight import add_preflight_arguments
-        add_preflight_arguments(group)
+    from megagpt.fast_spec.settings import add_fast_path_arguments
+    from megagpt.preflight import add_preflight_arguments
+
+    add_fast_path_arguments(group)
+    add_preflight_arguments(group)
 
 
 def _escape_stray_percent_signs(parser: argparse.ArgumentParser) -> None:
@@ -130,9 +129,9 @@ def parse_arguments(argv: list[str] | None = None,
     if args.eval_interval is None:
         # megatron 0.19 has no default and fails deep in training; upstream's was 1000.
         args.eval_interval = 1000
-    with contextlib.suppress(ImportError):
-        from megagpt.fast_spec.settings import apply_fast_path_defaults
-        apply_fast_path_defaults(args, log)
+    from megagpt.fast_spec.settings import apply_fast_path_defaults
+
+    apply_fast_path_defaults(args, log)
     return args
 
 
@@ -200,9 +199,6 @@ def set_megatron_globals(args) -> None:
 
 def build_tokenizer(args):
     """GPT-2 BPE offline and HF folders via megagpt.data; the rest via megatron."""
-    try:
-        from megagpt.data.tokenizers import build_tokenizer as offline_build_tokenizer
-    except ImportError:
-        from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer as mbt
-        return mbt(args)
+    from megagpt.data.tokenizers import build_tokenizer as offline_build_tokenizer
+
     return offline_build_tokenizer(args)
