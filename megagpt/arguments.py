@@ -138,13 +138,14 @@ def parse_arguments(argv: list[str] | None = None,
 def _default_tokenizer(args, argv: list[str]) -> None:
     if args.tokenizer_type is not None:
         return
-    if not args.mock_data:
+    if not (args.mock_data or args.dry_run):
         raise ArgumentError("--tokenizer-type is required with real data (--data-path ...); "
                             "e.g. --tokenizer-type GPT2BPETokenizer --vocab-file V --merge-file M")
     args.tokenizer_type = "NullTokenizer"
     if args.vocab_size is None:
         args.vocab_size = MOCK_DATA_VOCAB_SIZE
-    log(f"mock data: --tokenizer-type NullTokenizer --vocab-size {args.vocab_size}")
+    why = "mock data" if args.mock_data else "dry run without a tokenizer"
+    log(f"{why}: --tokenizer-type NullTokenizer --vocab-size {args.vocab_size}")
 
 
 @contextlib.contextmanager
