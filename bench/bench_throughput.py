@@ -19,7 +19,9 @@ allocator warm-up) are left out of the figures.
 
 ``--compare-losses`` logs every iteration and prints how far the fast path's losses are from
 the local spec's (same data, same seed; dropout makes them differ within noise).
-Extra entry flags: ``--entry-args "--no-fast-spec-compile"`` (applied to every entry path).
+Extra entry flags: ``--entry-args "--no-fast-spec-compile"`` (applied to every entry path);
+extra paths: ``--variant fp32grads="--no-fast-bf16-grad-buffer"`` (the fast path plus those
+flags), usable in ``--paths`` and ``--compare-paths fast,fp32grads``.
 """
 
 from __future__ import annotations
@@ -187,9 +189,10 @@ def compare_losses(local: dict, fast: dict) -> dict:
     if not common:
         return {}
     diffs = [abs(a[i] - b[i]) for i in common]
+    identical = sum(a[i] == b[i] for i in common)
     rel = [abs(a[i] - b[i]) / abs(a[i]) for i in common]
     return dict(iterations=len(common), max_abs_diff=max(diffs), max_rel_diff=max(rel),
-                mean_abs_diff=statistics.mean(diffs),
+                mean_abs_diff=statistics.mean(diffs), identical=identical,
                 last=(common[-1], a[common[-1]], b[common[-1]]))
 
 
@@ -212,11 +215,24 @@ def main(argv=None) -> int:
                    help="also run local and fast for N iterations logging every iteration "
                         "and compare their losses")
     p.add_argument("--timeout", type=int, default=1200, help="seconds per run")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="an extra path: the fast path with FLAGS added (repeatable); name it "
+                   "in --paths or --compare-paths")
+    p.add_argument("--compare-paths", default="local,fast",
+                   help="the two entry paths --compare-losses runs (default local,fast)")
     p.add_argument("--out", default=str(ROOT / "runs" / "bench"))
     a = p.parse_args(argv)
+    for spec in a.variant:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name or name in ("local", "fast", "reference"):
+            p.error(f"--variant wants NAME=FLAGS with a new name, got {spec!r}")
+        ENTRY_PATH_FLAGS[name] = shlex.split(flags)
     paths = [x for x in a.paths.split(",") if x]
-    for x in paths:
-        if x not in ("local", "fast", "reference"):
+    compare_paths = [x for x in a.compare_paths.split(",") if x]
+    if len(compare_paths) != 2:
+        p.error("--compare-paths wants two paths")
+    for x in paths + compare_paths:
+        if x not in ENTRY_PATH_FLAGS and x != "reference":
             p.error(f"unknown path {x!r}")
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -270,8 +286,9 @@ def main(argv=None) -> int:
     loss_cmp = None
     if a.compare_losses:
         runs = {pth: run_entry(a, pth, out_dir, a.compare_losses, 1, tag="_losses")
-                for pth in ("local", "fast")}
-        loss_cmp = compare_losses(runs["local"], runs["fast"])
+                for pth in compare_paths}
+        loss_cmp = compare_losses(runs[compare_paths[0]], runs[compare_paths[1]])
+        loss_cmp["paths"] = compare_paths
 
     ref = results.get("reference", {}).get("tflops_per_gpu")
     print()
@@ -296,9 +313,11 @@ def main(argv=None) -> int:
         if r.get("layer_spec"):
             print(f"  {path}: {r['layer_spec']}")
     if loss_cmp:
-        print(f"losses, fast vs local, first {loss_cmp['iterations']} iterations: "
+        print(f"losses, {loss_cmp['paths'][1]} vs {loss_cmp['paths'][0]}, first "
+              f"{loss_cmp['iterations']} iterations: "
               f"max |diff| {loss_cmp['max_abs_diff']:.4f} (max rel {loss_cmp['max_rel_diff']:.2%}),"
-              f" mean |diff| {loss_cmp['mean_abs_diff']:.4f}; last {loss_cmp['last']}")
+              f" mean |diff| {loss_cmp['mean_abs_diff']:.4f}, {loss_cmp['identical']} identical;"
+              f" last {loss_cmp['last']}")
     summary = dict(info=info, flops_per_iter=flops, results=results, loss_comparison=loss_cmp)
     (out_dir / f"bench_{a.shape}.json").write_text(json.dumps(summary, indent=1, default=str))
     ok = all(r.get("ms_per_iter") for r in results.values())

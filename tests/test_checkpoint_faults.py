@@ -275,6 +275,11 @@ def test_divergence_default_and_message():
     args = Namespace(check_for_nan_in_loss_and_grad=True, rerun_mode="validate_results")
     divergence.apply_defaults(args, ["--rerun-mode", "validate_results"], lambda line: None)
     assert args.rerun_mode == "validate_results"  # asked for: kept
+    # in-step checks off (the fast path's CUDA graph): nothing to validate, and a state
+    # machine not disabled would all-reduce a flag before every step
+    args = Namespace(check_for_nan_in_loss_and_grad=False, rerun_mode="validate_results")
+    divergence.apply_defaults(args, ["--bf16"], lambda line: None)
+    assert args.rerun_mode == "disabled"
 
     # megatron's text (rerun_state_machine.validate_result, reruns disabled)
     fault = RuntimeError("Rank 0, node vm, device 0, iteration 8: Unexpected result inf "

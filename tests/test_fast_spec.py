@@ -437,10 +437,15 @@ def _resolved(argv=(), **attrs):
 def restore_optimizer():
     from megagpt.fast_spec import optim
 
+    from megagpt.fast_spec import async_step
+
     was_installed = "Adam" in optim._ORIGINALS
+    async_was_installed = bool(async_step._ORIGINALS)
     optim.uninstall_fast_optimizer()
     yield
     optim.uninstall_fast_optimizer()
+    if not async_was_installed:
+        async_step.uninstall()
     if was_installed:
         optim.install_fast_optimizer()
 

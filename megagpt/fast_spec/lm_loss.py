@@ -86,6 +86,23 @@ def _kernel(name: str, fn, device: torch.device):
     return _compiled[name]
 
 
+def accumulate_weight_grad(acc: Tensor, grad_out: Tensor, inp: Tensor) -> None:
+    """``acc += grad_out.T @ inp`` where ``acc`` may be wider (fp32) than the operands (bf16).
+
+    On CUDA one GEMM accumulates into fp32 directly (``addmm`` with ``out_dtype``, torch
+    >= 2.8): no bf16 product, no separate add kernel (measured in bench/bench_kernels.py).
+    """
+    if grad_out.dtype == acc.dtype:
+        acc.addmm_(grad_out.t(), inp)
+    elif acc.is_cuda and acc.dtype == torch.float32 and _HAS_ADDMM_OUT_DTYPE:
+        torch.addmm(acc, grad_out.t(), inp, out_dtype=torch.float32, out=acc)
+    else:
+        acc.add_(grad_out.t() @ inp)
+
+
+_HAS_ADDMM_OUT_DTYPE = "dtype_out" in torch.ops.aten.addmm.overloads()
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk_elements: int):
@@ -120,7 +137,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
             if need_h:
                 torch.matmul(g, weight, out=grad_hidden[a:b])
             if need_w:
-                grad_weight.add_(g.t() @ hidden[a:b])
+                accumulate_weight_grad(grad_weight, g, hidden[a:b])
             del g
         if need_w:
             grad_weight = grad_weight.to(weight.dtype)

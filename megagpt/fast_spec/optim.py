@@ -49,6 +49,34 @@ def foreach_multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
         _foreach_copy(dst, torch._foreach_mul(src, scale))
 
 
+def foreach_multi_tensor_scale_tensor(chunk_size, noop_flag, tensor_lists, scale):
+    """``dst[i] = src[i] * scale`` with ``scale`` a 1-element tensor on the device.
+
+    The calling convention of TE's ``multi_tensor_scale_tensor``. With it installed,
+    megatron keeps the gradient norm on the GPU and clips by a tensor coefficient
+    (``clip_grads.get_grad_norm_fp32`` / ``clip_grad_by_total_norm_fp32``), so the step does
+    not wait for the norm to reach the host.
+    """
+    src: List[torch.Tensor] = list(tensor_lists[0])
+    dst: List[torch.Tensor] = list(tensor_lists[1])
+    if not src:
+        return
+    assert len(src) == len(dst)
+    scale = scale.reshape(()).float()
+    if all(s is d for s, d in zip(src, dst)):
+        for group in _by_dtype_and_device(dst).values():
+            torch._foreach_mul_(group, scale.to(group[0].device))
+        return
+    _foreach_copy(dst, torch._foreach_mul(src, scale))
+
+
+def _by_dtype_and_device(tensors: List[torch.Tensor]) -> dict:
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return groups
+
+
 def _foreach_copy(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
     # group by (dtype pair, device) so that each group can take torch's fast path
     groups: dict = {}
@@ -134,9 +162,16 @@ def megatron_uses_local_fallbacks() -> bool:
 
 
 def install_fast_optimizer(
-    fused_adam: bool = True, multi_tensor: bool = True, log: Optional[Callable[[str], None]] = None
+    fused_adam: bool = True,
+    multi_tensor: bool = True,
+    tensor_clip: bool = False,
+    log: Optional[Callable[[str], None]] = None,
 ) -> List[str]:
     """Patch megatron's optimizer modules (this process only). Returns what was changed.
+
+    ``tensor_clip`` also gives megatron a tensor-scale kernel, which makes it keep the
+    gradient norm on the GPU (see ``foreach_multi_tensor_scale_tensor``): the norm that
+    ``optimizer.step()`` returns is then a 1-element CUDA tensor.
 
     Safe to call more than once; a no-op where TE or apex provides the fused kernels.
     Must run before ``get_megatron_optimizer`` builds the optimizer (i.e. before
@@ -176,6 +211,12 @@ def install_fast_optimizer(
         moo._multi_tensor_copy_this_to_that = foreach_copy_this_to_that
         changed.append("main<->model param copies: torch._foreach_copy_")
 
+    if tensor_clip and "clip.multi_tensor_scale_tensor_impl" not in _ORIGINALS:
+        if mclip.multi_tensor_scale_tensor_impl is None:
+            _ORIGINALS["clip.multi_tensor_scale_tensor_impl"] = None
+            mclip.multi_tensor_scale_tensor_impl = foreach_multi_tensor_scale_tensor
+            changed.append("grad norm and clipping stay on the GPU (no host sync for the norm)")
+
     if log:
         for c in changed:
             log(f"fast optimizer: {c}")
@@ -197,5 +238,7 @@ def uninstall_fast_optimizer() -> None:
         mclip.multi_tensor_scale_impl = _ORIGINALS.pop("clip.multi_tensor_scale_impl")
     if "opt.multi_tensor_scale_impl" in _ORIGINALS:
         moo.multi_tensor_scale_impl = _ORIGINALS.pop("opt.multi_tensor_scale_impl")
+    if "clip.multi_tensor_scale_tensor_impl" in _ORIGINALS:
+        mclip.multi_tensor_scale_tensor_impl = _ORIGINALS.pop("clip.multi_tensor_scale_tensor_impl")
     if "opt._multi_tensor_copy_this_to_that" in _ORIGINALS:
         moo._multi_tensor_copy_this_to_that = _ORIGINALS.pop("opt._multi_tensor_copy_this_to_that")

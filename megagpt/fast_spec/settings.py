@@ -15,6 +15,14 @@
   --no-fast-optimizer            keep megatron's no-TE/no-apex optimizer fallbacks
                                  (foreach AdamW, per-tensor norm with one sync per tensor)
   --no-fast-lm-loss              megatron's LM head + cross entropy instead of the chunked one
+  --fast-bf16-grad-buffer / --no-fast-bf16-grad-buffer
+                                 keep gradients in a bf16 buffer (megatron's
+                                 --grad-reduce-in-bf16); default: on where that gives the same
+                                 values as the fp32 buffer (bf16, one micro-batch per step,
+                                 one data-parallel rank)
+  --no-fast-async-step           keep megatron's host synchronisations inside each step
+                                 (gradient norm read back for clipping, single-rank
+                                 all-reduces followed by .item())
 
 ``apply_fast_path_defaults(args, log)`` runs after parsing, before the model and optimizer
 are built, and resolves the automatic defaults. What it changes is listed in its docstring.
@@ -83,6 +91,24 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
         "softmax) instead of megagpt's chunked LM-head cross entropy (tensor-parallel "
         "size 1 only; other layouts use megatron's path either way).",
     )
+    group.add_argument(
+        "--fast-bf16-grad-buffer",
+        action=argparse.BooleanOptionalAction,
+        dest="fast_bf16_grad_buffer",
+        default=None,
+        help="Keep the gradient buffer in bf16 (megatron's --grad-reduce-in-bf16). Default: "
+        "on for fast-path bf16 runs with one micro-batch per step and one data-parallel rank, "
+        "where nothing is accumulated or reduced in the buffer and its values equal the fp32 "
+        "buffer's (saves 2 bytes per parameter of peak memory).",
+    )
+    group.add_argument(
+        "--no-fast-async-step",
+        action="store_false",
+        dest="fast_async_step",
+        help="Keep megatron's host synchronisations inside each training step (the gradient "
+        "norm read back to decide clipping, all-reduces over one rank followed by .item()). "
+        "By default the fast path keeps the norm on the GPU and skips those waits.",
+    )
     return parser
 
 
@@ -131,6 +157,43 @@ def cuda_graph_unsupported_reason(args) -> Optional[str]:
     return None
 
 
+def bf16_grad_buffer_unsupported_reason(args) -> Optional[str]:
+    """Why a bf16 gradient buffer would not equal the fp32 one here (None: it would).
+
+    With bf16 parameters every gradient autograd delivers is a bf16 tensor (a parameter used
+    twice, like tied embeddings, gets the bf16 sum of its uses). An fp32 buffer that is
+    zeroed each step and receives one such gradient — one micro-batch, no data-parallel
+    sum — holds exactly the bf16 value widened, so a bf16 buffer holds the same numbers.
+    """
+    from megagpt.compat import explicit_flags
+
+    if not getattr(args, "bf16", False):
+        return "not bf16"
+    if getattr(args, "cpu", False):
+        return "CPU mode"
+    if not fast_path_selected(args):
+        return "the fast spec is not used"
+    given = explicit_flags(getattr(args, "entry_argv", None) or [])
+    for flag in ("--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32",
+                 "--main-grads-dtype"):
+        if flag in given:
+            return f"{flag} was given"
+    model_parallel = 1
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "context_parallel_size"):
+        model_parallel *= getattr(args, name, 1) or 1
+    data_parallel = max(1, (getattr(args, "world_size", 1) or 1) // model_parallel)
+    if data_parallel != 1:
+        return "more than one data-parallel rank (gradients are summed across ranks)"
+    micro = getattr(args, "micro_batch_size", None) or 1
+    global_batch = getattr(args, "global_batch_size", None) or micro
+    if global_batch != micro or getattr(args, "rampup_batch_size", None):
+        return "more than one micro-batch per step (gradients are accumulated)"
+    if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
+        return "FSDP"
+    return None
+
+
 def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) -> None:
     """Adjust a parsed megatron namespace for the fast path. Call after parsing, before
     megatron's ``validate_args`` / the model and optimizer are built.
@@ -151,6 +214,12 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
       (``megagpt.fast_spec.optim.install_fast_optimizer``). Fused AdamW is left out, with
       a logged reason, for ``--use-precision-aware-optimizer``, ``--optimizer-cpu-offload``
       and optimizers other than adam;
+    - asynchronous step (``fast_async_step``, with the fast optimizer): the
+      gradient norm stays on the GPU and megatron's per-step waits for the host are skipped
+      where they are identities (``megagpt.fast_spec.async_step``);
+    - bf16 gradient buffer: sets megatron's ``grad_reduce_in_bf16`` when
+      ``fast_bf16_grad_buffer`` is on (by default where ``bf16_grad_buffer_unsupported_reason``
+      is None);
     - changes no other argument. Every change is logged through ``log``.
     """
     log = log or (lambda s: None)
@@ -161,6 +230,8 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
         ("fast_cuda_graph", None),
         ("fast_optimizer", True),
         ("fast_lm_loss", True),
+        ("fast_async_step", True),
+        ("fast_bf16_grad_buffer", None),
     ):
         if not hasattr(args, name):
             setattr(args, name, default)
@@ -186,6 +257,16 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
                 "losses are still logged)")
         log("fast path: forward+backward captured as one CUDA graph per iteration "
             "(--cuda-graph-impl full_iteration; --no-fast-cuda-graph turns it off)")
+
+    # --- bf16 gradient buffer -----------------------------------------------------------
+    if args.fast_bf16_grad_buffer is None:
+        args.fast_bf16_grad_buffer = bf16_grad_buffer_unsupported_reason(args) is None
+        if args.fast_bf16_grad_buffer:
+            log("fast path: gradients kept in a bf16 buffer (--grad-reduce-in-bf16): one "
+                "micro-batch, one data-parallel rank, so the values equal the fp32 buffer's "
+                "(--no-fast-bf16-grad-buffer keeps fp32)")
+    if args.fast_bf16_grad_buffer:
+        args.grad_reduce_in_bf16 = True
 
     # --- torch.compile ------------------------------------------------------------------
     if getattr(args, "cpu", False):
@@ -219,4 +300,12 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
     elif getattr(args, "optimizer_cpu_offload", False):
         fused_adam = False
         log("fast optimizer: optimizer CPU offload requested; fused AdamW left out")
-    install_fast_optimizer(fused_adam=fused_adam, multi_tensor=True, log=log)
+    async_step = bool(args.fast_async_step)
+    install_fast_optimizer(fused_adam=fused_adam, multi_tensor=True, tensor_clip=async_step,
+                           log=log)
+    if async_step:
+        from . import async_step as async_step_module
+
+        async_step_module.install(log)
+    elif not args.fast_async_step:
+        log("fast path: host synchronisations inside the step kept (--no-fast-async-step)")

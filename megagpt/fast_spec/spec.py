@@ -119,4 +119,6 @@ def describe_fast_spec(args) -> str:
         parts.append("full-iteration CUDA graph")
     if _get(args, "fast_optimizer", True):
         parts.append("fused AdamW + foreach optimizer kernels")
+        if _get(args, "fast_async_step", True):
+            parts.append("no host sync inside the step")
     return "fast spec (no Transformer Engine): " + ", ".join(parts)

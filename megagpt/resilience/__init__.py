@@ -45,8 +45,11 @@ def active(args, container=None):
         "load_checkpoint": lambda fn: checkpoint_guard.one_line_load_errors(fn, args),
     }
     if divergence.needs_grad_norm_guard(args, getattr(args, "entry_argv", None)):
-        wrappers["train_step"] = lambda fn: divergence.grad_norm_guard(
-            fn, lambda: checkpoint_guard.resume_hint(args))
+        guard = divergence.GradNormGuard(lambda: checkpoint_guard.resume_hint(args),
+                                         final_iteration=getattr(args, "train_iters", None))
+        wrappers["train_step"] = guard.train_step
+        save_with_snapshot = wrappers["save_checkpoint"]
+        wrappers["save_checkpoint"] = lambda fn: guard.save_checkpoint(save_with_snapshot(fn))
     saved = {name: getattr(mtraining, name) for name in wrappers}
     try:
         for name, wrap in wrappers.items():

@@ -48,6 +48,10 @@ def apply_defaults(args, argv, log: Callable[[str], None]) -> None:
             # norm, computed after the graph, is checked instead (grad_norm_guard).
             log("divergence: NaN/Inf in the gradient norm stops the run at that iteration "
                 "(checked after each step; megatron's in-step checks are off)")
+        if "--rerun-mode" not in explicit_flags(argv or []):
+            # nothing is validated with the checks off, and a rerun state machine that is
+            # not disabled all-reduces (and waits for) a flag before every step
+            args.rerun_mode = "disabled"
         return
     if "--rerun-mode" in explicit_flags(argv or []) or args.rerun_mode != "validate_results":
         return
@@ -89,24 +93,69 @@ def needs_grad_norm_guard(args, argv) -> bool:
             and "--no-check-for-nan-in-loss-and-grad" not in explicit_flags(argv or []))
 
 
-def grad_norm_guard(train_step, resume_hint: Callable[[], str]):
-    """Wrap megatron's ``train_step``: a NaN or Inf gradient norm raises DivergenceError.
+class GradNormGuard:
+    """Stop a run whose gradient norm is NaN or Inf, for runs whose in-step checks are off.
 
     A NaN or Inf anywhere in the loss reaches every gradient, so the norm the optimizer
-    computes (already on the host: it decides the clipping) reveals it at no extra cost.
-    The step's update has been applied in memory by then; the run stops before any later
-    save, so the newest checkpoint on disk is the last good one.
-    """
-    @functools.wraps(train_step)
-    def wrapper(*args, **kwargs):
-        result = train_step(*args, **kwargs)
-        grad_norm = result[5]
-        if grad_norm is not None and not math.isfinite(grad_norm):
-            iteration = int(kwargs.get("iteration") or 0) + 1
-            raise DivergenceError(
-                f"divergence at iteration {iteration}: gradient norm {grad_norm}; the run "
-                f"stopped without saving. {resume_hint()} To step over that batch, relaunch "
-                f"with --iterations-to-skip {iteration}.")
-        return result
+    computes reveals it. ``train_step`` wraps megatron's ``train_step`` (the norm is the 6th
+    of its results); ``save_checkpoint`` wraps megatron's ``save_checkpoint``.
 
-    return wrapper
+    A norm already on the host (a float) is checked at once. A norm kept on the GPU (the
+    fast path's asynchronous step, ``fast_spec.async_step``) is checked one iteration late,
+    when the GPU is already busy with the next iteration, so the check never idles it —
+    and every pending norm is checked before a checkpoint is written, so a diverged model
+    is never saved. The update of the failing step has been applied in memory; the newest
+    checkpoint on disk stays the last good one.
+    """
+
+    def __init__(self, resume_hint: Callable[[], str], final_iteration: int | None = None):
+        self.resume_hint = resume_hint
+        self.final_iteration = final_iteration
+        self.pending: list[tuple[int, object]] = []
+
+    def _raise(self, iteration: int, value) -> None:
+        raise DivergenceError(
+            f"divergence at iteration {iteration}: gradient norm {value}; the run stopped "
+            f"without saving. {self.resume_hint()} To step over that batch, relaunch with "
+            f"--iterations-to-skip {iteration}.")
+
+    def check_pending(self, keep_last: int = 0) -> None:
+        """Read back (and check) every pending norm but the newest ``keep_last``."""
+        while len(self.pending) > keep_last:
+            iteration, norm = self.pending.pop(0)
+            value = float(norm)
+            if not math.isfinite(value):
+                self.pending.clear()
+                self._raise(iteration, value)
+
+    def train_step(self, train_step):
+        @functools.wraps(train_step)
+        def wrapper(*args, **kwargs):
+            result = train_step(*args, **kwargs)
+            grad_norm = result[5]
+            iteration = int(kwargs.get("iteration") or 0) + 1
+            if grad_norm is None:
+                return result
+            if isinstance(grad_norm, (int, float)):
+                if not math.isfinite(grad_norm):
+                    self._raise(iteration, grad_norm)
+                return result
+            self.pending.append((iteration, grad_norm))
+            last = self.final_iteration is not None and iteration >= self.final_iteration
+            self.check_pending(keep_last=0 if last else 1)
+            return result
+
+        return wrapper
+
+    def save_checkpoint(self, save_checkpoint):
+        @functools.wraps(save_checkpoint)
+        def wrapper(*args, **kwargs):
+            self.check_pending()
+            return save_checkpoint(*args, **kwargs)
+
+        return wrapper
+
+
+def grad_norm_guard(train_step, resume_hint: Callable[[], str]):
+    """``GradNormGuard(resume_hint).train_step(train_step)``: the guard without save checks."""
+    return GradNormGuard(resume_hint).train_step(train_step)

@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""The kernel choices behind the fast path, timed on one GPU.
+
+1. Core attention: forward+backward of ``scaled_dot_product_attention`` (causal, bf16) for
+   each backend torch offers — flash, cuDNN, memory-efficient — with and without dropout,
+   at the 345M and 1.3B shapes. Which one torch picks by default is what the fast path gets.
+2. Weight-gradient GEMM: ``grad_out^T @ input`` in bf16 then added into an fp32 gradient
+   (what megatron's DDP hook does without TE/apex), against one GEMM that accumulates into
+   the fp32 tensor directly (``torch.addmm(..., out_dtype=torch.float32)``).
+
+  python bench/bench_kernels.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+def cuda_time(fn, reps: int = 20, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+ATTENTION_SHAPES = {"345M": (8, 16, 1024, 64), "1.3B": (4, 16, 2048, 128)}
+BACKENDS = {"default": None, "flash": SDPBackend.FLASH_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def attention(layers: int = 24) -> dict:
+    results = {}
+    for shape, (b, h, s, d) in ATTENTION_SHAPES.items():
+        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=True) for _ in range(3))
+        grad = torch.randn_like(q)
+        for p in (0.0, 0.1):
+            for name, backend in BACKENDS.items():
+                def step():
+                    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+                    o.backward(grad)
+                try:
+                    if backend is None:
+                        ms = cuda_time(step)
+                    else:
+                        with sdpa_kernel([backend]):
+                            ms = cuda_time(step)
+                    val = round(ms * layers, 2)
+                except RuntimeError as exc:
+                    val = f"unsupported: {str(exc).splitlines()[0][:80]}"
+                results[f"{shape} dropout={p} {name}"] = val
+                print(f"attention {shape} dropout={p} {name:9s} fwd+bwd x{layers} layers:"
+                      f" {val} ms", flush=True)
+    return results
+
+
+def wgrad(tokens: int = 8192, shapes=((1024, 3072), (1024, 4096), (4096, 1024),
+                                      (1024, 50304))) -> dict:
+    results = {}
+    for fan_in, fan_out in shapes:
+        x = torch.randn(tokens, fan_in, device="cuda", dtype=torch.bfloat16)
+        g = torch.randn(tokens, fan_out, device="cuda", dtype=torch.bfloat16)
+        main_grad = torch.zeros(fan_out, fan_in, device="cuda", dtype=torch.float32)
+
+        def separate():
+            main_grad.add_(g.t() @ x)
+
+        def fused():
+            torch.addmm(main_grad, g.t(), x, out_dtype=torch.float32, out=main_grad)
+
+        row = {"bf16 GEMM + fp32 add": round(cuda_time(separate), 4)}
+        try:
+            row["addmm out_dtype=fp32"] = round(cuda_time(fused), 4)
+            ref = main_grad.clone().zero_()
+            ref.add_(g.t().float() @ x.float())
+            main_grad.zero_()
+            fused()
+            row["max rel err vs fp32"] = float((main_grad - ref).abs().max() / ref.abs().max())
+        except (RuntimeError, TypeError) as exc:
+            row["addmm out_dtype=fp32"] = f"unsupported: {str(exc).splitlines()[0][:80]}"
+        results[f"{fan_out}x{fan_in}"] = row
+        print(f"wgrad {fan_out}x{fan_in} over {tokens} tokens: {row}", flush=True)
+    return results
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="")
+    a = p.parse_args(argv)
+    print(torch.__version__, torch.cuda.get_device_name(), "cudnn", torch.backends.cudnn.version())
+    res = {"attention_ms_per_24_layers": attention(), "wgrad_ms": wgrad()}
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,202 @@
+#!/usr/bin/env python3
+"""Profile a few training iterations of the real entry (pretrain_gpt.py), in-process.
+
+``profile_step`` measures megatron's step without the entry around it; this one runs the
+whole entry — data loader, ``train_step``, logging, checkpoint hooks — and profiles
+iterations ``--start``..``--start + --iters - 1`` with torch.profiler. It prints
+
+  * per iteration: wall time and GPU busy time (union of kernels, copies and memsets);
+  * the largest GPU idle gaps, each with the Python stack the CPU was in at the gap's middle
+    (what kept the GPU waiting);
+  * the top GPU kernels by total time;
+  * before the window (iteration ``--start`` - 1): each place inside ``train_step`` where
+    the host waited for the GPU (torch's sync debug mode), with its call stack.
+
+and writes the chrome trace (gzip) to ``--out``.
+
+  torchrun --nproc-per-node 1 bench/profile_entry.py --out runs/prof -- \\
+      --num-layers 24 --hidden-size 1024 ... (the entry's flags)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import itertools
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _install_window(start: int, iters: int, out: Path, report):
+    """Wrap megatron's train_step so that iterations [start, start+iters) are profiled."""
+    import torch
+    from megatron.training import training
+
+    state = {"calls": 0, "prof": None, "marks": []}
+    inner = training.train_step
+    sync_iteration = start - 1
+
+    def train_step(*args, **kwargs):
+        state["calls"] += 1
+        n = state["calls"]
+        if n == sync_iteration:
+            state["sync"] = _SyncReport()
+            state["sync"].start()
+        elif n == sync_iteration + 1 and "sync" in state:
+            state.pop("sync").stop(n, out)
+        if n == start:
+            torch.cuda.synchronize()
+            prof = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU,
+                            torch.profiler.ProfilerActivity.CUDA],
+                with_stack=True)
+            prof.__enter__()
+            state["prof"] = prof
+        if state["prof"] is not None:
+            with torch.profiler.record_function(f"iteration {n}"):
+                result = inner(*args, **kwargs)
+            if n == start + iters - 1:
+                torch.cuda.synchronize()
+                prof = state["prof"]
+                prof.__exit__(None, None, None)
+                state["prof"] = None
+                trace = out / "entry_trace.json"
+                prof.export_chrome_trace(str(trace))
+                report(trace, prof)
+            return result
+        return inner(*args, **kwargs)
+
+    training.train_step = train_step
+
+
+class _SyncReport:
+    """Where the host waited for the GPU, from one train_step to the next (torch's sync
+    debug mode: ``.item()``, blocking copies, ...), with call stacks."""
+
+    def __init__(self):
+        self.sites: dict = {}
+
+    def _record(self, message, category, filename, lineno, file=None, line=None):
+        import traceback
+
+        stack = [f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}"
+                 for f in traceback.extract_stack()[:-2]
+                 if "warnings.py" not in f.filename][-7:]
+        key = " < ".join(reversed(stack))
+        self.sites[key] = self.sites.get(key, 0) + 1
+
+    def start(self):
+        import warnings
+
+        import torch
+
+        torch.cuda.synchronize()
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.simplefilter("always")
+        self._saved = warnings.showwarning
+        warnings.showwarning = self._record
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def stop(self, n: int, out: Path):
+        import warnings
+
+        import torch
+
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = self._saved
+        self._catch.__exit__(None, None, None)
+        lines = [f"host synchronisations in one iteration (train_step {n - 1} to {n}): "
+                 f"{sum(self.sites.values())}"]
+        lines += [f"  {count}x  {site}" for site, count in self.sites.items()]
+        text = "\n".join(lines)
+        print(text, flush=True)
+        (out / "sync_sites.txt").write_text(text + "\n")
+
+
+def _union(intervals):
+    merged = []
+    for s, e in sorted(intervals):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return merged
+
+
+def analyse(trace_path: Path, top_gaps: int = 15) -> str:
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    gpu = [(e["ts"], e["ts"] + e["dur"]) for e in events
+           if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    iters = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                   if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+                   and e["name"].startswith("iteration "))
+    py = [e for e in events if e.get("ph") == "X" and e.get("cat") == "python_function"]
+    lines = []
+    busy = _union(gpu)
+    for s, e, name in iters:
+        b = sum(max(0, min(e, be) - max(s, bs)) for bs, be in busy)
+        lines.append(f"{name}: wall {(e - s) / 1e3:.2f} ms, GPU busy {b / 1e3:.2f} ms")
+    if iters:
+        lo, hi = iters[0][0], iters[-1][1]
+        gaps = [(b2[0] - b1[1], b1[1], b2[0]) for b1, b2 in itertools.pairwise(busy)
+                if b1[1] >= lo and b2[0] <= hi]
+        gaps.sort(reverse=True)
+        total = sum(g for g, _, _ in gaps)
+        lines.append(f"GPU idle inside the window: {total / 1e3:.2f} ms in {len(gaps)} gaps;"
+                     f" largest {top_gaps}:")
+        for g, s, e in gaps[:top_gaps]:
+            mid = (s + e) / 2
+            stack = sorted((ev for ev in py if ev["ts"] <= mid <= ev["ts"] + ev["dur"]),
+                           key=lambda ev: ev["ts"])
+            names = [ev["name"].split("/")[-1] for ev in stack][-6:]
+            lines.append(f"  {g / 1e3:7.3f} ms  " + " > ".join(names))
+    kern = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "kernel":
+            k = kern.setdefault(e["name"][:90], [0, 0])
+            k[0] += e["dur"]
+            k[1] += 1
+    lines.append(f"top kernels over {len(iters)} iterations (ms, count):")
+    for name, (dur, cnt) in sorted(kern.items(), key=lambda kv: -kv[1][0])[:25]:
+        lines.append(f"  {dur / 1e3:8.2f} {cnt:6d}  {name}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--start", type=int, default=20, help="first profiled iteration (1-based)")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--out", default="runs/profile_entry")
+    p.add_argument("entry_args", nargs=argparse.REMAINDER)
+    a = p.parse_args(argv)
+    entry_args = a.entry_args[1:] if a.entry_args[:1] == ["--"] else a.entry_args
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def report(trace, prof):
+        text = analyse(trace)
+        (out / "entry_profile.txt").write_text(text + "\n")
+        print(text, flush=True)
+        with open(trace, "rb") as src, gzip.open(str(trace) + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(trace)
+
+    _install_window(a.start, a.iters, out, report)
+    import pretrain_gpt
+
+    t0 = time.time()
+    rc = pretrain_gpt.main(entry_args)
+    print(f"entry returned {rc} after {time.time() - t0:.1f} s")
+    return rc or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

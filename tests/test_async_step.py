@@ -1,0 +1,306 @@
+"""The fast path's step without host waits (megagpt.fast_spec.async_step), the gradient norm
+kept on the device, the divergence guard that reads it late, and the bf16 gradient buffer.
+
+Megatron's own clipping, reductions and logging code runs here on the CPU (cpu_mode maps its
+CUDA tensors to the CPU); only the pinned-memory copy needs a GPU to differ from a plain one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+import torch
+
+from gloo_ranks import run_on_ranks, single_gloo_rank
+
+
+@pytest.fixture()
+def cpu_megatron():
+    from megagpt import cpu_mode
+
+    with single_gloo_rank(), cpu_mode.active():
+        yield
+
+
+@pytest.fixture()
+def tensor_clip():
+    """megatron's clip_grads with the fast optimizer's tensor-scale kernel installed."""
+    from megagpt.fast_spec import optim
+
+    if not optim.megatron_uses_local_fallbacks():
+        pytest.skip("TE or apex installed: megatron has its own tensor-scale kernel")
+    was_installed = "Adam" in optim._ORIGINALS
+    optim.uninstall_fast_optimizer()
+    optim.install_fast_optimizer(tensor_clip=True)
+    yield
+    optim.uninstall_fast_optimizer()
+    if was_installed:
+        optim.install_fast_optimizer()
+
+
+def test_tensor_scale_kernel_in_place_and_copy():
+    from megagpt.fast_spec.optim import foreach_multi_tensor_scale_tensor
+
+    ts = [torch.randn(5), torch.randn(3, 4), torch.randn(7).double()]
+    before = [t.clone() for t in ts]
+    foreach_multi_tensor_scale_tensor(2048, None, [ts, ts], torch.tensor([0.25]))
+    for t, b in zip(ts, before):
+        torch.testing.assert_close(t, b * 0.25)
+    dst = [torch.empty_like(t) for t in ts]
+    foreach_multi_tensor_scale_tensor(2048, None, [ts, dst], torch.tensor([4.0]))
+    for d, b in zip(dst, before):
+        torch.testing.assert_close(d, b)
+
+
+@pytest.mark.parametrize("scale_down", [True, False])
+def test_megatron_clips_by_a_norm_that_stays_a_tensor(cpu_megatron, tensor_clip, scale_down):
+    from megatron.core.optimizer.clip_grads import (
+        clip_grad_by_total_norm_fp32,
+        get_grad_norm_fp32,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 300)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    grads = [p.grad.clone() for p in params]
+    expected = torch.cat([x.flatten() for x in grads]).norm()
+
+    norm = get_grad_norm_fp32([p.grad for p in params])
+    assert isinstance(norm, torch.Tensor), "the norm must not come back to the host"
+    torch.testing.assert_close(norm.reshape(()), expected)
+
+    max_norm = expected.item() / 2 if scale_down else expected.item() * 2
+    clip_grad_by_total_norm_fp32(params, max_norm, norm)
+    factor = max_norm / (expected.item() + 1e-6) if scale_down else 1.0
+    for p, before in zip(params, grads):
+        torch.testing.assert_close(p.grad, before * factor)
+
+
+def test_single_rank_reductions_are_identities(cpu_megatron):
+    import megatron.training.utils as mutils
+
+    from megagpt.fast_spec import async_step
+
+    reduce_max = async_step.single_rank_reduce_max_stat(mutils.reduce_max_stat_across_model_parallel_group)
+    logical_and = async_step.single_rank_logical_and(mutils.logical_and_across_model_parallel_group)
+    norm = torch.tensor([2.5])
+    out = reduce_max(norm)
+    assert isinstance(out, torch.Tensor) and out.shape == () and out.item() == 2.5
+    assert f"{out:.3f}" == "2.500"  # training_log formats it only when it logs
+    assert reduce_max(3.0) == 3.0 and reduce_max(None) is None
+    assert logical_and(True) is True and logical_and(False) is False
+    # megatron's own functions give the same answers over one rank
+    assert mutils.reduce_max_stat_across_model_parallel_group(3.0) == 3.0
+    assert mutils.logical_and_across_model_parallel_group(False) is False
+
+
+def _reductions_over_two_ranks(rank, world_size):
+    from megatron.core import parallel_state
+
+    import megatron.training.utils as mutils
+    from megagpt import cpu_mode
+    from megagpt.fast_spec import async_step
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    try:
+        with cpu_mode.active():
+            reduce_max = async_step.single_rank_reduce_max_stat(
+                mutils.reduce_max_stat_across_model_parallel_group)
+            logical_and = async_step.single_rank_logical_and(
+                mutils.logical_and_across_model_parallel_group)
+            # a real all-reduce over the two tensor-parallel ranks
+            assert reduce_max(torch.tensor([float(rank + 1)])) == 2.0
+            assert reduce_max(float(rank)) == 1.0
+            assert logical_and(rank == 0) is False
+            assert logical_and(True) is True
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_reductions_over_two_ranks_still_reduce():
+    run_on_ranks(_reductions_over_two_ranks, 2)
+
+
+def test_scalar_tensors_are_built_without_blocking(cpu_megatron):
+    from megagpt.fast_spec.async_step import NonBlockingScalarTensors
+
+    with NonBlockingScalarTensors():
+        t = torch.tensor([0.0], dtype=torch.float, device="cuda")  # training_log's default
+        u = torch.tensor([1, 2], device="cpu")
+        v = torch.tensor(2.5)
+    assert t.dtype == torch.float32 and t.tolist() == [0.0]
+    assert u.tolist() == [1, 2] and v.item() == 2.5
+
+
+def test_install_wraps_and_uninstall_restores():
+    import megatron.training.dist_signal_handler as msignal
+    import megatron.training.training as mtraining
+
+    from megagpt.fast_spec import async_step
+
+    was = dict(async_step._ORIGINALS)
+    async_step.uninstall()
+    names = ["reduce_max_stat_across_model_parallel_group",
+             "logical_and_across_model_parallel_group", "training_log",
+             "setup_model_and_optimizer"]
+    before = {n: getattr(mtraining, n) for n in names}
+    gather = msignal.all_gather_item
+    try:
+        assert set(async_step.install()) == set(names) | {"all_gather_item"}
+        assert async_step.install() == []  # idempotent
+        assert all(getattr(mtraining, n) is not before[n] for n in names)
+        assert msignal.all_gather_item([1], torch.int32) == [[1]]  # no process group here
+    finally:
+        async_step.uninstall()
+    assert {n: getattr(mtraining, n) for n in names} == before
+    assert msignal.all_gather_item is gather
+    if was:
+        async_step.install()
+
+
+# ---------------------------------------------------------------------------------------
+# the divergence guard with norms that stay on the device
+# ---------------------------------------------------------------------------------------
+def _guarded_step(guard, norms):
+    def train_step(*args, iteration=None, **kwargs):
+        return ({}, False, False, False, 0, norms[iteration], 0, None)
+
+    return guard.train_step(train_step)
+
+
+def test_guard_reads_device_norms_one_iteration_late():
+    from megagpt.resilience.divergence import DivergenceError, GradNormGuard
+
+    norms = {0: torch.tensor(1.0), 1: torch.tensor(math.nan), 2: torch.tensor(3.0)}
+    guard = GradNormGuard(lambda: "Resume from X.", final_iteration=10)
+    step = _guarded_step(guard, norms)
+    step(iteration=0)
+    step(iteration=1)  # the NaN of iteration 2 is still pending: no wait on it
+    assert [it for it, _ in guard.pending] == [2]
+    with pytest.raises(DivergenceError, match=r"divergence at iteration 2: gradient norm nan.*"
+                                              r"Resume from X.*--iterations-to-skip 2"):
+        step(iteration=2)
+
+
+def test_guard_checks_pending_norms_before_a_save_and_at_the_end():
+    from megagpt.resilience.divergence import DivergenceError, GradNormGuard
+
+    saved = []
+    guard = GradNormGuard(lambda: "", final_iteration=3)
+    save = guard.save_checkpoint(lambda iteration, *a, **k: saved.append(iteration))
+    step = _guarded_step(guard, {0: torch.tensor(1.0), 1: torch.tensor(math.inf),
+                                 2: torch.tensor(1.0)})
+    step(iteration=0)
+    save(1)
+    assert saved == [1] and not guard.pending
+    step(iteration=1)
+    with pytest.raises(DivergenceError, match="iteration 2: gradient norm inf"):
+        save(2)
+    assert saved == [1], "a diverged model must not be saved"
+
+    guard = GradNormGuard(lambda: "", final_iteration=1)
+    with pytest.raises(DivergenceError, match="iteration 1"):  # last iteration: checked now
+        _guarded_step(guard, {0: torch.tensor(math.nan)})(iteration=0)
+
+
+def test_guard_checks_host_norms_at_once():
+    from megagpt.resilience.divergence import DivergenceError, GradNormGuard
+
+    step = _guarded_step(GradNormGuard(lambda: ""), {0: 1.0, 1: math.nan})
+    assert step(iteration=0)[5] == 1.0
+    with pytest.raises(DivergenceError, match="iteration 2"):
+        step(iteration=1)
+
+
+# ---------------------------------------------------------------------------------------
+# the bf16 gradient buffer
+# ---------------------------------------------------------------------------------------
+def _args(argv=(), **attrs):
+    from megagpt.fast_spec.settings import add_fast_path_arguments
+
+    p = argparse.ArgumentParser()
+    add_fast_path_arguments(p)
+    args = p.parse_args(list(argv))
+    base = dict(transformer_impl="local", spec=None, num_experts=None, world_size=1,
+                tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                context_parallel_size=1, cuda_graph_impl="none", bf16=True,
+                check_for_nan_in_loss_and_grad=True, check_for_spiky_loss=False, cpu=False,
+                optimizer="adam", micro_batch_size=8, global_batch_size=8,
+                rampup_batch_size=None, grad_reduce_in_bf16=False, entry_argv=list(argv),
+                fast_optimizer=False)
+    base.update(attrs)
+    for k, v in base.items():
+        setattr(args, k, v)
+    return args
+
+
+@pytest.mark.parametrize(
+    "attrs,argv,needle",
+    [
+        ({}, (), None),
+        ({"global_batch_size": None}, (), None),
+        ({"bf16": False}, (), "not bf16"),
+        ({"global_batch_size": 16}, (), "micro-batch"),
+        ({"world_size": 2}, (), "data-parallel"),
+        ({"world_size": 2, "tensor_model_parallel_size": 2}, (), None),
+        ({"entry_argv": ["--accumulate-allreduce-grads-in-fp32"]}, (), "--accumulate-allreduce"),
+        ({"cpu": True}, (), "CPU"),
+        ({"transformer_impl": "transformer_engine"}, (), "fast spec"),
+    ],
+)
+def test_bf16_grad_buffer_only_where_values_are_unchanged(attrs, argv, needle):
+    from megagpt.fast_spec.settings import (
+        apply_fast_path_defaults,
+        bf16_grad_buffer_unsupported_reason,
+    )
+
+    args = _args(argv, **attrs)
+    reason = bf16_grad_buffer_unsupported_reason(args)
+    assert (reason is None) if needle is None else (needle in reason)
+    lines = []
+    apply_fast_path_defaults(args, lines.append)
+    assert args.grad_reduce_in_bf16 is (needle is None)
+    assert any("bf16 buffer" in line for line in lines) is (needle is None)
+
+
+def test_bf16_grad_buffer_switch_wins():
+    from megagpt.fast_spec.settings import apply_fast_path_defaults
+
+    args = _args(["--no-fast-bf16-grad-buffer"])
+    apply_fast_path_defaults(args, lambda s: None)
+    assert not args.grad_reduce_in_bf16
+    args = _args(["--fast-bf16-grad-buffer"], global_batch_size=32)
+    apply_fast_path_defaults(args, lambda s: None)
+    assert args.grad_reduce_in_bf16
+
+
+def test_constant_loss_scale_is_read_on_the_host():
+    from megagpt.fast_spec.async_step import host_loss_scale_of_one
+
+    class Bf16Optimizer:
+        grad_scaler = None
+
+        def __init__(self):
+            self._scale_one = torch.tensor([1.0])  # megatron's: a CUDA tensor
+
+        def get_loss_scale(self):
+            return self._scale_one
+
+    class Chained:
+        def __init__(self, *opts):
+            self.chained_optimizers = list(opts)
+
+    class Fp16Optimizer(Bf16Optimizer):
+        grad_scaler = object()
+
+    bf16, fp16 = Bf16Optimizer(), Fp16Optimizer()
+    setup = host_loss_scale_of_one(lambda *a, **k: ("model", Chained(bf16, fp16), "sched"))
+    assert setup()[1].chained_optimizers == [bf16, fp16]
+    scale = bf16.get_loss_scale()
+    assert scale.shape == () and scale.device.type == "cpu" and scale.item() == 1.0
+    assert fp16._scale_one.shape == (1,)  # a real grad scaler's optimizer is left alone
+    loss = torch.tensor(2.0)
+    assert (scale * loss).item() == 2.0
