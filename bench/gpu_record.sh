@@ -4,6 +4,8 @@
 #   bash bench/gpu_record.sh OUT_DIR [SECONDS]
 #
 # In priority order, each with a time cap so the whole fits in SECONDS (default 580):
+#   0. bench/profile_entry.py at 345M: where the host still waits for the GPU in one
+#      iteration, and the host time per iteration of train_step / optimizer / logging;
 #   1. throughput, 345M (24 x 1024 x 16, seq 1024, mb 8, bf16, mock data), 50 iterations
 #      through pretrain_gpt.py: megatron's local spec and the fast path; plus the plain
 #      PyTorch reference (bench/bench_throughput.py). Timed runs: the GPU is not shared.
@@ -28,8 +30,17 @@ PY=${PY:-python3}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 $PY -c 'import torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)' >> "$OUT/gpu.txt" 2>&1
 
+echo "== 0. where the host waits, host time per iteration ($(left)s left)"
+SHAPE_345M=$(cd bench && $PY -c "from bench_throughput import shape_flags; print(' '.join(shape_flags('345M', 25, 5, 1234)))")
+timeout 120 $PY bench/profile_entry.py --start 20 --iters 3 --out "$OUT/profile_345m" -- $SHAPE_345M \
+    > "$OUT/profile_345m.txt" 2>&1
+rm -f "$OUT/profile_345m/entry_trace.json.gz"
+grep -A6 "host synchronisations" "$OUT/profile_345m.txt" | cut -c1-200; tail -7 "$OUT/profile_345m.txt"
+
 echo "== 1. throughput 345M ($(left)s left)"
-timeout 240 $PY bench/bench_throughput.py --shape 345M --paths local,fast,reference \
+# PATHS: local, fast, reference and the variant nodrop (the fast path without dropout)
+timeout 300 $PY bench/bench_throughput.py --shape 345M --paths "${PATHS:-local,fast,nodrop,reference}" \
+    --variant "nodrop=--hidden-dropout 0 --attention-dropout 0" \
     --train-iters 50 --warmup-iters 10 --out "$OUT/bench_345m" > "$OUT/bench_345m.txt" 2>&1
 tail -20 "$OUT/bench_345m.txt"
 

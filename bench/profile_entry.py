@@ -9,6 +9,8 @@ iterations ``--start``..``--start + --iters - 1`` with torch.profiler. It prints
   * the largest GPU idle gaps, each with the Python stack the CPU was in at the gap's middle
     (what kept the GPU waiting);
   * the top GPU kernels by total time;
+  * after the run: the host time per iteration of train_step, optimizer.step, zero_grad
+    and training_log (medians; the profiled iterations are slower);
   * before the window (iteration ``--start`` - 1): each place inside ``train_step`` where
     the host waited for the GPU (torch's sync debug mode), with its call stack.
 
@@ -46,6 +48,14 @@ def _install_window(start: int, iters: int, out: Path, report):
     def train_step(*args, **kwargs):
         state["calls"] += 1
         n = state["calls"]
+        t0 = time.perf_counter()
+        try:
+            return _train_step(n, *args, **kwargs)
+        finally:
+            CPU_TIMES.setdefault("train_step", []).append((n, time.perf_counter() - t0))
+            CPU_TIMES.setdefault("_step_starts", []).append((n, t0))
+
+    def _train_step(n, *args, **kwargs):
         if n == sync_iteration:
             state["sync"] = _SyncReport()
             state["sync"].start()
@@ -121,6 +131,42 @@ class _SyncReport:
         (out / "sync_sites.txt").write_text(text + "\n")
 
 
+CPU_TIMES: dict = {}
+
+
+def _time_calls(owner, name: str, label: str) -> None:
+    """Record the host time of each call of ``owner.name`` (no GPU synchronisation)."""
+    inner = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            CPU_TIMES.setdefault(label, []).append((None, time.perf_counter() - t0))
+
+    setattr(owner, name, timed)
+
+
+def cpu_time_report(skip: int) -> str:
+    """Median host milliseconds per iteration, after the first ``skip`` iterations."""
+    import statistics
+
+    lines = [f"host time per iteration (median over iterations > {skip}; no GPU sync):"]
+    starts = [t for n, t in CPU_TIMES.get("_step_starts", []) if n > skip]
+    if len(starts) > 1:
+        lines.append(f"  iteration (train_step to train_step): "
+                     f"{statistics.median(b - a for a, b in zip(starts, starts[1:])) * 1e3:7.2f} ms")
+    for label, rows in CPU_TIMES.items():
+        if label.startswith("_"):
+            continue
+        vals = [dt for _, dt in rows][skip:] if rows and rows[0][0] is None else [
+            dt for n, dt in rows if n > skip]
+        if vals:
+            lines.append(f"  {label:38s} {statistics.median(vals) * 1e3:7.2f} ms")
+    return "\n".join(lines)
+
+
 def _union(intervals):
     merged = []
     for s, e in sorted(intervals):
@@ -190,11 +236,20 @@ def main(argv=None) -> int:
         os.remove(trace)
 
     _install_window(a.start, a.iters, out, report)
+    from megatron.core.optimizer import optimizer as moo
+    from megatron.training import training
+
+    _time_calls(moo.ChainedOptimizer, "step", "optimizer.step")
+    _time_calls(moo.ChainedOptimizer, "zero_grad", "optimizer.zero_grad")
+    _time_calls(training, "training_log", "training_log")
     import pretrain_gpt
 
     t0 = time.time()
     rc = pretrain_gpt.main(entry_args)
     print(f"entry returned {rc} after {time.time() - t0:.1f} s")
+    report_text = cpu_time_report(skip=5)
+    print(report_text)
+    (out / "cpu_times.txt").write_text(report_text + "\n")
     return rc or 0
 
 

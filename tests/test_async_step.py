@@ -304,3 +304,58 @@ def test_constant_loss_scale_is_read_on_the_host():
     assert fp16._scale_one.shape == (1,)  # a real grad scaler's optimizer is left alone
     loss = torch.tensor(2.0)
     assert (scale * loss).item() == 2.0
+
+
+@pytest.mark.parametrize("buffer_dtype", [torch.bfloat16, torch.float32])
+def test_main_grads_from_one_cast_per_buffer_equal_megatrons(buffer_dtype):
+    import types
+
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    from megagpt.fast_spec import optim
+
+    original = optim._ORIGINALS.get("opt.copy_model_grads",
+                                    Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads)
+
+    def build():
+        g = torch.Generator().manual_seed(0)
+        shapes = [(4, 3), (5,), (2, 2, 2)]
+        buffer = torch.randn(sum(torch.Size(s).numel() for s in shapes) + 3, generator=g)
+        buffer = buffer.to(buffer_dtype)
+        model, main, offset = [], [], 1  # a gap before the first gradient, as padding
+        for shape in shapes:
+            n = torch.Size(shape).numel()
+            p = torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16))
+            p.main_grad = buffer[offset:offset + n].view(shape)
+            p.grad = torch.ones(shape, dtype=torch.bfloat16)  # freed by the copy
+            model.append(p)
+            main.append(torch.nn.Parameter(torch.zeros(shape)))
+            offset += n
+        no_ddp = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+        no_ddp.grad = torch.randn(3, generator=g).bfloat16()
+        fp32 = torch.nn.Parameter(torch.zeros(2))
+        fp32.main_grad = torch.randn(2, generator=g)
+        return types.SimpleNamespace(
+            float16_groups=[model[:2], model[2:] + [no_ddp]],
+            fp32_from_float16_groups=[main[:2], main[2:] + [torch.nn.Parameter(torch.zeros(3))]],
+            fp32_from_fp32_groups=[[fp32]])
+
+    ours, theirs = build(), build()
+    optim.copy_model_grads_to_main_grads(ours)
+    original(theirs)
+    for group_o, group_t in zip(ours.fp32_from_float16_groups, theirs.fp32_from_float16_groups):
+        for po, pt in zip(group_o, group_t):
+            assert po.grad.dtype == torch.float32 and po.grad.shape == po.shape
+            assert torch.equal(po.grad, pt.grad)
+    assert all(p.grad is None for group in ours.float16_groups for p in group)
+    fp32 = ours.fp32_from_fp32_groups[0][0]
+    assert fp32.grad is fp32.main_grad
+    if buffer_dtype == torch.float32:  # used in place, as megatron's .float() does
+        first = ours.float16_groups[0][0]
+        assert ours.fp32_from_float16_groups[0][0].grad.data_ptr() == first.main_grad.data_ptr()
+    # a second step reuses the plan and sees the new gradient values
+    for p in ours.float16_groups[0]:
+        p.main_grad.mul_(2)
+    optim.copy_model_grads_to_main_grads(ours)
+    torch.testing.assert_close(ours.fp32_from_float16_groups[0][1].grad,
+                               ours.float16_groups[0][1].main_grad.float())

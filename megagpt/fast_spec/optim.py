@@ -115,6 +115,76 @@ def foreach_copy_this_to_that(this, that, overflow_buf=None):
 
 
 # ---------------------------------------------------------------------------------------
+# model gradients -> fp32 main gradients, one cast per gradient buffer
+# ---------------------------------------------------------------------------------------
+def _storage_key(t: torch.Tensor):
+    return (t.device, t.dtype, t.untyped_storage().data_ptr())
+
+
+def _main_grad_plan(pairs):
+    """Group (model_param, main_param) pairs by the buffer their ``main_grad`` views.
+
+    Returns ``(groups, others)``: ``groups`` lists ``(base, start, end, members)`` where
+    ``base`` is the whole buffer as a flat tensor, ``[start, end)`` the span of these
+    gradients in it and ``members`` ``(model_param, main_param, main_grad, offset)``;
+    ``others`` are the pairs without a ``main_grad`` (no megatron DDP).
+    """
+    by_storage: dict = {}
+    others = []
+    for model_param, main_param in pairs:
+        grad = getattr(model_param, "main_grad", None)
+        if grad is None or not grad.is_contiguous():
+            others.append((model_param, main_param))
+            continue
+        by_storage.setdefault(_storage_key(grad), []).append((model_param, main_param, grad))
+    groups = []
+    for members in by_storage.values():
+        first = members[0][2]
+        base = torch.empty(0, dtype=first.dtype, device=first.device).set_(
+            first.untyped_storage())
+        offsets = [g.storage_offset() for _, _, g in members]
+        start = min(offsets)
+        end = max(o + g.numel() for o, (_, _, g) in zip(offsets, members))
+        groups.append((base, start, end,
+                       [(m, p, g, o - start) for (m, p, g), o in zip(members, offsets)]))
+    return groups, others
+
+
+def copy_model_grads_to_main_grads(self) -> None:
+    """Drop-in for ``Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads``.
+
+    megatron casts each ``main_grad`` to fp32 separately (``main_param.grad =
+    model_param.main_grad.float()``): one kernel and one allocation per parameter tensor,
+    ~300 at the 345M shape. The gradients are views of megatron's contiguous gradient
+    buffer, so one cast of the buffer's span gives the same fp32 values, and each main
+    parameter's gradient is a view of it. An fp32 buffer is used in place, as ``.float()``
+    does.
+    """
+    pairs = [(m, p) for mg, pg in zip(self.float16_groups, self.fp32_from_float16_groups)
+             for m, p in zip(mg, pg)]
+    plan = getattr(self, "_megagpt_main_grad_plan", None)
+    if plan is None or len(plan[2]) != len(pairs) or any(
+        getattr(m, "main_grad", None) is not g for (m, _), g in zip(pairs, plan[2])
+    ):
+        groups, others = _main_grad_plan(pairs)
+        plan = (groups, others, [getattr(m, "main_grad", None) for m, _ in pairs])
+        self._megagpt_main_grad_plan = plan
+    groups, others, _ = plan
+    for base, start, end, members in groups:
+        flat = base[start:end].float()
+        for model_param, main_param, grad, offset in members:
+            main_param.grad = flat[offset:offset + grad.numel()].view(grad.shape)
+            model_param.grad = None
+    for model_param, main_param in others:
+        if model_param.grad is not None:
+            main_param.grad = model_param.grad.float()
+        model_param.grad = None
+    for model_group in self.fp32_from_fp32_groups:
+        for model_param in model_group:
+            model_param.grad = model_param.main_grad
+
+
+# ---------------------------------------------------------------------------------------
 # fused AdamW with the TE/apex FusedAdam constructor megatron calls
 # ---------------------------------------------------------------------------------------
 def torch_fused_adam(
@@ -210,6 +280,10 @@ def install_fast_optimizer(
         _ORIGINALS["opt._multi_tensor_copy_this_to_that"] = moo._multi_tensor_copy_this_to_that
         moo._multi_tensor_copy_this_to_that = foreach_copy_this_to_that
         changed.append("main<->model param copies: torch._foreach_copy_")
+        cls = moo.Float16OptimizerWithFloat16Params
+        _ORIGINALS["opt.copy_model_grads"] = cls._copy_model_grads_to_main_grads
+        cls._copy_model_grads_to_main_grads = copy_model_grads_to_main_grads
+        changed.append("model->main grads: one fp32 cast per gradient buffer")
 
     if tensor_clip and "clip.multi_tensor_scale_tensor_impl" not in _ORIGINALS:
         if mclip.multi_tensor_scale_tensor_impl is None:
@@ -238,6 +312,9 @@ def uninstall_fast_optimizer() -> None:
         mclip.multi_tensor_scale_impl = _ORIGINALS.pop("clip.multi_tensor_scale_impl")
     if "opt.multi_tensor_scale_impl" in _ORIGINALS:
         moo.multi_tensor_scale_impl = _ORIGINALS.pop("opt.multi_tensor_scale_impl")
+    if "opt.copy_model_grads" in _ORIGINALS:
+        moo.Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads = _ORIGINALS.pop(
+            "opt.copy_model_grads")
     if "clip.multi_tensor_scale_tensor_impl" in _ORIGINALS:
         mclip.multi_tensor_scale_tensor_impl = _ORIGINALS.pop("clip.multi_tensor_scale_tensor_impl")
     if "opt._multi_tensor_copy_this_to_that" in _ORIGINALS:
