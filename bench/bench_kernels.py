@@ -6,7 +6,9 @@
    at the 345M and 1.3B shapes. Which one torch picks by default is what the fast path gets.
 2. Weight-gradient GEMM: ``grad_out^T @ input`` in bf16 then added into an fp32 gradient
    (what megatron's DDP hook does without TE/apex), against one GEMM that accumulates into
-   the fp32 tensor directly (``torch.addmm(..., out_dtype=torch.float32)``).
+   the fp32 tensor directly (``torch.addmm(..., out_dtype=torch.float32)``, written into the
+   accumulator or into a new tensor) — timed, and checked for accumulating: two calls onto
+   a non-zero accumulator must give three times one product.
 
   python bench/bench_kernels.py
 """
@@ -72,23 +74,29 @@ def wgrad(tokens: int = 8192, shapes=((1024, 3072), (1024, 4096), (4096, 1024),
         x = torch.randn(tokens, fan_in, device="cuda", dtype=torch.bfloat16)
         g = torch.randn(tokens, fan_out, device="cuda", dtype=torch.bfloat16)
         main_grad = torch.zeros(fan_out, fan_in, device="cuda", dtype=torch.float32)
+        once = g.t().float() @ x.float()
 
-        def separate():
-            main_grad.add_(g.t() @ x)
+        def separate(acc):
+            acc.add_(g.t() @ x)
+            return acc
 
-        def fused():
-            torch.addmm(main_grad, g.t(), x, out_dtype=torch.float32, out=main_grad)
+        def aliased(acc):  # one GEMM writing fp32 into the accumulator itself
+            return torch.addmm(acc, g.t(), x, out_dtype=torch.float32, out=acc)
 
-        row = {"bf16 GEMM + fp32 add": round(cuda_time(separate), 4)}
-        try:
-            row["addmm out_dtype=fp32"] = round(cuda_time(fused), 4)
-            ref = main_grad.clone().zero_()
-            ref.add_(g.t().float() @ x.float())
-            main_grad.zero_()
-            fused()
-            row["max rel err vs fp32"] = float((main_grad - ref).abs().max() / ref.abs().max())
-        except (RuntimeError, TypeError) as exc:
-            row["addmm out_dtype=fp32"] = f"unsupported: {str(exc).splitlines()[0][:80]}"
+        def out_of_place(acc):  # one GEMM, fp32 result in a new tensor
+            return torch.addmm(acc, g.t(), x, out_dtype=torch.float32)
+
+        row = {}
+        for name, fn in (("bf16 GEMM + fp32 add", separate), ("addmm out_dtype, out=acc", aliased),
+                         ("addmm out_dtype, new tensor", out_of_place)):
+            try:
+                row[name + " ms"] = round(cuda_time(lambda fn=fn: fn(main_grad)), 4)
+                # correctness of *accumulation*: two calls onto a non-zero accumulator
+                acc = once.clone()
+                acc = fn(fn(acc))
+                row[name + " rel err"] = float((acc - 3 * once).norm() / (3 * once).norm())
+            except (RuntimeError, TypeError) as exc:
+                row[name] = f"unsupported: {str(exc).splitlines()[0][:80]}"
         results[f"{fan_out}x{fan_in}"] = row
         print(f"wgrad {fan_out}x{fan_in} over {tokens} tokens: {row}", flush=True)
     return results

@@ -554,6 +554,24 @@ def test_gpu_compiled_chunked_loss_matches_eager():
 
 
 @pytest.mark.gpu
+def test_gpu_chunked_loss_gradients_match_fp32_autograd():
+    """Over many chunks, the weight gradient holds every chunk's contribution."""
+    from megagpt.fast_spec import lm_loss
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    h = torch.randn(2048, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = (torch.randn(4096, 128, device="cuda", generator=g) * 0.05).bfloat16()
+    labels = torch.randint(0, 4096, (2048,), device="cuda", generator=g)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    lm_loss.chunked_linear_cross_entropy(hh, ww, labels, chunk_elements=2**20).sum().backward()
+    hf, wf = h.float().requires_grad_(), w.float().requires_grad_()
+    F.cross_entropy(hf @ wf.t(), labels, reduction="sum").backward()
+    for ours, ref in ((hh.grad, hf.grad), (ww.grad, wf.grad)):
+        rel = (ours.float() - ref).norm() / ref.norm()
+        assert rel < 2e-2, rel
+
+
+@pytest.mark.gpu
 def test_gpu_fused_layer_compiled_matches_eager_bf16():
     from megagpt.fast_spec.layer import fused_layer_forward
 

@@ -89,18 +89,16 @@ def _kernel(name: str, fn, device: torch.device):
 def accumulate_weight_grad(acc: Tensor, grad_out: Tensor, inp: Tensor) -> None:
     """``acc += grad_out.T @ inp`` where ``acc`` may be wider (fp32) than the operands (bf16).
 
-    On CUDA one GEMM accumulates into fp32 directly (``addmm`` with ``out_dtype``, torch
-    >= 2.8): no bf16 product, no separate add kernel (measured in bench/bench_kernels.py).
+    The product is formed in the operands' dtype and added in fp32. A single
+    ``torch.addmm(acc, ..., out_dtype=torch.float32, out=acc)`` would save the add kernel
+    (~1.2 ms per step at 345M), but the run that used it on torch 2.11 / H200 lost agreement
+    with megatron's loss (docs/speed.md, "A regression caught"): until
+    ``bench/bench_kernels.py`` shows it accumulates, it stays out.
     """
     if grad_out.dtype == acc.dtype:
         acc.addmm_(grad_out.t(), inp)
-    elif acc.is_cuda and acc.dtype == torch.float32 and _HAS_ADDMM_OUT_DTYPE:
-        torch.addmm(acc, grad_out.t(), inp, out_dtype=torch.float32, out=acc)
     else:
         acc.add_(grad_out.t() @ inp)
-
-
-_HAS_ADDMM_OUT_DTYPE = "dtype_out" in torch.ops.aten.addmm.overloads()
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
