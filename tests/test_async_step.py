@@ -246,6 +246,7 @@ def _args(argv=(), **attrs):
         ({"global_batch_size": 16}, (), "micro-batch"),
         ({"world_size": 2}, (), "data-parallel"),
         ({"world_size": 2, "tensor_model_parallel_size": 2}, (), None),
+        ({"dry_run": True, "dry_run_world_size": 8}, (), "data-parallel"),  # the planned size
         ({"entry_argv": ["--accumulate-allreduce-grads-in-fp32"]}, (), "--accumulate-allreduce"),
         ({"cpu": True}, (), "CPU"),
         ({"transformer_impl": "transformer_engine"}, (), "fast spec"),

@@ -138,6 +138,13 @@ def fast_path_selected(args) -> bool:
     return fast_spec_unsupported_reason(args) is None
 
 
+def _planned_world_size(args) -> int:
+    """The world size the run is for: a dry run's ``--dry-run-world-size`` when given."""
+    if getattr(args, "dry_run", False) and getattr(args, "dry_run_world_size", None):
+        return int(args.dry_run_world_size)
+    return int(getattr(args, "world_size", 1) or 1)
+
+
 def cuda_graph_unsupported_reason(args) -> Optional[str]:
     """Why the full-iteration CUDA graph is not switched on automatically (None: it is)."""
     if getattr(args, "cpu", False):
@@ -146,7 +153,7 @@ def cuda_graph_unsupported_reason(args) -> Optional[str]:
         return "the fast spec is not used"
     if getattr(args, "cuda_graph_impl", "none") not in ("none", None):
         return f"--cuda-graph-impl {args.cuda_graph_impl} was given"
-    if (getattr(args, "world_size", 1) or 1) != 1:
+    if _planned_world_size(args) != 1:
         return "more than one GPU (full-iteration graphs are validated on one GPU only)"
     if getattr(args, "check_for_spiky_loss", False):
         return "--check-for-spiky-loss needs a host sync inside the step"
@@ -182,7 +189,7 @@ def bf16_grad_buffer_unsupported_reason(args) -> Optional[str]:
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                  "context_parallel_size"):
         model_parallel *= getattr(args, name, 1) or 1
-    data_parallel = max(1, (getattr(args, "world_size", 1) or 1) // model_parallel)
+    data_parallel = max(1, _planned_world_size(args) // model_parallel)
     if data_parallel != 1:
         return "more than one data-parallel rank (gradients are summed across ranks)"
     micro = getattr(args, "micro_batch_size", None) or 1
