@@ -389,3 +389,12 @@ def test_async_step_trains_like_megatrons_synchronous_step(tmp_path):
         # fp64 on the host, so the last digits may differ
         assert losses["async"][it] == pytest.approx(losses["sync"][it], rel=1e-5, abs=1e-6)
         assert norms["async"][it] == pytest.approx(norms["sync"][it], rel=1e-3, abs=1e-3)
+
+
+def test_the_log_line_names_the_pieces_that_are_on():
+    from megagpt.fast_spec.spec import describe_fast_spec
+
+    on = describe_fast_spec(argparse.Namespace(fast_async_step=True, fast_bf16_grad_buffer=True))
+    assert "no host sync inside the step" in on and "bf16 gradient buffer" in on
+    off = describe_fast_spec(argparse.Namespace(fast_async_step=False, fast_bf16_grad_buffer=False))
+    assert "no host sync" not in off and "bf16 gradient buffer" not in off

@@ -121,4 +121,6 @@ def describe_fast_spec(args) -> str:
         parts.append("fused AdamW + foreach optimizer kernels")
         if _get(args, "fast_async_step", True):
             parts.append("no host sync inside the step")
+    if _get(args, "fast_bf16_grad_buffer", False):
+        parts.append("bf16 gradient buffer")
     return "fast spec (no Transformer Engine): " + ", ".join(parts)
