@@ -6,6 +6,8 @@
 # In priority order, each with a time cap so the whole fits in SECONDS (default 580):
 #   0. bench/profile_entry.py at 345M: where the host still waits for the GPU in one
 #      iteration, and the host time per iteration of train_step / optimizer / logging;
+#   0b. the GPU-only tests (pytest -m gpu) and bench/bench_kernels.py (attention backends,
+#      whether the fused fp32 weight-gradient GEMM accumulates);
 #   1. throughput, 345M (24 x 1024 x 16, seq 1024, mb 8, bf16, mock data), 50 iterations
 #      through pretrain_gpt.py: megatron's local spec and the fast path; plus the plain
 #      PyTorch reference (bench/bench_throughput.py). Timed runs: the GPU is not shared.
@@ -36,6 +38,12 @@ timeout 120 $PY bench/profile_entry.py --start 20 --iters 3 --out "$OUT/profile_
     > "$OUT/profile_345m.txt" 2>&1
 rm -f "$OUT/profile_345m/entry_trace.json.gz"
 grep -A6 "host synchronisations" "$OUT/profile_345m.txt" | cut -c1-200; tail -7 "$OUT/profile_345m.txt"
+
+echo "== 0b. GPU-only tests, kernel checks ($(left)s left)"
+timeout 150 $PY -m pytest -q -p no:cacheprovider -m gpu tests > "$OUT/gpu_tests.txt" 2>&1
+tail -3 "$OUT/gpu_tests.txt"
+timeout 120 $PY bench/bench_kernels.py --out "$OUT/kernels.json" > "$OUT/kernels.txt" 2>&1
+grep -E "^(attention 345M dropout=0.1|wgrad)" "$OUT/kernels.txt"
 
 echo "== 1. throughput 345M ($(left)s left)"
 # PATHS: local, fast, reference and the variant nodrop (the fast path without dropout)

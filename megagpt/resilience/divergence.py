@@ -46,8 +46,9 @@ def apply_defaults(args, argv, log: Callable[[str], None]) -> None:
         else:
             # The fast path's CUDA graph cannot hold megatron's in-step checks; the gradient
             # norm, computed after the graph, is checked instead (grad_norm_guard).
-            log("divergence: NaN/Inf in the gradient norm stops the run at that iteration "
-                "(checked after each step; megatron's in-step checks are off)")
+            log("divergence: NaN/Inf in the gradient norm stops the run, naming that iteration "
+                "(checked after each step, or one step late while the norm stays on the GPU, and "
+                "always before a checkpoint is saved; megatron's in-step checks are off)")
         if "--rerun-mode" not in explicit_flags(argv or []):
             # nothing is validated with the checks off, and a rerun state machine that is
             # not disabled all-reduces (and waits for) a flag before every step
