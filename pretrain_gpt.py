@@ -39,6 +39,7 @@ from megagpt import arguments as entry_arguments
 from megagpt import compat, cpu_mode
 from megagpt import resilience
 from megagpt.fast_spec.lm_loss import get_output_processor
+from megagpt.fast_spec.settings import install_fast_path_patches
 from megagpt.fast_spec.spec import describe_fast_spec
 from megagpt.log import log
 from megagpt.rendezvous import default_single_process_env
@@ -265,6 +266,8 @@ def run(args) -> None:
 
     set_startup_timestamps(program_start=_PROGRAM_START, main_entry=time.time())
     compat.skip_dataset_helper_compilation()
+    # before pretrain builds the optimizer; not at parse time, so a dry run patches nothing
+    install_fast_path_patches(args, log)
     model_config, container, choice = build_configs(args)
     log(choice.describe())
     if choice.path == gpt_builders.FAST:

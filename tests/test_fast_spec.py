@@ -509,6 +509,27 @@ def test_no_fast_optimizer_leaves_megatron_alone(restore_optimizer):
     assert mopt.Adam is before
 
 
+def test_parsing_patches_nothing_launching_does(restore_optimizer):
+    """--help and --dry-run resolve the defaults only; the entry's launch installs the
+    optimizer and step replacements."""
+    import megatron.core.optimizer as mopt
+    import megatron.training.training as mtraining
+
+    from megagpt.fast_spec import optim
+    from megagpt.fast_spec.settings import install_fast_path_patches
+
+    if not optim.megatron_uses_local_fallbacks():
+        pytest.skip("TE or apex installed: megatron has its fused kernels")
+    before = (mopt.Adam, mtraining.training_log)
+    args, _ = _resolved()
+    assert (mopt.Adam, mtraining.training_log) == before
+    lines = []
+    install_fast_path_patches(args, lines.append)
+    assert mopt.Adam is optim.torch_fused_adam
+    assert mtraining.training_log is not before[1]
+    assert any("no host synchronisation" in line for line in lines)
+
+
 @pytest.mark.parametrize(
     "attrs,needle",
     [

@@ -26,6 +26,8 @@
 
 ``apply_fast_path_defaults(args, log)`` runs after parsing, before the model and optimizer
 are built, and resolves the automatic defaults. What it changes is listed in its docstring.
+``install_fast_path_patches(args, log)`` installs the optimizer and step replacements inside
+megatron's modules; the entry calls it when it launches training.
 """
 
 from __future__ import annotations
@@ -215,19 +217,11 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
       requires it: the NaN check synchronises with the host inside the captured step);
     - compile: ``fast_spec_compile`` left at its default becomes True exactly when
       ``args.cuda_graph_impl == "full_iteration"``; CPU mode forces it off;
-    - optimizer: if ``fast_optimizer`` and megatron's optimizer modules are on their
-      no-TE/no-apex fallbacks, installs torch's fused AdamW as megatron's Adam class and
-      torch._foreach_* versions of the gradient-norm / scale / param-copy kernels
-      (``megagpt.fast_spec.optim.install_fast_optimizer``). Fused AdamW is left out, with
-      a logged reason, for ``--use-precision-aware-optimizer``, ``--optimizer-cpu-offload``
-      and optimizers other than adam;
-    - asynchronous step (``fast_async_step``, with the fast optimizer): the
-      gradient norm stays on the GPU and megatron's per-step waits for the host are skipped
-      where they are identities (``megagpt.fast_spec.async_step``);
     - bf16 gradient buffer: sets megatron's ``grad_reduce_in_bf16`` when
       ``fast_bf16_grad_buffer`` is on (by default where ``bf16_grad_buffer_unsupported_reason``
       is None);
-    - changes no other argument. Every change is logged through ``log``.
+    - changes no other argument and patches nothing in megatron (``install_fast_path_patches``
+      does, at launch). Every change is logged through ``log``.
     """
     log = log or (lambda s: None)
     for name, default in (
@@ -288,8 +282,25 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
     set_layer_compile(bool(args.fast_spec_compile))
     set_loss_compile(bool(args.fast_spec_compile))
 
-    # --- optimizer ----------------------------------------------------------------------
-    if not args.fast_optimizer:
+
+def install_fast_path_patches(args, log: Optional[Callable[[str], None]] = None) -> None:
+    """Install the fast path's replacements inside megatron's modules (this process).
+
+    Called by ``pretrain_gpt.run`` before ``megatron.training.pretrain`` builds the optimizer,
+    not at parse time, so that ``--help`` and ``--dry-run`` leave megatron untouched:
+
+    - optimizer: if ``fast_optimizer`` and megatron's optimizer modules are on their
+      no-TE/no-apex fallbacks, torch's fused AdamW as megatron's Adam class and
+      torch._foreach_* versions of the gradient-norm / scale / param-copy kernels
+      (``megagpt.fast_spec.optim.install_fast_optimizer``). Fused AdamW is left out, with a
+      logged reason, for ``--use-precision-aware-optimizer``, ``--optimizer-cpu-offload`` and
+      optimizers other than adam;
+    - asynchronous step (``fast_async_step``, with the fast optimizer): the gradient norm
+      stays on the GPU and megatron's per-step waits for the host are skipped where they are
+      identities (``megagpt.fast_spec.async_step``).
+    """
+    log = log or (lambda s: None)
+    if not getattr(args, "fast_optimizer", True):
         log("fast optimizer: off (--no-fast-optimizer)")
         return
     from .optim import install_fast_optimizer, megatron_uses_local_fallbacks
@@ -307,12 +318,12 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
     elif getattr(args, "optimizer_cpu_offload", False):
         fused_adam = False
         log("fast optimizer: optimizer CPU offload requested; fused AdamW left out")
-    async_step = bool(args.fast_async_step)
+    async_step = bool(getattr(args, "fast_async_step", True))
     install_fast_optimizer(fused_adam=fused_adam, multi_tensor=True, tensor_clip=async_step,
                            log=log)
     if async_step:
         from . import async_step as async_step_module
 
         async_step_module.install(log)
-    elif not args.fast_async_step:
+    else:
         log("fast path: host synchronisations inside the step kept (--no-fast-async-step)")
