@@ -41,7 +41,7 @@ def _install_window(start: int, iters: int, out: Path, report):
     import torch
     from megatron.training import training
 
-    state = {"calls": 0, "prof": None, "marks": []}
+    state = {"calls": 0, "prof": None}
     inner = training.train_step
     sync_iteration = start - 1
 

@@ -552,14 +552,20 @@ def test_fast_spec_unsupported_reasons(attrs, needle):
 # ---------------------------------------------------------------------------------------
 # GPU (skipped without CUDA)
 # ---------------------------------------------------------------------------------------
+def _lm_head_inputs(tokens: int, hidden: int, vocab: int, seed: int):
+    """bf16 hidden states, a bf16 output weight and labels on the GPU."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = (torch.randn(vocab, hidden, device="cuda", generator=g) * 0.05).bfloat16()
+    labels = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
+    return h, w, labels
+
+
 @pytest.mark.gpu
 def test_gpu_compiled_chunked_loss_matches_eager():
     from megagpt.fast_spec import lm_loss
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    h = torch.randn(4096, 256, device="cuda", dtype=torch.bfloat16, generator=g)
-    w = (torch.randn(5000, 256, device="cuda", generator=g) * 0.05).bfloat16()
-    labels = torch.randint(0, 5000, (4096,), device="cuda", generator=g)
+    h, w, labels = _lm_head_inputs(tokens=4096, hidden=256, vocab=5000, seed=0)
     out = {}
     for compiled in (True, False):
         lm_loss.set_loss_compile(compiled)
@@ -579,10 +585,7 @@ def test_gpu_chunked_loss_gradients_match_fp32_autograd():
     """Over many chunks, the weight gradient holds every chunk's contribution."""
     from megagpt.fast_spec import lm_loss
 
-    g = torch.Generator(device="cuda").manual_seed(1)
-    h = torch.randn(2048, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    w = (torch.randn(4096, 128, device="cuda", generator=g) * 0.05).bfloat16()
-    labels = torch.randint(0, 4096, (2048,), device="cuda", generator=g)
+    h, w, labels = _lm_head_inputs(tokens=2048, hidden=128, vocab=4096, seed=1)
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
     lm_loss.chunked_linear_cross_entropy(hh, ww, labels, chunk_elements=2**20).sum().backward()
     hf, wf = h.float().requires_grad_(), w.float().requires_grad_()

@@ -97,11 +97,8 @@ def foreach_multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor,
     if not tensors:
         dev = noop_flag.device if isinstance(noop_flag, torch.Tensor) else "cpu"
         return torch.zeros(1, dtype=torch.float, device=dev), None
-    by_dtype: dict = {}
-    for t in tensors:
-        by_dtype.setdefault((t.dtype, t.device), []).append(t)
     partial = []
-    for ts in by_dtype.values():
+    for ts in _by_dtype_and_device(tensors).values():
         norms = torch._foreach_norm(ts)
         partial.append(torch.linalg.vector_norm(torch.stack([n.float() for n in norms])))
     total = torch.linalg.vector_norm(torch.stack(partial)) if len(partial) > 1 else partial[0]
