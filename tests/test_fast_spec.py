@@ -437,15 +437,18 @@ def _resolved(argv=(), **attrs):
 def restore_optimizer():
     from megagpt.fast_spec import optim
 
-    from megagpt.fast_spec import async_step
+    from megagpt.fast_spec import async_step, flat_adam
 
     was_installed = "Adam" in optim._ORIGINALS
     async_was_installed = bool(async_step._ORIGINALS)
+    flat_was_installed = bool(flat_adam._ORIGINALS)
     optim.uninstall_fast_optimizer()
     yield
     optim.uninstall_fast_optimizer()
     if not async_was_installed:
         async_step.uninstall()
+    if not flat_was_installed:
+        flat_adam.uninstall()
     if was_installed:
         optim.install_fast_optimizer()
 
@@ -528,6 +531,23 @@ def test_parsing_patches_nothing_launching_does(restore_optimizer):
     assert mopt.Adam is optim.torch_fused_adam
     assert mtraining.training_log is not before[1]
     assert any("no host synchronisation" in line for line in lines)
+    from megagpt.fast_spec import flat_adam
+
+    assert "setup_model_and_optimizer" in flat_adam._ORIGINALS  # the flat step, once built
+
+
+def test_no_fast_flat_adam_keeps_megatrons_step(restore_optimizer):
+    from megagpt.fast_spec import flat_adam, optim
+    from megagpt.fast_spec.settings import install_fast_path_patches
+
+    if not optim.megatron_uses_local_fallbacks():
+        pytest.skip("TE or apex installed: megatron has its fused kernels")
+    flat_adam.uninstall()
+    args, _ = _resolved(["--no-fast-flat-adam"])
+    lines = []
+    install_fast_path_patches(args, lines.append)
+    assert not flat_adam._ORIGINALS
+    assert any("--no-fast-flat-adam" in line for line in lines)
 
 
 @pytest.mark.parametrize(

@@ -99,8 +99,10 @@ def foreach_multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor,
         return torch.zeros(1, dtype=torch.float, device=dev), None
     partial = []
     for ts in _by_dtype_and_device(tensors).values():
-        norms = torch._foreach_norm(ts)
-        partial.append(torch.linalg.vector_norm(torch.stack([n.float() for n in norms])))
+        # accumulate and return fp32 norms for bf16/fp16 gradients too (the flat AdamW step
+        # takes the norm of the bf16 gradient buffer itself)
+        norms = torch._foreach_norm(ts, 2, dtype=torch.float32)
+        partial.append(torch.linalg.vector_norm(torch.stack(norms)))
     total = torch.linalg.vector_norm(torch.stack(partial)) if len(partial) > 1 else partial[0]
     return total.reshape(1).float(), None
 

@@ -20,6 +20,8 @@
                                  --grad-reduce-in-bf16); default: on where that gives the same
                                  values as the fp32 buffer (bf16, one micro-batch per step,
                                  one data-parallel rank)
+  --no-fast-flat-adam            keep megatron's five-pass bf16 optimizer step (cast, norm,
+                                 clip, AdamW, copy) instead of one pass over flat buffers
   --no-fast-async-step           keep megatron's host synchronisations inside each step
                                  (gradient norm read back for clipping, single-rank
                                  all-reduces followed by .item())
@@ -102,6 +104,15 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
         "on for fast-path bf16 runs with one micro-batch per step and one data-parallel rank, "
         "where nothing is accumulated or reduced in the buffer and its values equal the fp32 "
         "buffer's (saves 2 bytes per parameter of peak memory).",
+    )
+    group.add_argument(
+        "--no-fast-flat-adam",
+        action="store_false",
+        dest="fast_flat_adam",
+        help="Keep megatron's bf16 optimizer step (cast gradients to fp32, norm, clip, AdamW, "
+        "copy weights back: five passes over memory). By default, where it applies, one "
+        "compiled kernel reads the gradient buffer and updates the fp32 master weights, "
+        "both moments and the bf16 weights in one pass (megagpt.fast_spec.flat_adam).",
     )
     group.add_argument(
         "--no-fast-async-step",
@@ -232,6 +243,7 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
         ("fast_optimizer", True),
         ("fast_lm_loss", True),
         ("fast_async_step", True),
+        ("fast_flat_adam", True),
         ("fast_bf16_grad_buffer", None),
     ):
         if not hasattr(args, name):
@@ -295,6 +307,10 @@ def install_fast_path_patches(args, log: Optional[Callable[[str], None]] = None)
       (``megagpt.fast_spec.optim.install_fast_optimizer``). Fused AdamW is left out, with a
       logged reason, for ``--use-precision-aware-optimizer``, ``--optimizer-cpu-offload`` and
       optimizers other than adam;
+    - flat AdamW step (``fast_flat_adam``, with fused AdamW): where megatron's optimizer is
+      its bf16 ``Float16OptimizerWithFloat16Params`` over one gradient buffer, one pass over
+      flat buffers replaces its five (``megagpt.fast_spec.flat_adam``; decided, and logged,
+      once the optimizer exists);
     - asynchronous step (``fast_async_step``, with the fast optimizer): the gradient norm
       stays on the GPU and megatron's per-step waits for the host are skipped where they are
       identities (``megagpt.fast_spec.async_step``).
@@ -321,6 +337,12 @@ def install_fast_path_patches(args, log: Optional[Callable[[str], None]] = None)
     async_step = bool(getattr(args, "fast_async_step", True))
     install_fast_optimizer(fused_adam=fused_adam, multi_tensor=True, tensor_clip=async_step,
                            log=log)
+    if fused_adam and getattr(args, "fast_flat_adam", True):
+        from . import flat_adam
+
+        flat_adam.install(log)
+    elif fused_adam:
+        log("fast optimizer: megatron's five-pass bf16 step kept (--no-fast-flat-adam)")
     if async_step:
         from . import async_step as async_step_module
 

@@ -1,0 +1,330 @@
+"""The flat AdamW step (megagpt.fast_spec.flat_adam) against megatron's own bf16 step.
+
+Megatron's DDP, its bf16 optimizer (``Float16OptimizerWithFloat16Params`` around torch's
+fused AdamW, the fast optimizer's kernels) and a small GPT run here on the CPU (cpu_mode maps
+megatron's CUDA tensors to the CPU); the same model, data and seed are stepped once with
+megatron's five-pass step and once with the flat one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gloo_ranks import single_gloo_rank
+
+VOCAB, SEQ, BATCH = 64, 16, 2
+
+
+@pytest.fixture()
+def cpu_megatron():
+    from megagpt import cpu_mode
+    from megagpt.fast_spec import optim
+
+    if not optim.megatron_uses_local_fallbacks():
+        pytest.skip("TE or apex installed: megatron's optimizer takes their kernels")
+    was_installed = "Adam" in optim._ORIGINALS
+    optim.uninstall_fast_optimizer()
+    optim.install_fast_optimizer(tensor_clip=True)
+    with single_gloo_rank(), cpu_mode.active():
+        yield
+    optim.uninstall_fast_optimizer()
+    if was_installed:
+        optim.install_fast_optimizer()
+
+
+def _build(grad_dtype=torch.bfloat16, clip_grad=1.0, lr=1e-2, device="cpu"):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                               bf16=True, params_dtype=torch.bfloat16, use_cpu_initialization=True,
+                               hidden_dropout=0.0, attention_dropout=0.0,
+                               gradient_accumulation_fusion=False, bias_dropout_fusion=False,
+                               masked_softmax_fusion=False, bias_activation_fusion=False,
+                               persist_layer_norm=False)
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                     max_sequence_length=SEQ, share_embeddings_and_output_weights=True)
+    model = Float16Module(config, model.to(device))
+    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_dtype == torch.float32,
+                                        overlap_grad_reduce=False,
+                                        use_distributed_optimizer=False)
+    model = DistributedDataParallel(config, ddp, module=model)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.1, adam_beta1=0.9,
+                        adam_beta2=0.95, bf16=True, params_dtype=torch.bfloat16,
+                        clip_grad=clip_grad),
+        [model])
+    return model, opt
+
+
+def _train(model, opt, steps: int, lrs=None, seed=None):
+    g = getattr(model, "_test_data", None)
+    if g is None:
+        g = model._test_data = torch.Generator().manual_seed(1)
+    losses = []
+    for i in range(steps):
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+        model.zero_grad_buffer()
+        opt.zero_grad()
+        if lrs:
+            for group in opt.param_groups:
+                group["lr"] = lrs[i]
+        tokens = tokens.to(_device(model))
+        out = model(tokens[:, :-1], torch.arange(SEQ, device=tokens.device).expand(BATCH, -1),
+                    None, labels=tokens[:, 1:])
+        loss = out.float().mean()
+        loss.backward()
+        losses.append(loss.item())
+        ok, norm, _ = opt.step()
+        assert ok
+    return losses, norm
+
+
+def _device(model):
+    return next(model.parameters()).device
+
+
+def _flat(model, opt, compiled=False):
+    from megagpt.fast_spec import flat_adam
+
+    subs = flat_adam.megatron_optimizers(opt)
+    assert len(subs) == 1
+    params = flat_adam.buffer_params([model])
+    assert flat_adam.unsupported_reason(subs[0], params) is None
+    return flat_adam.attach(subs[0], params, compiled=compiled)
+
+
+def _state(opt):
+    sub = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
+    out = []
+    for model_group, main_group in zip(sub.float16_groups, sub.fp32_from_float16_groups):
+        for model_param, main_param in zip(model_group, main_group):
+            st = sub.optimizer.state[main_param]
+            out.append((model_param.detach().clone(), main_param.detach().clone(),
+                        st["exp_avg"].clone(), st["exp_avg_sq"].clone(), float(st["step"])))
+    return out
+
+
+def _compare(opt_a, opt_b, steps, main_atol, moment_rtol):
+    for (pa, ma, ea, va, sa), (pb, mb, eb, vb, sb) in zip(_state(opt_a), _state(opt_b)):
+        assert sa == sb == float(steps)
+        torch.testing.assert_close(eb, ea, rtol=moment_rtol, atol=1e-12)
+        torch.testing.assert_close(vb, va, rtol=moment_rtol, atol=1e-14)
+        torch.testing.assert_close(mb, ma, rtol=1e-6, atol=main_atol)
+        # the bf16 weights are the fp32 masters rounded, as megatron's copy makes them
+        assert torch.equal(pb, mb.to(pb.dtype))
+        assert torch.equal(pa, ma.to(pa.dtype))
+
+
+def _weights(opt):
+    return torch.cat([s[1].flatten() for s in _state(opt)])
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("clip_grad", [0.05, 0.0])
+def test_flat_step_equals_megatrons_step(cpu_megatron, grad_dtype, clip_grad):
+    lrs = [1e-2, 5e-3, 2e-2, 1e-2, 1e-3]  # a schedule: each step must read the new lr
+    model_a, opt_a = _build(grad_dtype, clip_grad)
+    model_b, opt_b = _build(grad_dtype, clip_grad)
+    state = _flat(model_b, opt_b)
+    assert state.grad.dtype == grad_dtype
+
+    # one step: the same gradients, the same clip factor (megatron's norm, same order), so
+    # the moments agree to the last bit; the weights to fp32 rounding of the update
+    losses_a, norm_a = _train(model_a, opt_a, 1, lrs)
+    losses_b, norm_b = _train(model_b, opt_b, 1, lrs)
+    assert losses_a == losses_b
+    assert torch.equal(torch.as_tensor(norm_a), torch.as_tensor(norm_b))
+    if clip_grad:
+        assert float(torch.as_tensor(norm_a).reshape(())) > clip_grad, "the clip must bite"
+    _compare(opt_a, opt_b, 1, main_atol=1e-8, moment_rtol=1e-6)
+
+    # four more, with the learning rate changing under them. After a last-bit difference a
+    # bf16 weight may round the other way, and Adam turns near-zero gradient noise (a key
+    # bias's gradient is zero in exact arithmetic) into full-size steps of either sign; so
+    # the runs agree in loss and in almost every weight, not bit for bit.
+    start = _weights(opt_a)
+    losses_a, norm_a = _train(model_a, opt_a, 4, lrs[1:])
+    losses_b, norm_b = _train(model_b, opt_b, 4, lrs[1:])
+    torch.testing.assert_close(torch.tensor(losses_b), torch.tensor(losses_a), rtol=1e-4, atol=0)
+    moved = (_weights(opt_a) - start).abs()
+    apart = (_weights(opt_b) - _weights(opt_a)).abs()
+    assert apart.median() < 1e-3 * moved.median(), (apart.median(), moved.median())
+    assert (apart > 0.1 * moved).float().mean() < 0.01
+
+
+def test_setup_wrapper_attaches_or_says_why_not(cpu_megatron):
+    from megatron.core.optimizer import ChainedOptimizer
+
+    from megagpt.fast_spec import flat_adam
+
+    model, opt = _build()
+    lines = []
+    flat_adam.attach_after_setup(lambda: ([model], opt, None), lines.append, False)()
+    assert isinstance(opt.chained_optimizers[0]._megagpt_flat_adam, flat_adam.FlatAdamState)
+    assert "flat AdamW step over" in lines[-1]
+
+    model2, opt2 = _build()
+    two = ChainedOptimizer([opt2.chained_optimizers[0], opt2.chained_optimizers[0]])
+    flat_adam.attach_after_setup(lambda: ([model2], two, None), lines.append, False)()
+    assert "not used: 2 chained optimizers" in lines[-1]
+    assert not hasattr(opt2.chained_optimizers[0], "_megagpt_flat_adam")
+
+
+def test_tensors_are_views_of_the_flat_buffers(cpu_megatron):
+    model, opt = _build()
+    state = _flat(model, opt)
+    sub = opt.chained_optimizers[0]
+    base = state.main.untyped_storage().data_ptr()
+    for main_group in sub.fp32_from_float16_groups:
+        for p in main_group:
+            assert p.untyped_storage().data_ptr() == base
+            assert sub.optimizer.state[p]["exp_avg"].untyped_storage().data_ptr() == \
+                state.exp_avg.untyped_storage().data_ptr()
+    for model_group in sub.float16_groups:
+        for p in model_group:
+            assert p.untyped_storage().data_ptr() == state.model.untyped_storage().data_ptr()
+            assert p.main_grad.untyped_storage().data_ptr() == \
+                state.grad.untyped_storage().data_ptr()
+
+
+def test_a_loaded_optimizer_state_is_taken_into_the_flat_buffers(cpu_megatron):
+    """Loading a state dict replaces torch's state tensors; the next flat step must use the
+    loaded values, not the stale flat copies: resuming gives the uninterrupted run's numbers."""
+    import copy
+
+    model_a, opt_a = _build()
+    _flat(model_a, opt_a)
+    _train(model_a, opt_a, 3)
+    saved_opt = copy.deepcopy(opt_a.state_dict())
+    saved_model = copy.deepcopy(model_a.state_dict())
+    losses_a, _ = _train(model_a, opt_a, 2)  # steps 4 and 5, uninterrupted
+
+    model_b, opt_b = _build()
+    _flat(model_b, opt_b)
+    _train(model_b, opt_b, 1)  # some other state, then the checkpoint is loaded over it
+    model_b.load_state_dict(saved_model)
+    opt_b.load_state_dict(saved_opt)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):  # the same data position as run a
+        torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    losses_b = []
+    for _ in range(2):
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+        model_b.zero_grad_buffer()
+        opt_b.zero_grad()
+        out = model_b(tokens[:, :-1], torch.arange(SEQ).expand(BATCH, -1), None,
+                      labels=tokens[:, 1:])
+        loss = out.float().mean()
+        loss.backward()
+        losses_b.append(loss.item())
+        opt_b.step()
+    assert losses_b == losses_a
+    for a, b in zip(_state(opt_a), _state(opt_b)):
+        assert all(torch.equal(x, y) for x, y in zip(a[:4], b[:4])) and a[4] == b[4]
+
+
+def test_compiled_update_equals_eager():
+    """The torch.compile'd kernel (one pass) computes what the eager function does."""
+    from megagpt.fast_spec import flat_adam
+
+    g = torch.Generator().manual_seed(0)
+    n = 1000
+    grad = torch.randn(n, generator=g).bfloat16()
+    bufs = [torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.1,
+            torch.rand(n, generator=g) * 0.01, torch.zeros(n, dtype=torch.bfloat16)]
+    index = (torch.arange(n) % 3).to(torch.uint8)
+    table = torch.tensor([[1e-3, 2e-3, 5e-4], [0.1, 0.0, 0.05]])
+    outs = []
+    for compiled in (False, True):
+        b = [x.clone() for x in bufs]
+        try:
+            flat_adam.run_update(grad, *b, index, table, torch.tensor(3.0), torch.tensor(0.5),
+                                 beta1=0.9, beta2=0.95, eps=1e-8, decoupled=True,
+                                 compiled=compiled)
+        except Exception as exc:  # no C++ toolchain for inductor's CPU backend
+            if compiled and "compile" in type(exc).__module__ + str(exc).lower()[:200]:
+                pytest.skip(f"torch.compile unavailable here: {type(exc).__name__}")
+            raise
+        outs.append(b)
+    for eager, compiled in zip(*outs):
+        torch.testing.assert_close(compiled, eager, rtol=2e-6, atol=1e-9)
+    assert not torch.equal(outs[0][0], bufs[0]), "the update must change the weights"
+
+
+@pytest.mark.parametrize("setting, needle", [
+    ("log_num_zeros_in_grad", "--log-num-zeros-in-grad"),
+    ("fp32_param", "some parameters are fp32"),
+    ("second_optimizer", "also holds parameters of another optimizer"),
+    ("amsgrad", "not torch Adam/AdamW"),
+])
+def test_where_the_flat_step_does_not_apply(cpu_megatron, setting, needle):
+    from megagpt.fast_spec import flat_adam
+
+    model, opt = _build()
+    sub = opt.chained_optimizers[0]
+    params = flat_adam.buffer_params([model])
+    if setting == "log_num_zeros_in_grad":
+        sub.config.log_num_zeros_in_grad = True
+    elif setting == "fp32_param":
+        sub.fp32_from_fp32_groups[0].append(torch.nn.Parameter(torch.zeros(2)))
+    elif setting == "second_optimizer":
+        # one parameter in the middle of the buffer belongs to another optimizer: the flat
+        # step over this optimizer's span would update it too
+        group = sub.float16_groups[0]
+        order = sorted(range(len(group)), key=lambda i: group[i].main_grad.storage_offset())
+        middle = order[len(order) // 2]
+        moved = group.pop(middle)
+        sub.fp32_from_float16_groups[0].pop(middle)
+        assert any(moved is p for p in params)
+    elif setting == "amsgrad":
+        for group in sub.optimizer.param_groups:
+            group["amsgrad"] = True
+    reason = flat_adam.unsupported_reason(sub, params)
+    assert reason is not None and needle in reason
+
+
+@pytest.fixture()
+def gpu_megatron():
+    from megagpt.fast_spec import optim
+
+    if not optim.megatron_uses_local_fallbacks():
+        pytest.skip("TE or apex installed: megatron's optimizer takes their kernels")
+    was_installed = "Adam" in optim._ORIGINALS
+    optim.uninstall_fast_optimizer()
+    optim.install_fast_optimizer(tensor_clip=True)
+    with single_gloo_rank():
+        yield
+    optim.uninstall_fast_optimizer()
+    if was_installed:
+        optim.install_fast_optimizer()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+def test_gpu_compiled_flat_step_equals_megatrons_step(gpu_megatron, grad_dtype):
+    """On the GPU: megatron's step (torch's CUDA fused AdamW) against the compiled kernel."""
+    model_a, opt_a = _build(grad_dtype, 0.05, device="cuda")
+    model_b, opt_b = _build(grad_dtype, 0.05, device="cuda")
+    state = _flat(model_b, opt_b, compiled=True)
+    losses_a, norm_a = _train(model_a, opt_a, 1)
+    losses_b, norm_b = _train(model_b, opt_b, 1)
+    assert state.compiled and state.compile_error is None
+    assert losses_a == losses_b
+    assert torch.equal(torch.as_tensor(norm_a), torch.as_tensor(norm_b))
+    _compare(opt_a, opt_b, 1, main_atol=1e-8, moment_rtol=1e-6)
+    start = _weights(opt_a)
+    losses_a, _ = _train(model_a, opt_a, 4)
+    losses_b, _ = _train(model_b, opt_b, 4)
+    torch.testing.assert_close(torch.tensor(losses_b), torch.tensor(losses_a), rtol=1e-4, atol=0)
+    moved = (_weights(opt_a) - start).abs()
+    apart = (_weights(opt_b) - _weights(opt_a)).abs()
+    assert apart.median() < 1e-3 * moved.median(), (apart.median(), moved.median())
