@@ -232,32 +232,57 @@ def test_a_loaded_optimizer_state_is_taken_into_the_flat_buffers(cpu_megatron):
         assert all(torch.equal(x, y) for x, y in zip(a[:4], b[:4])) and a[4] == b[4]
 
 
-def test_compiled_update_equals_eager():
-    """The torch.compile'd kernel (one pass) computes what the eager function does."""
-    from megagpt.fast_spec import flat_adam
-
+def _update_inputs(n=1024, groups=3, block=1):
     g = torch.Generator().manual_seed(0)
-    n = 1000
     grad = torch.randn(n, generator=g).bfloat16()
     bufs = [torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.1,
             torch.rand(n, generator=g) * 0.01, torch.zeros(n, dtype=torch.bfloat16)]
-    index = (torch.arange(n) % 3).to(torch.uint8)
-    table = torch.tensor([[1e-3, 2e-3, 5e-4], [0.1, 0.0, 0.05]])
-    outs = []
-    for compiled in (False, True):
-        b = [x.clone() for x in bufs]
-        try:
-            flat_adam.run_update(grad, *b, index, table, torch.tensor(3.0), torch.tensor(0.5),
-                                 beta1=0.9, beta2=0.95, eps=1e-8, decoupled=True,
-                                 compiled=compiled)
-        except Exception as exc:  # no C++ toolchain for inductor's CPU backend
-            if compiled and "compile" in type(exc).__module__ + str(exc).lower()[:200]:
-                pytest.skip(f"torch.compile unavailable here: {type(exc).__name__}")
-            raise
-        outs.append(b)
-    for eager, compiled in zip(*outs):
-        torch.testing.assert_close(compiled, eager, rtol=2e-6, atol=1e-9)
-    assert not torch.equal(outs[0][0], bufs[0]), "the update must change the weights"
+    index = (torch.arange(n // block) % groups).to(torch.uint8)
+    table = torch.tensor([[1e-3, 2e-3, 5e-4], [0.1, 0.0, 0.05]])[:, :groups]
+    return grad, bufs, index, table
+
+
+def _run(grad, bufs, index, table, compiled=False):
+    from megagpt.fast_spec import flat_adam
+
+    b = [x.clone() for x in bufs]
+    flat_adam.run_update(grad, *b, index, table, torch.tensor(3.0), torch.tensor(0.5),
+                         beta1=0.9, beta2=0.95, eps=1e-8, decoupled=True, compiled=compiled)
+    return b
+
+
+def test_group_index_per_block_means_per_element():
+    """One group entry per block of 8 elements is the same as that entry on each of the 8."""
+    grad, bufs, index, table = _update_inputs(block=8)
+    per_block = _run(grad, bufs, index, table)
+    per_element = _run(grad, bufs, index.repeat_interleave(8), table)
+    for a, b in zip(per_block, per_element):
+        assert torch.equal(a, b)
+    assert not torch.equal(per_block[0], bufs[0]), "the update must change the weights"
+
+
+def test_block_size_is_the_largest_power_of_two_no_boundary_splits():
+    from megagpt.fast_spec.flat_adam import _block_size
+
+    assert _block_size([0, 1024, 3 * 1024, 50304 * 1024]) == 1024
+    assert _block_size([0, 96, 128]) == 32
+    assert _block_size([0, 4096], largest=256) == 256
+    assert _block_size([0, 7, 12]) == 1
+
+
+@pytest.mark.parametrize("block", [1, 8])
+def test_compiled_update_equals_eager(block):
+    """The torch.compile'd kernel (one pass) computes what the eager function does."""
+    grad, bufs, index, table = _update_inputs(block=block)
+    eager = _run(grad, bufs, index, table)
+    try:
+        compiled = _run(grad, bufs, index, table, compiled=True)
+    except Exception as exc:  # no C++ toolchain for inductor's CPU backend
+        if type(exc).__module__.startswith(("torch._dynamo", "torch._inductor")):
+            pytest.skip(f"torch.compile unavailable here: {type(exc).__name__}")
+        raise
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e, rtol=2e-6, atol=1e-9)
 
 
 @pytest.mark.parametrize("setting, needle", [
