@@ -601,11 +601,16 @@ def test_gpu_compiled_chunked_loss_matches_eager():
 
 
 @pytest.mark.gpu
-def test_gpu_chunked_loss_gradients_match_fp32_autograd():
-    """Over many chunks, the weight gradient holds every chunk's contribution."""
+@pytest.mark.parametrize("fused_accumulation", [True, False])
+def test_gpu_chunked_loss_gradients_match_fp32_autograd(monkeypatch, fused_accumulation):
+    """Over many chunks, the weight gradient holds every chunk's contribution — with the
+    weight gradient accumulated by one fp32-output GEMM per chunk, and with GEMM + add."""
     from megagpt.fast_spec import lm_loss
 
     h, w, labels = _lm_head_inputs(tokens=2048, hidden=128, vocab=4096, seed=1)
+    assert lm_loss.fused_fp32_accumulation_works(h.device)  # torch 2.11 on an H200 does
+    if not fused_accumulation:
+        monkeypatch.setitem(lm_loss._FUSED_FP32_ACCUMULATION, str(h.device), False)
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
     lm_loss.chunked_linear_cross_entropy(hh, ww, labels, chunk_elements=2**20).sum().backward()
     hf, wf = h.float().requires_grad_(), w.float().requires_grad_()

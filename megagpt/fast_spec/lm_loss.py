@@ -86,17 +86,52 @@ def _kernel(name: str, fn, device: torch.device):
     return _compiled[name]
 
 
+_FUSED_FP32_ACCUMULATION: dict = {}  # device -> whether addmm(out_dtype=fp32, out=acc) adds
+
+
+def fused_fp32_accumulation_works(device: torch.device) -> bool:
+    """Whether ``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`` accumulates bf16
+    products into an fp32 ``acc`` on this device: checked once per process on a small case
+    (two calls onto a non-zero accumulator must give three times one product).
+
+    A session-2 run blamed this form for a loss disagreement; ``bench/bench_kernels.py`` then
+    showed it accumulating correctly on torch 2.11 / H200 (relative error 6e-6 against fp32,
+    where the bf16 product + fp32 add has 1.1e-3), so the disagreement had another cause. The
+    check stays so that a torch build where it does not hold falls back instead of training
+    on a wrong gradient. Never checked during CUDA graph capture (it reads a value back).
+    """
+    key = str(device)
+    if key in _FUSED_FP32_ACCUMULATION:
+        return _FUSED_FP32_ACCUMULATION[key]
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return False
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(256, 64, device=device, dtype=torch.bfloat16, generator=g)
+        b = torch.randn(256, 96, device=device, dtype=torch.bfloat16, generator=g)
+        once = a.t().float() @ b.float()
+        acc = once.clone()
+        for _ in range(2):
+            torch.addmm(acc, a.t(), b, out_dtype=torch.float32, out=acc)
+        works = bool(torch.allclose(acc, 3 * once, rtol=1e-3, atol=1e-3))
+    except (RuntimeError, TypeError):  # no out_dtype on this build
+        works = False
+    _FUSED_FP32_ACCUMULATION[key] = works
+    return works
+
+
 def accumulate_weight_grad(acc: Tensor, grad_out: Tensor, inp: Tensor) -> None:
     """``acc += grad_out.T @ inp`` where ``acc`` may be wider (fp32) than the operands (bf16).
 
-    The product is formed in the operands' dtype and added in fp32. A single
-    ``torch.addmm(acc, ..., out_dtype=torch.float32, out=acc)`` would save the add kernel
-    (~1.2 ms per step at 345M), but the run that used it on torch 2.11 / H200 lost agreement
-    with megatron's loss (docs/speed.md, "A regression caught"): until
-    ``bench/bench_kernels.py`` shows it accumulates, it stays out.
+    One GEMM accumulating in fp32 straight into ``acc`` where that form works (see
+    ``fused_fp32_accumulation_works``): no separate add kernel over the [vocab, hidden] fp32
+    accumulator per chunk, and the product is not rounded to bf16 first. Elsewhere the
+    product is formed in the operands' dtype and added in fp32.
     """
     if grad_out.dtype == acc.dtype:
         acc.addmm_(grad_out.t(), inp)
+    elif acc.dtype == torch.float32 and fused_fp32_accumulation_works(acc.device):
+        torch.addmm(acc, grad_out.t(), inp, out_dtype=torch.float32, out=acc)
     else:
         acc.add_(grad_out.t() @ inp)
 
