@@ -82,7 +82,8 @@ REAL_345M=(
     --tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB" --merge-file "$MERGES"
 )
 timeout 150 $PY bench/bench_throughput.py --shape 345M --paths "" --compare-losses 50 \
-    --entry-args "--hidden-dropout 0 --attention-dropout 0" --out "$OUT/losses_345m" \
+    --entry-args "--hidden-dropout 0 --attention-dropout 0 --lr-warmup-iters 10" \
+    --out "$OUT/losses_345m" \
     > "$OUT/losses_345m.txt" 2>&1 &
 COMPARE=$!
 timeout 230 $PY bench/resume_fidelity.py --iters 40 --out "$OUT/resume_345m" -- "${REAL_345M[@]}" \

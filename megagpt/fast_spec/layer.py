@@ -15,9 +15,15 @@ or sequence parallelism, MoE, cross attention, recompute, offloading, inference 
 packed sequences, q/k norms, FP8, ...) goes through ``TransformerLayer.forward`` unchanged,
 with the SDPA core attention of the fast spec.
 
-Gradients reach the parameters through ordinary autograd, so megatron's DDP hooks
-(``main_grad`` accumulation, overlapped reduce) see them exactly as with the local
-linears when gradient-accumulation fusion is off (it needs TE or apex anyway).
+Gradients reach the norms and biases through ordinary autograd, and megatron's DDP hooks
+add them into ``main_grad``. The four weight matrices' gradients go straight into
+``main_grad`` (gradient-accumulation fusion, as TE's and apex's linears do for megatron):
+their GEMM accumulates into megatron's gradient buffer (``addmm_``, beta = 1), instead of
+writing a new gradient tensor that the DDP hook then adds — one kernel and one weight-sized
+temporary fewer per weight. As with megatron's own fusion, autograd receives a placeholder
+gradient and ``grad_added_to_main_grad`` tells the hook that the value is already in the
+buffer. Without megatron's DDP (no ``main_grad``) or with ``--no-fast-wgrad-fusion`` the
+weights take the ordinary path.
 """
 
 from __future__ import annotations
@@ -46,6 +52,59 @@ logger = logging.getLogger(__name__)
 # from --fast-spec-compile / --no-fast-spec-compile; tests set it directly.
 _COMPILE = {"enabled": True, "options": None}
 _compiled_fn: Optional[Callable] = None
+# Gradient-accumulation fusion of the fused layer's weight gradients (--no-fast-wgrad-fusion).
+_WGRAD_FUSION = {"enabled": True}
+
+
+def set_wgrad_fusion(enabled: bool) -> None:
+    """Turn the fused layer's weight-gradient accumulation into ``main_grad`` on or off."""
+    _WGRAD_FUSION["enabled"] = bool(enabled)
+
+
+@torch.library.custom_op("megagpt::wgrad_into_main_grad", mutates_args=("main_grad",))
+def wgrad_into_main_grad(grad_out: Tensor, inp: Tensor, main_grad: Tensor) -> Tensor:
+    """``main_grad += grad_out^T @ inp`` over all leading dims; returns a placeholder weight
+    gradient (uninitialised, as megatron's own fusion returns) for autograd to hand on."""
+    g = grad_out.reshape(-1, grad_out.shape[-1])
+    x = inp.reshape(-1, inp.shape[-1])
+    if main_grad.dtype == g.dtype:
+        main_grad.addmm_(g.t(), x)
+    else:  # an fp32 buffer for bf16 activations
+        from .lm_loss import accumulate_weight_grad
+
+        accumulate_weight_grad(main_grad, g, x)
+    return torch.empty(main_grad.shape, dtype=grad_out.dtype, device=grad_out.device)
+
+
+@wgrad_into_main_grad.register_fake
+def _(grad_out: Tensor, inp: Tensor, main_grad: Tensor) -> Tensor:
+    return grad_out.new_empty(main_grad.shape)
+
+
+class _LinearIntoMainGrad(torch.autograd.Function):
+    """``x @ w^T`` whose weight gradient is accumulated into ``main_grad`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, main_grad: Tensor) -> Tensor:
+        ctx.save_for_backward(x, w)
+        # not a saved tensor: every view of the gradient buffer shares one version counter,
+        # which the other weights' accumulations bump before this backward runs
+        ctx.main_grad = main_grad
+        return F.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        x, w = ctx.saved_tensors
+        grad_x = grad_out @ w if ctx.needs_input_grad[0] else None
+        grad_w = torch.ops.megagpt.wgrad_into_main_grad(grad_out, x, ctx.main_grad)
+        return grad_x, grad_w, None
+
+
+def _linear(x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Optional[Tensor]) -> Tensor:
+    if main_grad is None:
+        return F.linear(x, w, b)
+    y = _LinearIntoMainGrad.apply(x, w, main_grad)
+    return y if b is None else y + b
 
 
 def set_layer_compile(enabled: bool, options: Optional[dict] = None) -> None:
@@ -104,11 +163,18 @@ def fused_layer_forward(
     rotary_interleaved: bool,
     rope_mscale: float,
     training: bool,
+    qkv_main_grad: Optional[Tensor] = None,
+    proj_main_grad: Optional[Tensor] = None,
+    fc1_main_grad: Optional[Tensor] = None,
+    fc2_main_grad: Optional[Tensor] = None,
 ) -> Tensor:
-    """One dense pre-norm GPT layer on ``x`` of shape [s, b, h]; megatron's layouts."""
+    """One dense pre-norm GPT layer on ``x`` of shape [s, b, h]; megatron's layouts.
+
+    ``*_main_grad``: megatron's gradient-buffer views of the four weights, to accumulate
+    their gradients into directly (None: ordinary autograd gradients)."""
     s, b, _ = x.shape
     y = _norm(x, ln1_w, ln1_b, eps, rms)
-    qkv = F.linear(y, qkv_w, qkv_b)
+    qkv = _linear(y, qkv_w, qkv_b, qkv_main_grad)
     # megatron's fused QKV layout: per query group [q_1..q_k, k, v]
     qkv = qkv.view(s, b, groups, (q_per_group + 2) * head_dim)
     q, k, v = torch.split(qkv, [q_per_group * head_dim, head_dim, head_dim], dim=-1)
@@ -130,13 +196,13 @@ def fused_layer_forward(
         q, k, v, dropout_p=attn_p if training else 0.0, is_causal=True, scale=scale
     )
     o = o.permute(2, 0, 1, 3).reshape(s, b, groups * q_per_group * head_dim)
-    a = F.linear(o, proj_w)
+    a = _linear(o, proj_w, None, proj_main_grad)
     if proj_b is not None:
         a = a + proj_b
     x = x + F.dropout(a, hidden_p, training)
     y = _norm(x, ln2_w, ln2_b, eps, rms)
-    f = _activation(F.linear(y, fc1_w, fc1_b), act)
-    m = F.linear(f, fc2_w)
+    f = _activation(_linear(y, fc1_w, fc1_b, fc1_main_grad), act)
+    m = _linear(f, fc2_w, None, fc2_main_grad)
     if fc2_b is not None:
         m = m + fc2_b
     return x + F.dropout(m, hidden_p, training)
@@ -330,7 +396,23 @@ class FastTransformerLayer(TransformerLayer):
             rope_mscale=float(mscale if mscale is not None else 1.0),
             training=bool(self.training),
         )
+        weights = dict(qkv_main_grad=att.linear_qkv.weight, proj_main_grad=att.linear_proj.weight,
+                       fc1_main_grad=mlp.linear_fc1.weight, fc2_main_grad=mlp.linear_fc2.weight)
+        if self.wgrad_fusion_ok(weights.values()):
+            for name, w in weights.items():
+                consts[name] = w.main_grad
+                # megatron's DDP hook: the value is in main_grad already, do not add the
+                # placeholder (its zero_grad_buffer resets this flag every iteration)
+                w.grad_added_to_main_grad = True
         return tensors, consts
+
+    def wgrad_fusion_ok(self, weights) -> bool:
+        """Whether this forward accumulates the weight gradients into megatron's buffer."""
+        return (_WGRAD_FUSION["enabled"] and self.training and torch.is_grad_enabled()
+                and all(w.requires_grad and getattr(w, "main_grad", None) is not None
+                        and hasattr(w, "grad_added_to_main_grad")
+                        and not getattr(w, "zero_out_wgrad", False)
+                        and w.main_grad.shape == w.shape for w in weights))
 
     def _fused_forward(self, hidden_states: Tensor, rope: Optional[Tensor]) -> Tensor:
         tensors, consts = self.fused_arguments(rope)

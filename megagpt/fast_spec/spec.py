@@ -23,7 +23,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from .attention import SDPADotProductAttention
-from .layer import FastTransformerLayer, set_layer_compile
+from .layer import FastTransformerLayer, set_layer_compile, set_wgrad_fusion
 from .lm_loss import set_loss_compile
 
 
@@ -77,7 +77,7 @@ def get_fast_gpt_layer_spec(args) -> ModuleSpec:
     """The fast layer spec for megatron's parsed ``args`` (see module docstring).
 
     Reads: num_experts, moe_grouped_gemm, qk_layernorm, qk_l2_norm, normalization,
-    reset_attention_mask, fast_spec_fused_layer, fast_spec_compile.
+    reset_attention_mask, fast_spec_fused_layer, fast_spec_compile, fast_wgrad_fusion.
     """
     reason = fast_spec_unsupported_reason(args)
     if reason is not None:
@@ -103,6 +103,7 @@ def get_fast_gpt_layer_spec(args) -> ModuleSpec:
         compile_ = _get(args, "cuda_graph_impl", "none") == "full_iteration"
     set_layer_compile(bool(compile_))
     set_loss_compile(bool(compile_))
+    set_wgrad_fusion(bool(_get(args, "fast_wgrad_fusion", True)))
     layer_cls = FastTransformerLayer if fused else TransformerLayer
     return ModuleSpec(module=layer_cls, submodules=submodules)
 
@@ -113,6 +114,8 @@ def describe_fast_spec(args) -> str:
     if _get(args, "fast_spec_fused_layer", True):
         mode = "torch.compile" if _get(args, "fast_spec_compile", False) else "eager"
         parts.append(f"fused dense layer ({mode}; TP=1 dense layers, else megatron's layer)")
+        if _get(args, "fast_wgrad_fusion", True):
+            parts.append("weight gradients accumulated into main_grad")
     if _get(args, "fast_lm_loss", True):
         parts.append("chunked LM-head cross entropy (TP=1)")
     if _get(args, "cuda_graph_impl", "none") == "full_iteration":
@@ -121,6 +124,8 @@ def describe_fast_spec(args) -> str:
         parts.append("fused AdamW + foreach optimizer kernels")
         if _get(args, "fast_async_step", True):
             parts.append("no host sync inside the step")
+        if _get(args, "fast_flat_adam", True):
+            parts.append("flat AdamW step where it applies")
     if _get(args, "fast_bf16_grad_buffer", False):
         parts.append("bf16 gradient buffer")
     return "fast spec (no Transformer Engine): " + ", ".join(parts)
