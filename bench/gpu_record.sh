@@ -18,7 +18,7 @@
 #   3. throughput, 1.3B shape (24 x 2048 x 16, seq 2048, mb 4): fast path and reference.
 #
 # STEPS (default "0 0b 1 2 3") picks which of them run; PATHS the throughput paths of step 1
-# (default local,fast,noflat,nodrop,reference).
+# (default local,fast,noflat,nodrop,reference; nowgrad is also defined).
 #
 # Needs: megatron-core (+ omegaconf) importable, one CUDA GPU, and the corpus: the embedded one
 # (python -m megagpt.data.corpus builds it) or DATA_PREFIX, VOCAB_FILE, MERGE_FILE.
@@ -57,11 +57,12 @@ fi
 if want 1; then
 echo "== 1. throughput 345M ($(left)s left)"
 # PATHS: local, fast, reference and the variants nodrop (the fast path without dropout) and
-# noflat (megatron's five-pass optimizer step instead of the flat one)
+# noflat (megatron's five-pass optimizer step instead of the flat one), nowgrad (weight
+# gradients through autograd and megatron's DDP hook)
 timeout 300 $PY bench/bench_throughput.py --shape 345M \
     --paths "${PATHS:-local,fast,noflat,nodrop,reference}" \
     --variant "nodrop=--hidden-dropout 0 --attention-dropout 0" \
-    --variant "noflat=--no-fast-flat-adam" \
+    --variant "noflat=--no-fast-flat-adam" --variant "nowgrad=--no-fast-wgrad-fusion" \
     --train-iters 50 --warmup-iters 10 --out "$OUT/bench_345m" > "$OUT/bench_345m.txt" 2>&1
 tail -20 "$OUT/bench_345m.txt"
 fi
