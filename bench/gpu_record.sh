@@ -18,7 +18,7 @@
 #   3. throughput, 1.3B shape (24 x 2048 x 16, seq 2048, mb 4): fast path and reference.
 #
 # STEPS (default "0 0b 1 2 3") picks which of them run; PATHS the throughput paths of step 1
-# (default local,fast,noflat,nodrop,reference; nowgrad is also defined).
+# (default local,fast,noflat,nodrop,reference; wgrad is also defined).
 #
 # Needs: megatron-core (+ omegaconf) importable, one CUDA GPU, and the corpus: the embedded one
 # (python -m megagpt.data.corpus builds it) or DATA_PREFIX, VOCAB_FILE, MERGE_FILE.
@@ -57,12 +57,12 @@ fi
 if want 1; then
 echo "== 1. throughput 345M ($(left)s left)"
 # PATHS: local, fast, reference and the variants nodrop (the fast path without dropout) and
-# noflat (megatron's five-pass optimizer step instead of the flat one), nowgrad (weight
-# gradients through autograd and megatron's DDP hook)
+# noflat (megatron's five-pass optimizer step instead of the flat one), wgrad (weight
+# gradients accumulated into main_grad by their GEMMs)
 timeout 300 $PY bench/bench_throughput.py --shape 345M \
     --paths "${PATHS:-local,fast,noflat,nodrop,reference}" \
     --variant "nodrop=--hidden-dropout 0 --attention-dropout 0" \
-    --variant "noflat=--no-fast-flat-adam" --variant "nowgrad=--no-fast-wgrad-fusion" \
+    --variant "noflat=--no-fast-flat-adam" --variant "wgrad=--fast-wgrad-fusion" \
     --train-iters 50 --warmup-iters 10 --out "$OUT/bench_345m" > "$OUT/bench_345m.txt" 2>&1
 tail -20 "$OUT/bench_345m.txt"
 fi
@@ -103,6 +103,7 @@ echo "== 3. throughput 1.3B ($(left)s left)"
 if [ "$(left)" -gt 100 ]; then
     timeout $(( $(left) - 10 )) $PY bench/bench_throughput.py --shape 1.3B \
         --paths "${PATHS_13B:-fast,reference}" --variant "noflat=--no-fast-flat-adam" \
+        --variant "wgrad=--fast-wgrad-fusion" \
         --train-iters 30 --warmup-iters 10 --out "$OUT/bench_1.3b" > "$OUT/bench_1.3b.txt" 2>&1
     tail -12 "$OUT/bench_1.3b.txt"
 fi

@@ -96,7 +96,10 @@ def test_fused_weight_gradients_land_in_main_grad(cpu_megatron, grad_dtype):
         torch.testing.assert_close(g_fused[name], grad, **tol, msg=name)
 
 
-def test_switch_off_leaves_the_weights_to_autograd(cpu_megatron):
+def test_default_leaves_the_weights_to_autograd(cpu_megatron):
+    from megagpt.fast_spec.settings import add_fast_path_arguments
+
+    assert add_fast_path_arguments(argparse.ArgumentParser()).parse_args([]).fast_wgrad_fusion is False
     plain = _build(False, torch.bfloat16)
     _grads_after(plain, 1)
     qkv = plain.module.module.decoder.layers[0].self_attention.linear_qkv.weight

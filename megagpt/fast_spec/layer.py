@@ -15,15 +15,15 @@ or sequence parallelism, MoE, cross attention, recompute, offloading, inference 
 packed sequences, q/k norms, FP8, ...) goes through ``TransformerLayer.forward`` unchanged,
 with the SDPA core attention of the fast spec.
 
-Gradients reach the norms and biases through ordinary autograd, and megatron's DDP hooks
-add them into ``main_grad``. The four weight matrices' gradients go straight into
-``main_grad`` (gradient-accumulation fusion, as TE's and apex's linears do for megatron):
-their GEMM accumulates into megatron's gradient buffer (``addmm_``, beta = 1), instead of
-writing a new gradient tensor that the DDP hook then adds — one kernel and one weight-sized
-temporary fewer per weight. As with megatron's own fusion, autograd receives a placeholder
-gradient and ``grad_added_to_main_grad`` tells the hook that the value is already in the
-buffer. Without megatron's DDP (no ``main_grad``) or with ``--no-fast-wgrad-fusion`` the
-weights take the ordinary path.
+Gradients reach the parameters through ordinary autograd, and megatron's DDP hooks add them
+into ``main_grad``. With ``--fast-wgrad-fusion`` the four weight matrices' gradients go
+straight into ``main_grad`` instead (gradient-accumulation fusion, as TE's and apex's linears
+do for megatron): their GEMM accumulates into megatron's gradient buffer (``addmm_``,
+beta = 1) rather than writing a new gradient tensor that the DDP hook then adds. As with
+megatron's own fusion, autograd receives a placeholder gradient and
+``grad_added_to_main_grad`` tells the hook that the value is already in the buffer. It is off
+by default: with one micro-batch per step, on an H200, it measured within run-to-run noise
+(docs/benchmarks.md); without megatron's DDP (no ``main_grad``) it never applies.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ logger = logging.getLogger(__name__)
 # from --fast-spec-compile / --no-fast-spec-compile; tests set it directly.
 _COMPILE = {"enabled": True, "options": None}
 _compiled_fn: Optional[Callable] = None
-# Gradient-accumulation fusion of the fused layer's weight gradients (--no-fast-wgrad-fusion).
-_WGRAD_FUSION = {"enabled": True}
+# Gradient-accumulation fusion of the fused layer's weight gradients (--fast-wgrad-fusion).
+_WGRAD_FUSION = {"enabled": False}
 
 
 def set_wgrad_fusion(enabled: bool) -> None:

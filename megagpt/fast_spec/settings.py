@@ -20,8 +20,8 @@
                                  --grad-reduce-in-bf16); default: on where that gives the same
                                  values as the fp32 buffer (bf16, one micro-batch per step,
                                  one data-parallel rank)
-  --no-fast-wgrad-fusion         fused layer: weight gradients through autograd + megatron's
-                                 DDP hook instead of accumulated into main_grad by the GEMM
+  --fast-wgrad-fusion            fused layer: weight gradients accumulated into main_grad by
+                                 their GEMMs instead of autograd + megatron's DDP hook (off)
   --no-fast-flat-adam            keep megatron's five-pass bf16 optimizer step (cast, norm,
                                  clip, AdamW, copy) instead of one pass over flat buffers
   --no-fast-async-step           keep megatron's host synchronisations inside each step
@@ -108,12 +108,14 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
         "buffer's (saves 2 bytes per parameter of peak memory).",
     )
     group.add_argument(
-        "--no-fast-wgrad-fusion",
-        action="store_false",
+        "--fast-wgrad-fusion",
+        action=argparse.BooleanOptionalAction,
         dest="fast_wgrad_fusion",
-        help="Fused layer: let autograd produce the four weight gradients and megatron's DDP "
-        "hook add them into the gradient buffer. By default their GEMMs accumulate into the "
-        "buffer directly (gradient-accumulation fusion, as TE/apex linears do).",
+        default=False,
+        help="Fused layer: the four weight GEMMs accumulate their gradients into megatron's "
+        "gradient buffer directly (gradient-accumulation fusion, as TE/apex linears do) "
+        "instead of autograd + megatron's DDP hook. Off by default: with one micro-batch per "
+        "step it measured within run-to-run noise on an H200 (docs/benchmarks.md).",
     )
     group.add_argument(
         "--no-fast-flat-adam",
@@ -254,7 +256,7 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
         ("fast_lm_loss", True),
         ("fast_async_step", True),
         ("fast_flat_adam", True),
-        ("fast_wgrad_fusion", True),
+        ("fast_wgrad_fusion", False),
         ("fast_bf16_grad_buffer", None),
     ):
         if not hasattr(args, name):

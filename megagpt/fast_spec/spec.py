@@ -103,7 +103,7 @@ def get_fast_gpt_layer_spec(args) -> ModuleSpec:
         compile_ = _get(args, "cuda_graph_impl", "none") == "full_iteration"
     set_layer_compile(bool(compile_))
     set_loss_compile(bool(compile_))
-    set_wgrad_fusion(bool(_get(args, "fast_wgrad_fusion", True)))
+    set_wgrad_fusion(bool(_get(args, "fast_wgrad_fusion", False)))
     layer_cls = FastTransformerLayer if fused else TransformerLayer
     return ModuleSpec(module=layer_cls, submodules=submodules)
 
@@ -114,7 +114,7 @@ def describe_fast_spec(args) -> str:
     if _get(args, "fast_spec_fused_layer", True):
         mode = "torch.compile" if _get(args, "fast_spec_compile", False) else "eager"
         parts.append(f"fused dense layer ({mode}; TP=1 dense layers, else megatron's layer)")
-        if _get(args, "fast_wgrad_fusion", True):
+        if _get(args, "fast_wgrad_fusion", False):
             parts.append("weight gradients accumulated into main_grad")
     if _get(args, "fast_lm_loss", True):
         parts.append("chunked LM-head cross entropy (TP=1)")
