@@ -31,7 +31,7 @@ the gradients megatron would have produced (the fp32 main gradient of a bf16 gra
 exact widening; the clip multiplies it by the same factor); results can differ from
 torch's kernel in the last bit where the compiler contracts a multiply-add.
 
-Where it applies (``flat_adam_unsupported_reason``): a megatron ``Float16OptimizerWithFloat16Params``
+Where it applies (``unsupported_reason``): megatron's ``Float16OptimizerWithFloat16Params``
 (bf16, no loss scaler) alone or alone in a ``ChainedOptimizer``, around torch's Adam/AdamW
 without amsgrad/maximize, every parameter a view of one contiguous megatron gradient
 buffer holding no other parameter, no separate gradient-norm groups, all parameters counted
@@ -350,8 +350,9 @@ def attach(opt, all_buffer_params=None, compiled: bool = True) -> FlatAdamState:
 
     - ``prepare_grads``: nothing to copy (the step reads the gradient buffer itself);
     - ``get_grad_norm`` / ``clip_grad_norm``: megatron's ``get_grad_norm_fp32`` over the
-      gradient buffer's span (one tensor; same reduction over the grad-stats group, same
-      return type), remembered for the step; the clipping itself is folded into the step;
+      parameters' bf16 ``main_grad`` views in megatron's order (same kernels, same reduction
+      over the grad-stats group, same return type), remembered for the step; the clipping
+      itself is folded into the step;
     - ``step_with_ready_grads``: the flat AdamW update with megatron's clip factor
       ``min(1, clip_grad / (norm + 1e-6))``.
     """

@@ -100,7 +100,7 @@ def foreach_multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor,
     partial = []
     for ts in _by_dtype_and_device(tensors).values():
         # accumulate and return fp32 norms for bf16/fp16 gradients too (the flat AdamW step
-        # takes the norm of the bf16 gradient buffer itself)
+        # takes the norm of the bf16 main_grad views themselves)
         norms = torch._foreach_norm(ts, 2, dtype=torch.float32)
         partial.append(torch.linalg.vector_norm(torch.stack(norms)))
     total = torch.linalg.vector_norm(torch.stack(partial)) if len(partial) > 1 else partial[0]
