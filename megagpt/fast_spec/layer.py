@@ -22,8 +22,9 @@ do for megatron): their GEMM accumulates into megatron's gradient buffer (``addm
 beta = 1) rather than writing a new gradient tensor that the DDP hook then adds. As with
 megatron's own fusion, autograd receives a placeholder gradient and
 ``grad_added_to_main_grad`` tells the hook that the value is already in the buffer. It is off
-by default: with one micro-batch per step, on an H200, it measured within run-to-run noise
-(docs/benchmarks.md); without megatron's DDP (no ``main_grad``) it never applies.
+by default: on an H200 it measured within run-to-run noise, with one micro-batch per step and
+with eight accumulated into an fp32 buffer (docs/benchmarks.md); without megatron's DDP (no
+``main_grad``) it never applies.
 """
 
 from __future__ import annotations

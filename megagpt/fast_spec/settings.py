@@ -114,8 +114,8 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
         default=False,
         help="Fused layer: the four weight GEMMs accumulate their gradients into megatron's "
         "gradient buffer directly (gradient-accumulation fusion, as TE/apex linears do) "
-        "instead of autograd + megatron's DDP hook. Off by default: with one micro-batch per "
-        "step it measured within run-to-run noise on an H200 (docs/benchmarks.md).",
+        "instead of autograd + megatron's DDP hook. Off by default: on an H200 it measured "
+        "within run-to-run noise, with and without gradient accumulation (docs/benchmarks.md).",
     )
     group.add_argument(
         "--no-fast-flat-adam",
