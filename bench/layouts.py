@@ -1,0 +1,286 @@
+#!/usr/bin/env python3
+"""Megatron's parallel layouts through the entry, against one process: losses, throughput per
+GPU, and a checkpoint resumed under another layout (issue 7).
+
+Each layout runs ``pretrain_gpt.py`` under torchrun with the same model, data, seed and global
+batch; its per-iteration losses are compared with the one-process run's, and megatron's
+logged throughput per GPU gives the scaling. ``--resume-check FROM,TO`` also saves a
+checkpoint under layout FROM half-way, resumes it under layout TO (megatron's torch_dist
+format reshards), and compares the resumed losses with FROM's uninterrupted run.
+
+  # on a host with 2 GPUs, the 345M shape on the embedded corpus:
+  python bench/layouts.py --gpus 2 --out /tmp/layouts --resume-check tp2,pp2 -- \\
+      --data-path PREFIX --tokenizer-type GPT2BPETokenizer --vocab-file V --merge-file M
+  # the same check on two CPU processes (gloo, fp32), a tiny model:
+  python bench/layouts.py --cpu --shape tiny --gpus 2 --iters 6 --out /tmp/l -- --mock-data
+
+Layouts (``--layouts``; those that need more GPUs than ``--gpus`` are skipped): ``tp2``,
+``pp2``, ``vpp2`` (interleaved pipeline, 2 virtual stages per rank), ``dp2`` (distributed
+optimizer), ``cp2`` (context parallelism at twice the sequence; needs Transformer Engine,
+else "not run" with the entry's reason), ``tp2pp2dp2`` (8 GPUs). With ``--cpu`` the
+distributed optimizer is left out (CPU mode refuses it): plain data parallelism. Exit status 1
+when a run fails, a layout's losses differ from one process's by more than ``--tolerance``
+(relative), or the resumed run's from the uninterrupted one's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+SHAPES = {  # layers, hidden, heads, seq, micro-batch
+    "345M": (24, 1024, 16, 1024, 4),
+    "tiny": (4, 64, 4, 64, 2),
+}
+# one global batch for every layout: 4 micro-batches of the one-process run, so that DP=2 and
+# both pipeline schedules (the interleaved one needs micro-batches in multiples of the stages)
+# all see the same samples per step
+MICRO_BATCHES = 4
+
+LAYOUTS = {  # name: (processes, flags)
+    "one": (1, []),
+    "tp2": (2, ["--tensor-model-parallel-size", "2"]),
+    "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+    "vpp2": (2, ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]),
+    "dp2": (2, ["--use-distributed-optimizer"]),
+    "cp2": (2, ["--context-parallel-size", "2"]),
+    "tp2pp2dp2": (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                      "--use-distributed-optimizer"]),
+}
+
+ITER_RE = re.compile(r"iteration\s+(\d+)/\s*\d+\s*\|.*?elapsed time per iteration \(ms\):\s*([\d.]+)")
+LOSS_RE = re.compile(r"\blm loss:\s*([-+\d.eEnaif]+)")
+TFLOPS_RE = re.compile(r"throughput per GPU \(TFLOP/s/GPU\):\s*([\d.]+)")
+ERROR_RE = re.compile(r"^error: (.*)$", re.M)
+
+
+def model_flags(shape: str, seed: int, iters: int, cpu: bool, cp: int = 1) -> list[str]:
+    layers, hidden, heads, seq, mb = SHAPES[shape]
+    seq *= cp  # context parallelism is for long sequences: each rank keeps the base length
+    flags = [
+        "--num-layers", str(layers), "--hidden-size", str(hidden),
+        "--num-attention-heads", str(heads), "--seq-length", str(seq),
+        "--max-position-embeddings", str(seq),
+        "--micro-batch-size", str(mb), "--global-batch-size", str(mb * MICRO_BATCHES),
+        "--train-iters", str(iters), "--lr", "3e-4", "--min-lr", "3e-5",
+        "--lr-decay-style", "cosine", "--lr-warmup-iters", str(max(1, iters // 5)),
+        "--weight-decay", "0.1", "--clip-grad", "1.0", "--seed", str(seed),
+        "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--log-interval", "1", "--log-throughput", "--eval-iters", "0",
+        "--eval-interval", str(10 * iters),
+    ]
+    flags += ["--cpu"] if cpu else ["--bf16"]
+    return flags
+
+
+def parse_log(text: str, skip: int) -> dict:
+    losses, ms, tflops = {}, {}, {}
+    for line in text.splitlines():
+        m = ITER_RE.search(line)
+        if not m:
+            continue
+        it = int(m.group(1))
+        ms[it] = float(m.group(2))
+        loss = LOSS_RE.search(line)
+        if loss:
+            losses[it] = float(loss.group(1))
+        tf = TFLOPS_RE.search(line)
+        if tf:
+            tflops[it] = float(tf.group(1))
+    steady = [i for i in ms if i > skip] or list(ms)[-1:]
+    out = dict(losses=losses)
+    if steady:
+        out["ms_per_iter"] = statistics.median(ms[i] for i in steady)
+        tf = [tflops[i] for i in steady if i in tflops]
+        out["tflops_per_gpu"] = statistics.median(tf) if tf else None
+    err = ERROR_RE.findall(text)
+    if err:
+        out["error"] = err[-1]
+    return out
+
+
+def run_layout(a, name: str, out_dir: Path, extra: list[str], tag: str = "") -> dict:
+    nproc, flags = LAYOUTS[name]
+    note = None
+    if a.cpu and "--use-distributed-optimizer" in flags:
+        # CPU mode refuses megatron's distributed optimizer (it checks for CUDA tensors)
+        flags = [f for f in flags if f != "--use-distributed-optimizer"]
+        note = "CPU: plain data parallelism (no distributed optimizer)"
+    cp = 2 if name == "cp2" else 1
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+              "--nproc-per-node", str(nproc), str(ROOT / "pretrain_gpt.py")]
+    cmd = (launch + model_flags(a.shape, a.seed, a.iters, a.cpu, cp) + flags
+           + a.data_args + extra)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
+    if a.cpu:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    print(f"[layouts] {name}{tag}: {shlex.join(cmd)}", flush=True)
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, timeout=a.timeout)
+        text, rc = p.stdout, p.returncode
+    except subprocess.TimeoutExpired as e:
+        text = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        rc = "timeout"
+    (out_dir / f"{name}{tag}.log").write_text(text)
+    res = dict(layout=name, processes=nproc, rc=rc, wall_s=round(time.time() - t0, 1),
+               command=shlex.join(cmd))
+    if note:
+        res["note"] = note
+    res.update(parse_log(text, a.skip))
+    if rc != 0 and "error" in res and not res["losses"]:
+        # the entry refused the layout before any work (one "error:" line; torchrun reports
+        # the rank's exit code 2 as 1), e.g. context parallelism without Transformer Engine:
+        # not run, and why
+        res["refused"] = res.pop("error")
+        print(f"[layouts] {name}{tag} not run: {res['refused']}", flush=True)
+    elif rc != 0:
+        print(f"[layouts] {name}{tag} failed (rc={rc}): "
+              f"{res.get('error') or text.splitlines()[-1:] }", flush=True)
+    return res
+
+
+def compare(base: dict, other: dict, first: int = 1) -> dict:
+    a, b = base.get("losses", {}), other.get("losses", {})
+    common = sorted(i for i in set(a) & set(b) if i >= first)
+    if not common:
+        return {}
+    diffs = [abs(a[i] - b[i]) for i in common]
+    return dict(iterations=len(common), max_abs_diff=max(diffs),
+                max_rel_diff=max(abs(a[i] - b[i]) / abs(a[i]) for i in common),
+                mean_abs_diff=statistics.mean(diffs), last=(common[-1], a[common[-1]],
+                                                            b[common[-1]]))
+
+
+def resume_check(a, out_dir: Path, src: str, dst: str, uninterrupted: dict) -> dict:
+    """Save under ``src`` at half the run, resume under ``dst``, compare with ``src``."""
+    ckpt = out_dir / f"ckpt_{src}_to_{dst}"
+    shutil.rmtree(ckpt, ignore_errors=True)
+    half = a.iters // 2
+    save = ["--save", str(ckpt), "--save-interval", str(half), "--exit-interval", str(half)]
+    first = run_layout(a, src, out_dir, save, tag=f"_saved_at_{half}")
+    resumed = run_layout(a, dst, out_dir, ["--load", str(ckpt), "--save", str(ckpt),
+                                            "--save-interval", str(10 * a.iters)],
+                         tag=f"_resumed_from_{src}")
+    shutil.rmtree(ckpt, ignore_errors=True)  # checkpoints stay out of the results
+    ok = first["rc"] == 0 and resumed["rc"] == 0
+    res = dict(saved_under=src, resumed_under=dst, saved_at=half, runs_ok=ok,
+               resumed_iterations=sorted(i for i in resumed.get("losses", {}) if i > half))
+    res["against_uninterrupted"] = compare(uninterrupted, resumed, first=half + 1)
+    return res
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    data_args = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, data_args = argv[:cut], argv[cut + 1:]
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--gpus", type=int, default=2, help="processes available (GPUs, or CPU ranks)")
+    p.add_argument("--layouts", default="tp2,pp2,vpp2,dp2,cp2,tp2pp2dp2")
+    p.add_argument("--shape", default="345M", choices=sorted(SHAPES))
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--skip", type=int, default=10, help="iterations left out of the timing")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--cpu", action="store_true", help="gloo processes on the CPU (fp32)")
+    p.add_argument("--tolerance", type=float, default=0.02,
+                   help="max relative loss difference counted as agreement (bf16 noise)")
+    p.add_argument("--resume-check", default="", metavar="FROM,TO")
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    a.data_args = data_args or ["--mock-data"]
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    unknown = [n for n in a.layouts.split(",") if n and n not in LAYOUTS]
+    if unknown:
+        p.error(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
+
+    results = {"one": run_layout(a, "one", out_dir, [])}
+    base = results["one"]
+    for name in [n for n in a.layouts.split(",") if n]:
+        nproc = LAYOUTS[name][0]
+        if nproc > a.gpus:
+            results[name] = dict(layout=name, skipped=f"needs {nproc} processes, --gpus {a.gpus}")
+            continue
+        res = run_layout(a, name, out_dir, [])
+        if name != "cp2":  # a longer sequence: not the same losses
+            res["against_one"] = compare(base, res)
+        results[name] = res
+    report = dict(shape=a.shape, cpu=a.cpu, gpus=a.gpus, iterations=a.iters,
+                  tolerance=a.tolerance, layouts=results)
+    if a.resume_check:
+        src, dst = a.resume_check.split(",")
+        if max(LAYOUTS[src][0], LAYOUTS[dst][0]) > a.gpus:
+            report["resume"] = dict(skipped=f"needs more than --gpus {a.gpus}")
+        else:
+            uninterrupted = results.get(src) or run_layout(a, src, out_dir, [])
+            report["resume"] = resume_check(a, out_dir, src, dst, uninterrupted)
+
+    (out_dir / "layouts.json").write_text(json.dumps(report, indent=1))
+    print_table(report)
+    failed = [n for n, r in results.items()
+              if r.get("rc") not in (0, None) and "skipped" not in r and "refused" not in r]
+    disagree = [n for n, r in results.items()
+                if r.get("against_one") and r["against_one"]["max_rel_diff"] > a.tolerance]
+    resume = report.get("resume", {})
+    resume_bad = bool(resume) and "skipped" not in resume and (
+        not resume["runs_ok"] or not resume["against_uninterrupted"]
+        or resume["against_uninterrupted"]["max_rel_diff"] > a.tolerance)
+    if failed or disagree or resume_bad:
+        print(f"[layouts] FAILED runs: {failed}; losses apart: {disagree}; "
+              f"resume: {'bad' if resume_bad else 'ok'}", flush=True)
+        return 1
+    return 0
+
+
+def print_table(report: dict) -> None:
+    one = report["layouts"]["one"]
+    base_tf = one.get("tflops_per_gpu")
+    print(f"\nshape {report['shape']}, {report['iterations']} iterations, "
+          f"{'CPU (gloo, fp32)' if report['cpu'] else 'GPU (bf16)'}")
+    print(f"{'layout':10s} {'procs':>5s} {'ms/iter':>8s} {'TFLOP/s/GPU':>11s} {'vs one':>6s} "
+          f"{'max |dloss|':>11s} {'max rel':>8s}")
+    for name, r in report["layouts"].items():
+        if "skipped" in r:
+            print(f"{name:10s} skipped: {r['skipped']}")
+            continue
+        if "refused" in r:
+            print(f"{name:10s} not run: {r['refused']}")
+            continue
+        if r.get("rc") != 0:
+            print(f"{name:10s} failed: {r.get('error') or r.get('rc')}")
+            continue
+        tf = r.get("tflops_per_gpu")
+        scale = f"{tf / base_tf:6.2f}" if tf and base_tf else "     -"
+        c = r.get("against_one") or {}
+        print(f"{name:10s} {r['processes']:5d} {r.get('ms_per_iter', float('nan')):8.1f} "
+              f"{(tf or float('nan')):11.1f} {scale} "
+              f"{c.get('max_abs_diff', float('nan')):11.4f} {c.get('max_rel_diff', float('nan')):8.4f}")
+    res = report.get("resume")
+    if res:
+        if "skipped" in res:
+            print(f"resume: skipped ({res['skipped']})")
+        else:
+            c = res["against_uninterrupted"]
+            print(f"resume: saved under {res['saved_under']} at {res['saved_at']}, resumed under "
+                  f"{res['resumed_under']}: {c.get('iterations', 0)} iterations, max |dloss| "
+                  f"{c.get('max_abs_diff', float('nan')):.4f} against the uninterrupted run")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
