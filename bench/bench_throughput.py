@@ -141,23 +141,32 @@ def entry_command(a, path: str, train_iters: int, log_interval: int) -> list[str
             + ENTRY_PATH_FLAGS[path] + shlex.split(a.entry_args))
 
 
-def run_entry(a, path: str, out_dir: Path, train_iters: int, log_interval: int,
-              tag: str = "") -> dict:
-    cmd = entry_command(a, path, train_iters, log_interval)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
-    log_path = out_dir / f"entry_{path}{tag}_{a.shape}.log"
-    print(f"[bench] {path}: {shlex.join(cmd)}", flush=True)
+def run_logged(cmd: list[str], log_path: Path, timeout: float, env: dict | None = None):
+    """Run ``cmd`` from the repo root, stdout and stderr into ``log_path``.
+
+    Returns ``(text, rc, wall_s)``; ``rc`` is ``"timeout"`` when it ran past ``timeout``.
+    """
+    env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
+               **(env or {}))
     t0 = time.time()
     try:
         p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, timeout=a.timeout)
+                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
         text, rc = p.stdout, p.returncode
     except subprocess.TimeoutExpired as e:
         text = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         rc = "timeout"
     log_path.write_text(text)
-    res = dict(path=path, rc=rc, wall_s=time.time() - t0, log=str(log_path),
-               command=shlex.join(cmd))
+    return text, rc, time.time() - t0
+
+
+def run_entry(a, path: str, out_dir: Path, train_iters: int, log_interval: int,
+              tag: str = "") -> dict:
+    cmd = entry_command(a, path, train_iters, log_interval)
+    log_path = out_dir / f"entry_{path}{tag}_{a.shape}.log"
+    print(f"[bench] {path}: {shlex.join(cmd)}", flush=True)
+    text, rc, wall_s = run_logged(cmd, log_path, a.timeout)
+    res = dict(path=path, rc=rc, wall_s=wall_s, log=str(log_path), command=shlex.join(cmd))
     res.update(parse_entry_log(text, a.warmup_iters))
     if rc != 0 or "ms_per_iter" not in res:
         tail = "\n".join(text.splitlines()[-25:])

@@ -32,10 +32,10 @@ import re
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+from bench_throughput import run_logged  # same folder: run as ``python bench/layouts.py``
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -123,20 +123,11 @@ def run_layout(a, name: str, out_dir: Path, extra: list[str], tag: str = "") -> 
               "--nproc-per-node", str(nproc), str(ROOT / "pretrain_gpt.py")]
     cmd = (launch + model_flags(a.shape, a.seed, a.iters, a.cpu, cp) + flags
            + a.data_args + extra)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
-    if a.cpu:
-        env.setdefault("OMP_NUM_THREADS", "1")
+    # CPU ranks share two cores: one intra-op thread each
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")} if a.cpu else None
     print(f"[layouts] {name}{tag}: {shlex.join(cmd)}", flush=True)
-    t0 = time.time()
-    try:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, timeout=a.timeout)
-        text, rc = p.stdout, p.returncode
-    except subprocess.TimeoutExpired as e:
-        text = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        rc = "timeout"
-    (out_dir / f"{name}{tag}.log").write_text(text)
-    res = dict(layout=name, processes=nproc, rc=rc, wall_s=round(time.time() - t0, 1),
+    text, rc, wall_s = run_logged(cmd, out_dir / f"{name}{tag}.log", a.timeout, env)
+    res = dict(layout=name, processes=nproc, rc=rc, wall_s=round(wall_s, 1),
                command=shlex.join(cmd))
     if note:
         res["note"] = note

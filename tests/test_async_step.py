@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from gloo_ranks import run_on_ranks, single_gloo_rank
+from megatron_parts import fast_optimizer_kernels
 
 
 @pytest.fixture()
@@ -27,17 +28,8 @@ def cpu_megatron():
 @pytest.fixture()
 def tensor_clip():
     """megatron's clip_grads with the fast optimizer's tensor-scale kernel installed."""
-    from megagpt.fast_spec import optim
-
-    if not optim.megatron_uses_local_fallbacks():
-        pytest.skip("TE or apex installed: megatron has its own tensor-scale kernel")
-    was_installed = "Adam" in optim._ORIGINALS
-    optim.uninstall_fast_optimizer()
-    optim.install_fast_optimizer(tensor_clip=True)
-    yield
-    optim.uninstall_fast_optimizer()
-    if was_installed:
-        optim.install_fast_optimizer()
+    with fast_optimizer_kernels(tensor_clip=True):
+        yield
 
 
 def test_tensor_scale_kernel_in_place_and_copy():

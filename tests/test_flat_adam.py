@@ -12,51 +12,25 @@ import pytest
 import torch
 
 from gloo_ranks import single_gloo_rank
+from megatron_parts import TINY_SEQ as SEQ
+from megatron_parts import TINY_VOCAB as VOCAB
+from megatron_parts import fast_optimizer_kernels, tiny_ddp_gpt
 
-VOCAB, SEQ, BATCH = 64, 16, 2
+BATCH = 2
 
 
 @pytest.fixture()
 def cpu_megatron():
     from megagpt import cpu_mode
-    from megagpt.fast_spec import optim
 
-    if not optim.megatron_uses_local_fallbacks():
-        pytest.skip("TE or apex installed: megatron's optimizer takes their kernels")
-    was_installed = "Adam" in optim._ORIGINALS
-    optim.uninstall_fast_optimizer()
-    optim.install_fast_optimizer(tensor_clip=True)
-    with single_gloo_rank(), cpu_mode.active():
+    with fast_optimizer_kernels(), single_gloo_rank(), cpu_mode.active():
         yield
-    optim.uninstall_fast_optimizer()
-    if was_installed:
-        optim.install_fast_optimizer()
 
 
 def _build(grad_dtype=torch.bfloat16, clip_grad=1.0, lr=1e-2, device="cpu"):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.module import Float16Module
 
-    torch.manual_seed(0)
-    model_parallel_cuda_manual_seed(0)
-    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
-                               bf16=True, params_dtype=torch.bfloat16, use_cpu_initialization=True,
-                               hidden_dropout=0.0, attention_dropout=0.0,
-                               gradient_accumulation_fusion=False, bias_dropout_fusion=False,
-                               masked_softmax_fusion=False, bias_activation_fusion=False,
-                               persist_layer_norm=False)
-    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB,
-                     max_sequence_length=SEQ, share_embeddings_and_output_weights=True)
-    model = Float16Module(config, model.to(device))
-    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_dtype == torch.float32,
-                                        overlap_grad_reduce=False,
-                                        use_distributed_optimizer=False)
-    model = DistributedDataParallel(config, ddp, module=model)
+    model = tiny_ddp_gpt(grad_dtype=grad_dtype, device=device)
     opt = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.1, adam_beta1=0.9,
                         adam_beta2=0.95, bf16=True, params_dtype=torch.bfloat16,
@@ -319,18 +293,8 @@ def test_where_the_flat_step_does_not_apply(cpu_megatron, setting, needle):
 
 @pytest.fixture()
 def gpu_megatron():
-    from megagpt.fast_spec import optim
-
-    if not optim.megatron_uses_local_fallbacks():
-        pytest.skip("TE or apex installed: megatron's optimizer takes their kernels")
-    was_installed = "Adam" in optim._ORIGINALS
-    optim.uninstall_fast_optimizer()
-    optim.install_fast_optimizer(tensor_clip=True)
-    with single_gloo_rank():
+    with fast_optimizer_kernels(), single_gloo_rank():
         yield
-    optim.uninstall_fast_optimizer()
-    if was_installed:
-        optim.install_fast_optimizer()
 
 
 @pytest.mark.gpu

@@ -15,8 +15,11 @@ import pytest
 import torch
 
 from gloo_ranks import single_gloo_rank
+from megatron_parts import TINY_SEQ as SEQ
+from megatron_parts import TINY_VOCAB as VOCAB
+from megatron_parts import tiny_ddp_gpt
 
-VOCAB, SEQ, BATCH = 64, 16, 2
+BATCH = 2
 
 
 @pytest.fixture()
@@ -32,32 +35,12 @@ def cpu_megatron():
 
 
 def _build(fusion: bool, grad_dtype):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.module import Float16Module
-
-    from megagpt.fast_spec import layer
     from megagpt.fast_spec.spec import get_fast_gpt_layer_spec
 
     spec = get_fast_gpt_layer_spec(argparse.Namespace(
         fast_spec=True, fast_spec_fused_layer=True, fast_spec_compile=False,
         fast_wgrad_fusion=fusion))
-    torch.manual_seed(0)
-    model_parallel_cuda_manual_seed(0)
-    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
-                               bf16=True, params_dtype=torch.bfloat16, use_cpu_initialization=True,
-                               hidden_dropout=0.0, attention_dropout=0.0,
-                               gradient_accumulation_fusion=False, bias_dropout_fusion=False,
-                               masked_softmax_fusion=False, bias_activation_fusion=False,
-                               persist_layer_norm=False)
-    model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-                     share_embeddings_and_output_weights=True)
-    model = Float16Module(config, model)
-    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_dtype == torch.float32,
-                                        overlap_grad_reduce=False, use_distributed_optimizer=False)
-    return DistributedDataParallel(config, ddp, module=model)
+    return tiny_ddp_gpt(spec, grad_dtype)
 
 
 def _grads_after(model, iterations: int = 2):
