@@ -177,6 +177,29 @@ def _union(intervals):
     return merged
 
 
+# kernel name patterns -> kind, first match wins (cuBLAS on Hopper names its GEMMs nvjet_*)
+KERNEL_KINDS = (
+    ("attention (SDPA: cuDNN / flash / efficient)", ("sdpa", "flash", "fmha", "attention",
+                                                     "compute_dot_do_o")),
+    ("matmul (cuBLAS / CUTLASS)", ("nvjet", "gemm", "cutlass", "sm90_xmma", "ampere_", "sm80_")),
+    ("optimizer (multi-tensor / fused Adam)", ("multi_tensor", "adam", "foreach")),
+    ("communication (NCCL)", ("nccl",)),
+    ("compiled elementwise / reductions (triton)", ("triton",)),
+    ("aten reductions", ("reduce_kernel",)),
+    ("aten elementwise / copies", ("elementwise", "vectorized", "copy", "fill")),
+)
+
+
+def kernel_categories(durations: dict) -> dict:
+    """Total time per kind of kernel; ``durations`` maps kernel names to times."""
+    out: dict = {}
+    for name, dur in durations.items():
+        low = name.lower()
+        kind = next((k for k, needles in KERNEL_KINDS if any(n in low for n in needles)), "other")
+        out[kind] = out.get(kind, 0) + dur
+    return out
+
+
 def analyse(trace_path: Path, top_gaps: int = 15) -> str:
     events = json.loads(trace_path.read_text())["traceEvents"]
     gpu = [(e["ts"], e["ts"] + e["dur"]) for e in events
@@ -210,6 +233,13 @@ def analyse(trace_path: Path, top_gaps: int = 15) -> str:
             k = kern.setdefault(e["name"][:90], [0, 0])
             k[0] += e["dur"]
             k[1] += 1
+    per_iter = max(1, len(iters))
+    categories = kernel_categories({name: dur for name, (dur, _) in kern.items()})
+    lines.append(f"GPU kernel time per iteration by kind (ms; totals / {per_iter} iterations —"
+                 " inside a CUDA graph these are reliable where the busy figures above are not):")
+    for kind, dur in sorted(categories.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {dur / 1e3 / per_iter:8.2f}  {kind}")
+    lines.append(f"  {sum(categories.values()) / 1e3 / per_iter:8.2f}  all kernels")
     lines.append(f"top kernels over {len(iters)} iterations (ms, count):")
     for name, (dur, cnt) in sorted(kern.items(), key=lambda kv: -kv[1][0])[:25]:
         lines.append(f"  {dur / 1e3:8.2f} {cnt:6d}  {name}")

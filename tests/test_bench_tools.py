@@ -1,0 +1,48 @@
+"""Pieces of the benchmark scripts that run without a GPU."""
+
+import sys
+
+from helpers import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+
+
+def test_profile_kernel_kinds():
+    from profile_entry import kernel_categories
+
+    names = {
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT": 10.0,
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26": 4.0,
+        "void cudnn::fusion::compute_dot_do_o_specialized<true, 64>": 0.5,
+        "triton_poi_fused__unsafe_view_add_gelu_3": 2.0,
+        "void at::native::reduce_kernel<128, 4, at::native::ReduceOp<float>>": 1.0,
+        "void multi_tensor_apply_kernel<FusedAdamMathFunctor>": 3.0,
+        "ncclDevKernel_AllReduce_Sum_bf16_RING_LL": 0.25,
+        "some_unknown_kernel": 0.125,
+    }
+    kinds = kernel_categories(names)
+    assert kinds["matmul (cuBLAS / CUTLASS)"] == 10.0
+    assert kinds["attention (SDPA: cuDNN / flash / efficient)"] == 4.5
+    assert kinds["compiled elementwise / reductions (triton)"] == 2.0
+    assert kinds["aten reductions"] == 1.0
+    assert kinds["optimizer (multi-tensor / fused Adam)"] == 3.0
+    assert kinds["communication (NCCL)"] == 0.25
+    assert kinds["other"] == 0.125
+    assert sum(kinds.values()) == sum(names.values())
+
+
+def test_layout_log_parsing_and_comparison():
+    from layouts import compare, parse_log
+
+    log = "\n".join(
+        f" [t] iteration {i}/ 4 | consumed samples: {8 * i} | elapsed time per iteration (ms):"
+        f" {100 + i}.0 | throughput per GPU (TFLOP/s/GPU): {300 + i}.0 | lm loss: {10 - i}.5E+00 |"
+        for i in range(1, 5))
+    parsed = parse_log(log + "\nerror: something refused\n", skip=1)
+    assert parsed["losses"] == {1: 9.5, 2: 8.5, 3: 7.5, 4: 6.5}
+    assert parsed["ms_per_iter"] == 103.0 and parsed["tflops_per_gpu"] == 303.0
+    assert parsed["error"] == "something refused"
+    other = {"losses": {1: 9.5, 2: 8.6, 3: 7.5, 5: 1.0}}
+    c = compare(parsed, other)
+    assert c["iterations"] == 3 and abs(c["max_abs_diff"] - 0.1) < 1e-9
+    assert compare(parsed, other, first=3)["iterations"] == 1
