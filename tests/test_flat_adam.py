@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gloo_ranks import single_gloo_rank
+from gloo_ranks import run_on_ranks, single_gloo_rank
 from megatron_parts import TINY_SEQ as SEQ
 from megatron_parts import TINY_VOCAB as VOCAB
 from megatron_parts import fast_optimizer_kernels, tiny_ddp_gpt
@@ -151,6 +151,62 @@ def test_setup_wrapper_attaches_or_says_why_not(cpu_megatron):
     flat_adam.attach_after_setup(lambda: ([model2], two, None), lines.append, False)()
     assert "not used: 2 chained optimizers" in lines[-1]
     assert not hasattr(opt2.chained_optimizers[0], "_megagpt_flat_adam")
+
+
+def _data_parallel_flat_step(rank, world_size):
+    """On each of two data-parallel ranks (different data; megatron's DDP all-reduces the bf16
+    gradient buffer): megatron's step and the flat step from the same start."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megagpt import cpu_mode
+
+    parallel_state.initialize_model_parallel()
+    try:
+        with fast_optimizer_kernels(), cpu_mode.active():
+            model_a, opt_a = _build(torch.bfloat16, 0.05)
+            model_b, opt_b = _build(torch.bfloat16, 0.05)
+            _flat(model_b, opt_b)
+            for model in (model_a, model_b):  # each rank its own samples
+                model._test_data = torch.Generator().manual_seed(100 + rank)
+            losses_a, norm_a = _train_dp(model_a, opt_a, 2)
+            losses_b, norm_b = _train_dp(model_b, opt_b, 2)
+            assert losses_a[0] == losses_b[0]
+            torch.testing.assert_close(torch.as_tensor(norm_b), torch.as_tensor(norm_a),
+                                       rtol=1e-5, atol=0)
+            weights = _weights(opt_b)
+            torch.testing.assert_close(weights, _weights(opt_a), rtol=1e-4, atol=1e-4)
+            # data parallelism keeps the replicas equal
+            gathered = [torch.empty_like(weights) for _ in range(world_size)]
+            dist.all_gather(gathered, weights)
+            assert torch.equal(gathered[0], gathered[1])
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _train_dp(model, opt, steps):
+    losses, norm = [], None
+    for _ in range(steps):
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=model._test_data)
+        model.zero_grad_buffer()
+        opt.zero_grad()
+        out = model(tokens[:, :-1], torch.arange(SEQ).expand(BATCH, -1), None,
+                    labels=tokens[:, 1:])
+        loss = out.float().mean()
+        loss.backward()
+        model.finish_grad_sync()  # the data-parallel all-reduce, as megatron's schedule does
+        losses.append(loss.item())
+        ok, norm, _ = opt.step()
+        assert ok
+    return losses, norm
+
+
+def test_flat_step_under_data_parallelism():
+    from megagpt.fast_spec import optim
+
+    if not optim.megatron_uses_local_fallbacks():
+        pytest.skip("TE or apex installed: megatron's optimizer takes their kernels")
+    run_on_ranks(_data_parallel_flat_step, 2)
 
 
 def test_tensors_are_views_of_the_flat_buffers(cpu_megatron):
