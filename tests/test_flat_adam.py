@@ -153,6 +153,41 @@ def test_setup_wrapper_attaches_or_says_why_not(cpu_megatron):
     assert not hasattr(opt2.chained_optimizers[0], "_megagpt_flat_adam")
 
 
+def _tensor_parallel_flat_step(rank, world_size):
+    """Two tensor-parallel ranks: the norms and biases of row-parallel layers are duplicated on
+    both, and megatron's norm counts them on rank 0 only; the flat step's norm must too."""
+    from megatron.core import parallel_state
+
+    from megagpt import cpu_mode
+    from megagpt.fast_spec import flat_adam
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    try:
+        with fast_optimizer_kernels(), cpu_mode.active():
+            model_a, opt_a = _build(torch.bfloat16, 0.05)
+            model_b, opt_b = _build(torch.bfloat16, 0.05)
+            sub = opt_b.chained_optimizers[0]
+            counted = [flat_adam.counted_in_norm(sub, p)
+                       for g in sub.fp32_from_float16_groups for p in g]
+            assert all(counted) if rank == 0 else not all(counted)
+            _flat(model_b, opt_b)
+            losses_a, norm_a = _train(model_a, opt_a, 1)
+            losses_b, norm_b = _train(model_b, opt_b, 1)
+            assert losses_a == losses_b
+            assert torch.equal(torch.as_tensor(norm_a), torch.as_tensor(norm_b))
+            _compare(opt_a, opt_b, 1, main_atol=1e-8, moment_rtol=1e-6)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_flat_step_under_tensor_parallelism():
+    from megagpt.fast_spec import optim
+
+    if not optim.megatron_uses_local_fallbacks():
+        pytest.skip("TE or apex installed: megatron's optimizer takes their kernels")
+    run_on_ranks(_tensor_parallel_flat_step, 2)
+
+
 def _data_parallel_flat_step(rank, world_size):
     """On each of two data-parallel ranks (different data; megatron's DDP all-reduces the bf16
     gradient buffer): megatron's step and the flat step from the same start."""

@@ -34,9 +34,10 @@ torch's kernel in the last bit where the compiler contracts a multiply-add.
 Where it applies (``unsupported_reason``): megatron's ``Float16OptimizerWithFloat16Params``
 (bf16, no loss scaler) alone or alone in a ``ChainedOptimizer``, around torch's Adam/AdamW
 without amsgrad/maximize, every parameter a view of one contiguous megatron gradient
-buffer holding no other parameter, no separate gradient-norm groups, all parameters counted
-in the norm (no shared or tensor-parallel duplicate ones), and
-``--log-num-zeros-in-grad`` off. Elsewhere megatron's step runs unchanged.
+buffer holding no other parameter, no separate gradient-norm groups, and
+``--log-num-zeros-in-grad`` off. Under tensor and pipeline parallelism the norm leaves out
+what megatron's leaves out (parameters shared with another stage, tensor-parallel
+duplicates). Elsewhere megatron's step runs unchanged.
 """
 
 from __future__ import annotations
@@ -306,8 +307,6 @@ def flat_layout(opt, all_buffer_params=None):
 def unsupported_reason(opt, all_buffer_params=None) -> Optional[str]:
     """Why the flat step cannot run for this megatron optimizer (None when it can)."""
     import megatron.core.optimizer.optimizer as moo
-    from megatron.core import tensor_parallel
-    from megatron.core.transformer.module import param_is_not_shared
 
     if type(opt) is not moo.Float16OptimizerWithFloat16Params:
         return f"{type(opt).__name__} is not megatron's bf16 optimizer (Float16OptimizerWithFloat16Params)"
@@ -328,12 +327,22 @@ def unsupported_reason(opt, all_buffer_params=None) -> Optional[str]:
         for p in main_group:
             if moo._get_param_grad_norm_group(p) is not None:
                 return "a separate gradient-norm group"
-            if not param_is_not_shared(p) or not tensor_parallel.param_is_not_tensor_parallel_duplicate(
-                    p, tp_group=getattr(opt, "tp_group", None),
-                    expert_tp_group=getattr(opt, "expert_tp_group", None)):
-                return "a shared or tensor-parallel duplicate parameter is left out of the norm"
     layout = flat_layout(opt, all_buffer_params)
     return layout if isinstance(layout, str) else None
+
+
+def counted_in_norm(opt, main_param) -> bool:
+    """megatron's ``_filter_grads_for_norm`` test for one parameter: a parameter shared with
+    another pipeline stage (the tied output weight) or duplicated on every tensor-parallel rank
+    (norms, row-parallel biases on ranks > 0) is counted once, elsewhere."""
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.module import param_is_not_shared
+
+    return (param_is_not_shared(main_param)
+            and tensor_parallel.param_is_not_tensor_parallel_duplicate(
+                main_param, tp_group=getattr(opt, "tp_group", None),
+                expert_tp_group=getattr(opt, "expert_tp_group", None))
+            and tensor_parallel.param_is_not_gtp_duplicate(main_param))
 
 
 def _pinned_scalar(value: float, device) -> torch.Tensor:
@@ -370,7 +379,11 @@ def attach(opt, all_buffer_params=None, compiled: bool = True) -> FlatAdamState:
 
     # megatron's norm over the same gradients in the same order (the bf16 views; the norm
     # kernel accumulates in fp32), so the clip factor is bit-for-bit megatron's
-    grads_in_megatron_order = [m.main_grad for group in opt.float16_groups for m in group]
+    grads_in_megatron_order = [
+        model_param.main_grad
+        for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups)
+        for model_param, main_param in zip(model_group, main_group)
+        if counted_in_norm(opt, main_param)]
 
     def get_grad_norm():
         norm = get_grad_norm_fp32(grads_in_megatron_order,
