@@ -261,40 +261,45 @@ def test_tensors_are_views_of_the_flat_buffers(cpu_megatron):
                 state.grad.untyped_storage().data_ptr()
 
 
-def test_a_loaded_optimizer_state_is_taken_into_the_flat_buffers(cpu_megatron):
+@pytest.mark.parametrize("saved_flat, resumed_flat", [(True, True), (True, False), (False, True)],
+                         ids=["flat-to-flat", "flat-to-megatron", "megatron-to-flat"])
+def test_a_loaded_optimizer_state_is_taken_into_the_flat_buffers(cpu_megatron, saved_flat,
+                                                                   resumed_flat):
     """Loading a state dict replaces torch's state tensors; the next flat step must use the
-    loaded values, not the stale flat copies: resuming gives the uninterrupted run's numbers."""
+    loaded values, not the stale flat copies. And the checkpoint is megatron's either way:
+    a run saved with the flat step resumes under megatron's, and the other way round."""
     import copy
 
     model_a, opt_a = _build()
-    _flat(model_a, opt_a)
+    if saved_flat:
+        _flat(model_a, opt_a)
     _train(model_a, opt_a, 3)
     saved_opt = copy.deepcopy(opt_a.state_dict())
     saved_model = copy.deepcopy(model_a.state_dict())
     losses_a, _ = _train(model_a, opt_a, 2)  # steps 4 and 5, uninterrupted
 
     model_b, opt_b = _build()
-    _flat(model_b, opt_b)
+    if resumed_flat:
+        _flat(model_b, opt_b)
     _train(model_b, opt_b, 1)  # some other state, then the checkpoint is loaded over it
     model_b.load_state_dict(saved_model)
     opt_b.load_state_dict(saved_opt)
-    g = torch.Generator().manual_seed(1)
+    model_b._test_data = torch.Generator().manual_seed(1)
     for _ in range(3):  # the same data position as run a
-        torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
-    losses_b = []
-    for _ in range(2):
-        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
-        model_b.zero_grad_buffer()
-        opt_b.zero_grad()
-        out = model_b(tokens[:, :-1], torch.arange(SEQ).expand(BATCH, -1), None,
-                      labels=tokens[:, 1:])
-        loss = out.float().mean()
-        loss.backward()
-        losses_b.append(loss.item())
-        opt_b.step()
-    assert losses_b == losses_a
-    for a, b in zip(_state(opt_a), _state(opt_b)):
-        assert all(torch.equal(x, y) for x, y in zip(a[:4], b[:4])) and a[4] == b[4]
+        torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=model_b._test_data)
+    losses_b, _ = _train(model_b, opt_b, 2)
+    if saved_flat == resumed_flat:  # the same arithmetic: the same bits
+        assert losses_b == losses_a
+        for a, b in zip(_state(opt_a), _state(opt_b)):
+            assert all(torch.equal(x, y) for x, y in zip(a[:4], b[:4])) and a[4] == b[4]
+    else:  # the two steps' arithmetic differs in the last bit, then bf16 noise
+        torch.testing.assert_close(torch.tensor(losses_b), torch.tensor(losses_a),
+                                   rtol=1e-4, atol=0)
+        assert [s[4] for s in _state(opt_b)] == [s[4] for s in _state(opt_a)] == [5.0] * 28
+        apart = (_weights(opt_b) - _weights(opt_a)).abs()
+        # most weights agree to fp32 rounding; a few follow Adam's sign of near-zero gradients
+        assert apart.median() < 1e-6, apart.median()
+        assert (apart > 1e-4).float().mean() < 0.02, (apart > 1e-4).float().mean()
 
 
 def _update_inputs(n=1024, groups=3, block=1):
