@@ -31,11 +31,11 @@ import os
 import re
 import shlex
 import shutil
-import statistics
 import sys
 from pathlib import Path
 
-from bench_throughput import run_logged  # same folder: run as ``python bench/layouts.py``
+# same folder: run as ``python bench/layouts.py``
+from bench_throughput import compare_losses, parse_entry_log, run_logged
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -60,9 +60,6 @@ LAYOUTS = {  # name: (processes, flags)
                       "--use-distributed-optimizer"]),
 }
 
-ITER_RE = re.compile(r"iteration\s+(\d+)/\s*\d+\s*\|.*?elapsed time per iteration \(ms\):\s*([\d.]+)")
-LOSS_RE = re.compile(r"\blm loss:\s*([-+\d.eEnaif]+)")
-TFLOPS_RE = re.compile(r"throughput per GPU \(TFLOP/s/GPU\):\s*([\d.]+)")
 ERROR_RE = re.compile(r"^error: (.*)$", re.M)
 
 
@@ -86,25 +83,13 @@ def model_flags(shape: str, seed: int, iters: int, cpu: bool, cp: int = 1) -> li
 
 
 def parse_log(text: str, skip: int) -> dict:
-    losses, ms, tflops = {}, {}, {}
-    for line in text.splitlines():
-        m = ITER_RE.search(line)
-        if not m:
-            continue
-        it = int(m.group(1))
-        ms[it] = float(m.group(2))
-        loss = LOSS_RE.search(line)
-        if loss:
-            losses[it] = float(loss.group(1))
-        tf = TFLOPS_RE.search(line)
-        if tf:
-            tflops[it] = float(tf.group(1))
-    steady = [i for i in ms if i > skip] or list(ms)[-1:]
-    out = dict(losses=losses)
-    if steady:
-        out["ms_per_iter"] = statistics.median(ms[i] for i in steady)
-        tf = [tflops[i] for i in steady if i in tflops]
-        out["tflops_per_gpu"] = statistics.median(tf) if tf else None
+    """bench_throughput's figures from megatron's log (losses keyed by iteration, TFLOP/s per
+    GPU), plus the entry's one-line refusal if it printed one."""
+    parsed = parse_entry_log(text, warmup_iters=skip)
+    out = dict(losses={i: v for i, v in parsed["losses"] if v is not None})
+    if "ms_per_iter" in parsed:
+        out["ms_per_iter"] = parsed["ms_per_iter"]
+        out["tflops_per_gpu"] = parsed.get("tflops_logged")
     err = ERROR_RE.findall(text)
     if err:
         out["error"] = err[-1]
@@ -145,15 +130,10 @@ def run_layout(a, name: str, out_dir: Path, extra: list[str], tag: str = "") -> 
 
 
 def compare(base: dict, other: dict, first: int = 1) -> dict:
-    a, b = base.get("losses", {}), other.get("losses", {})
-    common = sorted(i for i in set(a) & set(b) if i >= first)
-    if not common:
-        return {}
-    diffs = [abs(a[i] - b[i]) for i in common]
-    return dict(iterations=len(common), max_abs_diff=max(diffs),
-                max_rel_diff=max(abs(a[i] - b[i]) / abs(a[i]) for i in common),
-                mean_abs_diff=statistics.mean(diffs), last=(common[-1], a[common[-1]],
-                                                            b[common[-1]]))
+    """bench_throughput's loss comparison over the iterations from ``first`` on."""
+    def pairs(run):
+        return dict(losses=[(i, v) for i, v in sorted(run.get("losses", {}).items()) if i >= first])
+    return compare_losses(pairs(base), pairs(other))
 
 
 def resume_check(a, out_dir: Path, src: str, dst: str, uninterrupted: dict) -> dict:

@@ -39,7 +39,7 @@ def _build(grad_dtype=torch.bfloat16, clip_grad=1.0, lr=1e-2, device="cpu"):
     return model, opt
 
 
-def _train(model, opt, steps: int, lrs=None, seed=None):
+def _train(model, opt, steps: int, lrs=None):
     g = getattr(model, "_test_data", None)
     if g is None:
         g = model._test_data = torch.Generator().manual_seed(1)
@@ -56,6 +56,7 @@ def _train(model, opt, steps: int, lrs=None, seed=None):
                     None, labels=tokens[:, 1:])
         loss = out.float().mean()
         loss.backward()
+        model.finish_grad_sync()  # the data-parallel all-reduce, as megatron's schedule does
         losses.append(loss.item())
         ok, norm, _ = opt.step()
         assert ok
@@ -204,8 +205,8 @@ def _data_parallel_flat_step(rank, world_size):
             _flat(model_b, opt_b)
             for model in (model_a, model_b):  # each rank its own samples
                 model._test_data = torch.Generator().manual_seed(100 + rank)
-            losses_a, norm_a = _train_dp(model_a, opt_a, 2)
-            losses_b, norm_b = _train_dp(model_b, opt_b, 2)
+            losses_a, norm_a = _train(model_a, opt_a, 2)
+            losses_b, norm_b = _train(model_b, opt_b, 2)
             assert losses_a[0] == losses_b[0]
             torch.testing.assert_close(torch.as_tensor(norm_b), torch.as_tensor(norm_a),
                                        rtol=1e-5, atol=0)
@@ -217,23 +218,6 @@ def _data_parallel_flat_step(rank, world_size):
             assert torch.equal(gathered[0], gathered[1])
     finally:
         parallel_state.destroy_model_parallel()
-
-
-def _train_dp(model, opt, steps):
-    losses, norm = [], None
-    for _ in range(steps):
-        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=model._test_data)
-        model.zero_grad_buffer()
-        opt.zero_grad()
-        out = model(tokens[:, :-1], torch.arange(SEQ).expand(BATCH, -1), None,
-                    labels=tokens[:, 1:])
-        loss = out.float().mean()
-        loss.backward()
-        model.finish_grad_sync()  # the data-parallel all-reduce, as megatron's schedule does
-        losses.append(loss.item())
-        ok, norm, _ = opt.step()
-        assert ok
-    return losses, norm
 
 
 def test_flat_step_under_data_parallelism():

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from typing import Callable, List, Optional
 
 import torch
@@ -174,9 +175,7 @@ class FlatAdamState:
         self.adopt()
 
     def _views(self, offset: int, shape):
-        n = 1
-        for s in shape:
-            n *= s
+        n = math.prod(shape)
         return tuple(buf[offset:offset + n].view(shape)
                      for buf in (self.main, self.exp_avg, self.exp_avg_sq, self.model))
 
@@ -223,11 +222,8 @@ class FlatAdamState:
 
     def hyperparameters(self) -> torch.Tensor:
         groups = self.opt.optimizer.param_groups
-        table = torch.tensor([[float(g["lr"]) for g in groups],
-                              [float(g["weight_decay"]) for g in groups]], dtype=torch.float32)
-        if self.grad.is_cuda:
-            return table.pin_memory().to(self.grad.device, non_blocking=True)
-        return table.to(self.grad.device)
+        return _to_device([[float(g["lr"]) for g in groups],
+                           [float(g["weight_decay"]) for g in groups]], self.grad.device)
 
     def step(self, clip_coeff: torch.Tensor) -> None:
         self.ensure_adopted()
@@ -345,8 +341,9 @@ def counted_in_norm(opt, main_param) -> bool:
             and tensor_parallel.param_is_not_gtp_duplicate(main_param))
 
 
-def _pinned_scalar(value: float, device) -> torch.Tensor:
-    t = torch.tensor(value, dtype=torch.float32)
+def _to_device(values, device) -> torch.Tensor:
+    """Host values as an fp32 tensor on ``device``, copied from pinned memory without a wait."""
+    t = torch.tensor(values, dtype=torch.float32)
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
@@ -405,9 +402,9 @@ def attach(opt, all_buffer_params=None, compiled: bool = True) -> FlatAdamState:
             if isinstance(norm, torch.Tensor):
                 coeff = (clip / (norm.reshape(()).float() + 1.0e-6)).clamp_max(1.0)
             else:
-                coeff = _pinned_scalar(min(1.0, clip / (norm + 1.0e-6)), device)
+                coeff = _to_device(min(1.0, clip / (norm + 1.0e-6)), device)
         else:
-            coeff = _pinned_scalar(1.0, device)
+            coeff = _to_device(1.0, device)
         opt._megagpt_flat_norm = None
         state.step(coeff)
         return True
@@ -443,15 +440,15 @@ def attach_after_setup(setup: Callable, log: Callable[[str], None], compiled: bo
         result = setup(*args, **kwargs)
         model, optimizer = result[0], result[1]
         subs = megatron_optimizers(optimizer)
-        reason = None
+        params = buffer_params(model)
         if len(subs) != 1:
             reason = f"{len(subs)} chained optimizers (the norm spans all of them)"
         else:
-            reason = unsupported_reason(subs[0], buffer_params(model))
+            reason = unsupported_reason(subs[0], params)
         if reason:
             log(f"fast optimizer: flat AdamW step not used: {reason}")
         else:
-            state = attach(subs[0], buffer_params(model), compiled=compiled)
+            state = attach(subs[0], params, compiled=compiled)
             log(f"fast optimizer: flat AdamW step over {state.grad.numel():,} gradient-buffer "
                 f"elements ({state.grad.dtype}), {'compiled' if compiled else 'eager'}: "
                 "clip, AdamW and the bf16 weight copy in one pass (--no-fast-flat-adam: "
