@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def _install_window(start: int, iters: int, out: Path, report):
+def _install_window(start: int, iters: int, out: Path, report, with_stack: bool = True):
     """Wrap megatron's train_step so that iterations [start, start+iters) are profiled."""
     import torch
     from megatron.training import training
@@ -66,7 +66,7 @@ def _install_window(start: int, iters: int, out: Path, report):
             prof = torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CPU,
                             torch.profiler.ProfilerActivity.CUDA],
-                with_stack=True)
+                with_stack=with_stack)
             prof.__enter__()
             state["prof"] = prof
         if state["prof"] is not None:
@@ -200,7 +200,61 @@ def kernel_categories(durations: dict) -> dict:
     return out
 
 
-def analyse(trace_path: Path, top_gaps: int = 15) -> str:
+def gpu_timeline_gaps(events: list, iters: int, top: int = 12) -> list[str]:
+    """Idle time on the GPU's own timeline, from its first to its last activity in the trace.
+
+    The host runs ahead of the GPU, so a host-side iteration window says little about the
+    GPU; this looks only at GPU activity (kernels, copies, memsets), which the window's
+    closing synchronisation keeps whole, and names the activity on both sides of each of
+    the largest gaps (a gap before the first kernel of a step means the GPU waited for the
+    host)."""
+    acts = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                  if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    if not acts:
+        return []
+    span = max(end for _, end, _ in acts) - acts[0][0]
+    gaps, reach, last = [], acts[0][1], acts[0][2]
+    for start, end, name in acts[1:]:
+        if start > reach:
+            gaps.append((start - reach, last, name))
+        if end > reach:
+            reach, last = end, name
+    idle = sum(g for g, _, _ in gaps)
+    out = [f"GPU timeline: {span / 1e3:.2f} ms from first to last activity, idle {idle / 1e3:.2f} ms"
+           f" ({100 * idle / span:.1f} %, {idle / 1e3 / max(1, iters):.2f} ms per iteration) in "
+           f"{len(gaps)} gaps; gaps under 5 us: {sum(g for g, _, _ in gaps if g < 5) / 1e3:.2f} ms;"
+           f" largest {top} (after > before):"]
+    for g, before, after in sorted(gaps, reverse=True)[:top]:
+        out.append(f"  {g / 1e3:7.3f} ms  {before[:60]}  >  {after[:60]}")
+    return out
+
+
+def launch_stacks(events: list, needle: str, top: int = 8) -> list[str]:
+    """Where kernels whose name contains ``needle`` were launched from: the operator and
+    Python frames around each launch (matched by the trace's correlation ids), counted."""
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"
+               and needle in e["name"]]
+    wanted = {e.get("args", {}).get("correlation") for e in kernels}
+    launches = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"
+                and e.get("args", {}).get("correlation") in wanted][:40]  # a sample is enough
+    threads = {e.get("tid") for e in launches}
+    enclosing = [e for e in events if e.get("ph") == "X" and e.get("tid") in threads
+                 and e.get("cat") in ("python_function", "cpu_op")]
+    counts: dict = {}
+    for launch in launches:
+        t = launch["ts"]
+        frames = sorted((e for e in enclosing if e.get("tid") == launch.get("tid")
+                         and e["ts"] <= t <= e["ts"] + e["dur"]), key=lambda e: e["ts"])
+        key = " > ".join(e["name"].split("/")[-1][:50] for e in frames[-7:])
+        counts[key] = counts.get(key, 0) + 1
+    out = [f"launches of kernels matching {needle!r}: {len(kernels)} (stacks of "
+           f"{len(launches)})"]
+    out += [f"  {n:5d}x  {key}" for key, n in sorted(counts.items(), key=lambda kv: -kv[1])[:top]]
+    return out
+
+
+def analyse(trace_path: Path, top_gaps: int = 15, kernel_table: Path | None = None,
+            who: tuple = ()) -> str:
     events = json.loads(trace_path.read_text())["traceEvents"]
     gpu = [(e["ts"], e["ts"] + e["dur"]) for e in events
            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
@@ -227,13 +281,21 @@ def analyse(trace_path: Path, top_gaps: int = 15) -> str:
                            key=lambda ev: ev["ts"])
             names = [ev["name"].split("/")[-1] for ev in stack][-6:]
             lines.append(f"  {g / 1e3:7.3f} ms  " + " > ".join(names))
-    kern = {}
+    lines += gpu_timeline_gaps(events, len(iters))
+    for needle in who:
+        lines += launch_stacks(events, needle)
+    kern, full = {}, {}
     for e in events:
         if e.get("ph") == "X" and e.get("cat") == "kernel":
-            k = kern.setdefault(e["name"][:90], [0, 0])
-            k[0] += e["dur"]
-            k[1] += 1
+            for table, name in ((kern, e["name"][:90]), (full, e["name"])):
+                k = table.setdefault(name, [0, 0])
+                k[0] += e["dur"]
+                k[1] += 1
     per_iter = max(1, len(iters))
+    if kernel_table is not None:  # every kernel, for comparing runs offline
+        rows = sorted(((dur, cnt, name) for name, (dur, cnt) in full.items()), reverse=True)
+        kernel_table.write_text("ms_per_iteration\tcalls_per_iteration\tkernel\n" + "".join(
+            f"{dur / 1e3 / per_iter:.4f}\t{cnt / per_iter:g}\t{name}\n" for dur, cnt, name in rows))
     categories = kernel_categories({name: dur for name, (dur, _) in kern.items()})
     lines.append(f"GPU kernel time per iteration by kind (ms; totals / {per_iter} iterations —"
                  " inside a CUDA graph these are reliable where the busy figures above are not):")
@@ -251,6 +313,15 @@ def main(argv=None) -> int:
     p.add_argument("--start", type=int, default=20, help="first profiled iteration (1-based)")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--out", default="runs/profile_entry")
+    p.add_argument("--light", action="store_true",
+                   help="no Python stacks in the trace (less host overhead while profiling)")
+    p.add_argument("--who", action="append", default=[], metavar="NAME",
+                   help="print where kernels whose name contains NAME were launched from "
+                        "(needs Python stacks and no CUDA graph)")
+    p.add_argument("--ops", type=int, default=0, metavar="N",
+                   help="also print the N operators with the most GPU time, with their Python "
+                        "stacks (attributes kernels to ops; run with --no-fast-cuda-graph, as "
+                        "ops inside a replayed CUDA graph are not recorded)")
     p.add_argument("entry_args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
     entry_args = a.entry_args[1:] if a.entry_args[:1] == ["--"] else a.entry_args
@@ -258,14 +329,17 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     def report(trace, prof):
-        text = analyse(trace)
+        text = analyse(trace, kernel_table=out / "kernels.tsv", who=tuple(a.who))
+        if a.ops:
+            text += "\n" + prof.key_averages(group_by_stack_n=8).table(
+                sort_by="self_device_time_total", row_limit=a.ops, max_name_column_width=60)
         (out / "entry_profile.txt").write_text(text + "\n")
         print(text, flush=True)
         with open(trace, "rb") as src, gzip.open(str(trace) + ".gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
         os.remove(trace)
 
-    _install_window(a.start, a.iters, out, report)
+    _install_window(a.start, a.iters, out, report, with_stack=not a.light)
     from megatron.core.optimizer import optimizer as moo
     from megatron.training import training
 

@@ -207,6 +207,28 @@ def test_guard_checks_host_norms_at_once():
         step(iteration=1)
 
 
+def test_norm_in_flight_keeps_the_value_and_host_norms_pass_through():
+    from megagpt.resilience.divergence import NormInFlight
+
+    assert NormInFlight(torch.tensor(2.5)).value() == 2.5
+    assert NormInFlight(7.0).value() == 7.0
+    assert math.isnan(NormInFlight(torch.tensor(math.nan)).value())
+
+
+@pytest.mark.gpu
+def test_reading_a_device_norm_waits_for_its_step_only():
+    """The pending norm is read while later work is still queued: the read must not drain
+    the stream (``float(cuda_tensor)`` would), or the GPU idles through the host's loop."""
+    from megagpt.resilience.divergence import NormInFlight
+
+    norm = torch.full((), 4.0, device="cuda").sqrt()
+    staged = NormInFlight(norm)
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU work queued behind the norm
+    assert staged.value() == 2.0
+    assert not torch.cuda.current_stream().query(), "the read waited for the later work"
+    torch.cuda.synchronize()
+
+
 # ---------------------------------------------------------------------------------------
 # the bf16 gradient buffer
 # ---------------------------------------------------------------------------------------
@@ -268,6 +290,21 @@ def test_bf16_grad_buffer_switch_wins():
     args = _args(["--fast-bf16-grad-buffer"], global_batch_size=32)
     apply_fast_path_defaults(args, lambda s: None)
     assert args.grad_reduce_in_bf16
+
+
+@pytest.mark.parametrize("attrs,kept", [
+    ({}, False),
+    ({"reset_attention_mask": True}, True),  # document masks are applied
+    ({"transformer_impl": "transformer_engine"}, True),  # not the fast spec
+])
+def test_no_attention_mask_from_the_loader_where_the_fast_spec_ignores_it(attrs, kept):
+    from megagpt.fast_spec.settings import apply_fast_path_defaults
+
+    args = _args(create_attention_mask_in_dataloader=True, **attrs)
+    lines = []
+    apply_fast_path_defaults(args, lines.append)
+    assert args.create_attention_mask_in_dataloader is kept
+    assert any("no attention mask" in line for line in lines) is not kept
 
 
 def test_constant_loss_scale_is_read_on_the_host():

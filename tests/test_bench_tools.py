@@ -31,6 +31,42 @@ def test_profile_kernel_kinds():
     assert sum(kinds.values()) == sum(names.values())
 
 
+def _x(cat, name, ts, dur, **args):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": 1, "args": args}
+
+
+def test_gpu_timeline_gaps_count_idle_between_gpu_activity_only():
+    from profile_entry import gpu_timeline_gaps
+
+    events = [
+        _x("kernel", "a", 0, 10), _x("kernel", "b", 5, 10),  # overlapping: no gap
+        _x("gpu_memset", "zero", 17, 1),  # 2 us gap
+        _x("kernel", "graph_first", 118, 2),  # 100 us gap: waited for the host
+        _x("python_function", "host.py", 0, 500),  # host activity is not GPU activity
+    ]
+    lines = gpu_timeline_gaps(events, iters=2)
+    assert "120.00 ms" not in lines[0] and "0.12 ms from first to last" in lines[0]
+    assert "idle 0.10 ms" in lines[0] and "in 2 gaps" in lines[0]
+    assert "gaps under 5 us: 0.00 ms" in lines[0]
+    assert "zero  >  graph_first" in lines[1] and "b  >  zero" in lines[2]
+
+
+def test_launch_stacks_name_the_frames_around_each_launch():
+    from profile_entry import launch_stacks
+
+    events = [
+        _x("python_function", "ddp.py(10): hook", 0, 100),
+        _x("cpu_op", "aten::sum", 10, 20),
+        _x("cuda_runtime", "cudaLaunchKernel", 12, 2, correlation=7),
+        _x("kernel", "reduce_kernel<float>", 50, 5, correlation=7),
+        _x("cuda_runtime", "cudaLaunchKernel", 200, 2, correlation=8),
+        _x("kernel", "other_kernel", 250, 5, correlation=8),
+    ]
+    lines = launch_stacks(events, "reduce_kernel")
+    assert lines[0].startswith("launches of kernels matching 'reduce_kernel': 1")
+    assert lines[1].split() == ["1x", "ddp.py(10):", "hook", ">", "aten::sum"]
+
+
 def test_layout_log_parsing_and_comparison():
     from layouts import compare, parse_log
 

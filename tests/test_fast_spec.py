@@ -305,6 +305,61 @@ def test_chunked_lm_loss_matches_megatron_loss_in_gpt_model(cpu_buffers):
                                    ref(tokens, pos, mask), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("weights_kind", ["mask", "float"])
+def test_gradients_formed_in_forward_equal_autograds(weights_kind):
+    """Losses and their gradients, formed in the forward pass, against autograd of the plain
+    cross entropy, when the upstream gradient is c * w (a masked sum scaled by 1/tokens)."""
+    from megagpt.fast_spec.lm_loss import chunked_linear_cross_entropy_grad_in_forward
+
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(23, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(11, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    labels = torch.randint(0, 11, (23,), generator=g)
+    if weights_kind == "mask":
+        weights = (torch.rand(23, generator=g) > 0.3).double()
+    else:
+        weights = torch.rand(23, generator=g, dtype=torch.float64) + 0.5
+    c = 1.0 / weights.sum()
+    losses = chunked_linear_cross_entropy_grad_in_forward(h, w, labels, weights, 11 * 6)
+    (losses * weights).sum().mul(c).backward()
+    ours = (losses.detach(), h.grad.clone(), w.grad.clone())
+    h.grad = w.grad = None
+    ref_losses = F.cross_entropy(h @ w.t(), labels, reduction="none")
+    (ref_losses * weights).sum().mul(c).backward()
+    for a, b in zip(ours, (ref_losses.detach(), h.grad, w.grad)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_gradients_formed_in_forward_through_gpt_model_and_loss_func(cpu_buffers):
+    """The entry's own loss_func (masked sum, megatron's division by the token count) on
+    GPTModel with the processor that forms the LM head's gradients in forward, against
+    megatron's LM head and loss; and without gradients the plain chunked loss runs."""
+    import pretrain_gpt
+    from megagpt.fast_spec.lm_loss import fused_lm_head_loss
+
+    ref, fast = _models(_config(), _args())
+    tokens, pos, mask, labels = _batch(9)
+    loss_mask = (torch.rand(BATCH, SEQ, generator=torch.Generator().manual_seed(1)) > 0.25).float()
+    checks = pretrain_gpt.LossChecks(nan_and_inf=False, spiky_loss=False)
+    processor = functools.partial(fused_lm_head_loss, grad_in_forward=True)
+    results = []
+    for model, kw in ((ref, {}), (fast, {"output_processor": processor})):
+        model.zero_grad(set_to_none=True)
+        out = model(tokens, pos, mask, labels=labels, loss_mask=loss_mask, **kw)
+        loss_sum, num_tokens, _ = pretrain_gpt.loss_func(loss_mask, out, checks)
+        (loss_sum / num_tokens).backward()  # what megatron's schedule does with the pair
+        results.append((out.detach(), {n: q.grad.clone() for n, q in model.named_parameters()}))
+    (l_ref, g_ref), (l_fast, g_fast) = results
+    torch.testing.assert_close(l_fast, l_ref, rtol=1e-4, atol=1e-5)
+    for name in g_ref:
+        scale = g_ref[name].abs().max().clamp_min(1e-6)
+        assert (g_fast[name] - g_ref[name]).abs().max() / scale < 1e-3, name
+    with torch.no_grad():
+        torch.testing.assert_close(
+            fast(tokens, pos, mask, labels=labels, loss_mask=loss_mask, output_processor=processor),
+            l_ref, rtol=1e-4, atol=1e-5)
+
+
 def test_chunk_kernels_trace_without_graph_breaks():
     from megagpt.fast_spec.lm_loss import _ce_backward_chunk, _ce_forward_chunk
 
@@ -621,6 +676,29 @@ def test_gpu_chunked_loss_gradients_match_fp32_autograd(monkeypatch, fused_accum
 
 
 @pytest.mark.gpu
+def test_gpu_gradients_formed_in_forward_match_the_recomputing_loss():
+    """bf16, compiled, many chunks, a loss mask with zeros: the same losses and gradients as
+    the chunked loss that recomputes logits in backward."""
+    from megagpt.fast_spec import lm_loss
+
+    h, w, labels = _lm_head_inputs(tokens=4096, hidden=256, vocab=5000, seed=2)
+    mask = (torch.rand(4096, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+            > 0.2).float()
+    out = []
+    for grad_in_forward in (True, False):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        if grad_in_forward:
+            loss = lm_loss.chunked_linear_cross_entropy_grad_in_forward(
+                hh, ww, labels, mask, chunk_elements=2**21)
+        else:
+            loss = lm_loss.chunked_linear_cross_entropy(hh, ww, labels, chunk_elements=2**21)
+        ((loss * mask).sum() / mask.sum()).backward()
+        out.append((loss, hh.grad.float(), ww.grad.float()))
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-4)
+
+
+@pytest.mark.gpu
 def test_gpu_fused_layer_compiled_matches_eager_bf16():
     from megagpt.fast_spec.layer import fused_layer_forward
 
@@ -654,7 +732,11 @@ def test_output_processor_choice():
     from megagpt.fast_spec.lm_loss import fused_lm_head_loss, get_output_processor
 
     ns = argparse.Namespace
-    assert get_output_processor(ns(fast_lm_loss=True, transformer_impl="local")) is fused_lm_head_loss
+    chosen = get_output_processor(ns(fast_lm_loss=True, transformer_impl="local"))
+    assert chosen.func is fused_lm_head_loss and chosen.keywords == {"grad_in_forward": True}
+    for kept in (dict(fast_lm_grad_in_forward=False), dict(pipeline_model_parallel_size=2)):
+        assert get_output_processor(
+            ns(fast_lm_loss=True, transformer_impl="local", **kept)) is fused_lm_head_loss
     assert get_output_processor(ns(fast_lm_loss=False, transformer_impl="local")) is None
     assert get_output_processor(ns(fast_lm_loss=True, transformer_impl="transformer_engine")) is None
     assert get_output_processor(ns(fast_lm_loss=True, transformer_impl="local",

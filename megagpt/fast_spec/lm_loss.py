@@ -19,6 +19,7 @@ MuP logit scaling, no labels) the processor runs megatron's own output layer and
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Callable, Optional
@@ -62,6 +63,17 @@ def _ce_backward_chunk(logits: Tensor, lse: Tensor, labels: Tensor, grad: Tensor
     cols = torch.arange(x.size(1), device=x.device).unsqueeze(0)
     onehot = (cols == labels.unsqueeze(1)).to(x.dtype)
     return ((probs - onehot) * grad.unsqueeze(1)).to(logits.dtype)
+
+
+def _ce_forward_grad_chunk(logits: Tensor, labels: Tensor, weights: Tensor, acc: torch.dtype):
+    """(per-token loss, d(sum_i w_i loss_i)/d logits in logits' dtype) from one chunk."""
+    x = logits.to(acc)
+    lse = torch.logsumexp(x, dim=-1)
+    target = x.gather(1, labels.unsqueeze(1)).squeeze(1)
+    probs = torch.exp(x - lse.unsqueeze(1))
+    cols = torch.arange(x.size(1), device=x.device).unsqueeze(0)
+    onehot = (cols == labels.unsqueeze(1)).to(acc)
+    return lse - target, ((probs - onehot) * weights.unsqueeze(1)).to(logits.dtype)
 
 
 def _kernel(name: str, fn, device: torch.device):
@@ -177,6 +189,70 @@ class _ChunkedLinearCE(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None
 
 
+class _ChunkedLinearCEGradInForward(torch.autograd.Function):
+    """Per-token losses whose gradient is computed in the forward pass, Liger-style.
+
+    While each chunk's logits are at hand, the forward pass also forms the gradient of
+    ``sum_i w_i * loss_i`` (``w``: the loss weights, the loss mask) with respect to the
+    hidden states and the output weight, so the backward pass recomputes no logits (the
+    chunked loss's extra [tokens, h] x [h, vocab] GEMM, ~1/3 of the LM head's FLOPs).
+
+    The contract: the gradient reaching these losses must be ``c * w`` for one scalar ``c``,
+    which is what a masked sum (``pretrain_gpt.loss_func``) under megatron's normalisation
+    (by the token count, the micro-batch count) gives. ``c`` is recovered in backward as
+    ``<g, w> / <w, w>`` and scales the stored gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, loss_weights: Tensor,
+                chunk_elements: int):
+        n, vocab = hidden.size(0), weight.size(0)
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        losses = torch.empty(n, dtype=acc, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if need_h else None
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        w = loss_weights.to(acc)
+        step = _kernel("fwd_grad", _ce_forward_grad_chunk, hidden.device)
+        for a, b in _chunks(n, vocab, chunk_elements):
+            loss, g = step(hidden[a:b] @ weight.t(), labels[a:b], w[a:b], acc)
+            losses[a:b] = loss
+            if need_h:
+                torch.matmul(g, weight, out=grad_hidden[a:b])
+            if need_w:
+                accumulate_weight_grad(grad_weight, g, hidden[a:b])
+            del g
+        ctx.save_for_backward(grad_hidden, grad_weight, w)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses: Tensor):
+        grad_hidden, grad_weight, w = ctx.saved_tensors
+        g = grad_losses.to(w.dtype)
+        # the scalar c of grad_losses = c * w (0-dim, stays on the device)
+        c = (g * w).sum() / (w * w).sum().clamp_min(torch.finfo(w.dtype).tiny)
+        if grad_hidden is not None:
+            grad_hidden = (grad_hidden.to(w.dtype) * c).to(ctx.dtypes[0])
+        if grad_weight is not None:
+            grad_weight = (grad_weight * c).to(ctx.dtypes[1])
+        return grad_hidden, grad_weight, None, None, None
+
+
+def chunked_linear_cross_entropy_grad_in_forward(
+    hidden: Tensor, weight: Tensor, labels: Tensor, loss_weights: Tensor,
+    chunk_elements: int = _CHUNK_ELEMENTS,
+) -> Tensor:
+    """``chunked_linear_cross_entropy`` whose gradients are formed in the forward pass.
+
+    Only for losses whose upstream gradient is a scalar multiple of ``loss_weights`` (see
+    ``_ChunkedLinearCEGradInForward``). hidden: [N, h]; weight: [V, h]; labels, loss_weights:
+    [N]. Returns [N] float32.
+    """
+    return _ChunkedLinearCEGradInForward.apply(hidden, weight, labels.long(), loss_weights,
+                                               chunk_elements)
+
+
 def chunked_linear_cross_entropy(
     hidden: Tensor, weight: Tensor, labels: Tensor, chunk_elements: int = _CHUNK_ELEMENTS
 ) -> Tensor:
@@ -210,9 +286,15 @@ def fused_lm_head_loss(
     scale_logits: Callable,
     config,
     runtime_gather_output=None,
+    loss_mask: Optional[Tensor] = None,
+    grad_in_forward: bool = False,
     **_unused,
 ) -> Tensor:
-    """``GPTModel`` output processor: per-token LM losses [b, s] without full logits."""
+    """``GPTModel`` output processor: per-token LM losses [b, s] without full logits.
+
+    ``grad_in_forward``: form the LM head's gradients in the forward pass (no logit
+    recompute), for a caller whose loss is a masked sum of these losses with ``loss_mask``
+    (``pretrain_gpt.loss_func``); used only when gradients are being recorded."""
     reason = None if labels is not None else "no labels"
     if reason is None:
         reason = fused_lm_head_unsupported_reason(output_layer, config)
@@ -227,7 +309,14 @@ def fused_lm_head_loss(
     weight = output_weight if output_weight is not None else output_layer.weight
     s, b, h = hidden_states.shape
     flat_labels = labels.transpose(0, 1).reshape(s * b)  # [b, s] -> [s*b] in hidden's order
-    losses = chunked_linear_cross_entropy(hidden_states.reshape(s * b, h), weight, flat_labels)
+    flat_hidden = hidden_states.reshape(s * b, h)
+    if grad_in_forward and loss_mask is not None and torch.is_grad_enabled() and (
+            hidden_states.requires_grad or weight.requires_grad):
+        flat_mask = loss_mask.transpose(0, 1).reshape(s * b)
+        losses = chunked_linear_cross_entropy_grad_in_forward(
+            flat_hidden, weight, flat_labels, flat_mask)
+    else:
+        losses = chunked_linear_cross_entropy(flat_hidden, weight, flat_labels)
     return losses.view(s, b).transpose(0, 1).contiguous()
 
 
@@ -244,4 +333,19 @@ def get_output_processor(args) -> Optional[Callable]:
         return None
     if getattr(args, "cross_entropy_loss_fusion", False):
         return None
+    if lm_grad_in_forward_unsupported_reason(args) is None:
+        return functools.partial(fused_lm_head_loss, grad_in_forward=True)
     return fused_lm_head_loss
+
+
+def lm_grad_in_forward_unsupported_reason(args) -> Optional[str]:
+    """Why the LM head's gradient is not formed in the forward pass (None: it is).
+
+    Off with ``--no-fast-lm-grad-in-forward`` and under pipeline parallelism, where several
+    micro-batches' forward passes run before their backward passes and each would hold an
+    fp32 [vocab, hidden] weight gradient until then."""
+    if not getattr(args, "fast_lm_grad_in_forward", True):
+        return "--no-fast-lm-grad-in-forward"
+    if (getattr(args, "pipeline_model_parallel_size", 1) or 1) != 1:
+        return "pipeline parallelism (micro-batches in flight would each hold a weight gradient)"
+    return None

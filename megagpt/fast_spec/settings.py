@@ -15,6 +15,8 @@
   --no-fast-optimizer            keep megatron's no-TE/no-apex optimizer fallbacks
                                  (foreach AdamW, per-tensor norm with one sync per tensor)
   --no-fast-lm-loss              megatron's LM head + cross entropy instead of the chunked one
+  --no-fast-lm-grad-in-forward   chunked loss: recompute each chunk's logits in backward
+                                 instead of forming the LM head's gradients in forward
   --fast-bf16-grad-buffer / --no-fast-bf16-grad-buffer
                                  keep gradients in a bf16 buffer (megatron's
                                  --grad-reduce-in-bf16); default: on where that gives the same
@@ -96,6 +98,16 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
         help="Compute the LM head and cross entropy as megatron does (full logits, fp32 "
         "softmax) instead of megagpt's chunked LM-head cross entropy (tensor-parallel "
         "size 1 only; other layouts use megatron's path either way).",
+    )
+    group.add_argument(
+        "--no-fast-lm-grad-in-forward",
+        action="store_false",
+        dest="fast_lm_grad_in_forward",
+        help="Chunked LM loss: recompute each chunk's logits in the backward pass. By "
+        "default the LM head's gradients are formed in the forward pass while each chunk's "
+        "logits are at hand (no recompute; pretrain_gpt's masked-sum loss; not under "
+        "pipeline parallelism, where each micro-batch in flight would hold an fp32 weight "
+        "gradient).",
     )
     group.add_argument(
         "--fast-bf16-grad-buffer",
@@ -243,6 +255,8 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
     - bf16 gradient buffer: sets megatron's ``grad_reduce_in_bf16`` when
       ``fast_bf16_grad_buffer`` is on (by default where ``bf16_grad_buffer_unsupported_reason``
       is None);
+    - attention mask: ``create_attention_mask_in_dataloader`` off where the fast spec is used
+      and no document mask (``--reset-attention-mask``) has to be honoured;
     - changes no other argument and patches nothing in megatron (``install_fast_path_patches``
       does, at launch). Every change is logged through ``log``.
     """
@@ -254,6 +268,7 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
         ("fast_cuda_graph", None),
         ("fast_optimizer", True),
         ("fast_lm_loss", True),
+        ("fast_lm_grad_in_forward", True),
         ("fast_async_step", True),
         ("fast_flat_adam", True),
         ("fast_wgrad_fusion", False),
@@ -293,6 +308,16 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
                 "(--no-fast-bf16-grad-buffer keeps fp32)")
     if args.fast_bf16_grad_buffer:
         args.grad_reduce_in_bf16 = True
+
+    # --- no attention mask from the data loader ---------------------------------------------
+    # The fast spec's attention is causal by construction (SDPA's is_causal); the [s, s]
+    # mask per sample is built by the loader's workers and copied to the GPU every step
+    # (8 MB at 345M, 16 MB at 1.3B) only to be ignored. Document masks still need it.
+    if (getattr(args, "create_attention_mask_in_dataloader", False)
+            and not getattr(args, "reset_attention_mask", False) and fast_path_selected(args)):
+        args.create_attention_mask_in_dataloader = False
+        log("fast path: no attention mask from the data loader (the fast spec's attention is "
+            "causal by construction; --no-fast-spec keeps megatron's)")
 
     # --- torch.compile ------------------------------------------------------------------
     if getattr(args, "cpu", False):

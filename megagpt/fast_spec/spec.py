@@ -117,7 +117,11 @@ def describe_fast_spec(args) -> str:
         if _get(args, "fast_wgrad_fusion", False):
             parts.append("weight gradients accumulated into main_grad")
     if _get(args, "fast_lm_loss", True):
-        parts.append("chunked LM-head cross entropy (TP=1)")
+        from .lm_loss import lm_grad_in_forward_unsupported_reason
+
+        grad = ", gradients formed in forward" if (
+            lm_grad_in_forward_unsupported_reason(args) is None) else ""
+        parts.append(f"chunked LM-head cross entropy (TP=1{grad})")
     if _get(args, "cuda_graph_impl", "none") == "full_iteration":
         parts.append("full-iteration CUDA graph")
     if _get(args, "fast_optimizer", True):

@@ -25,6 +25,8 @@ import math
 import re
 from typing import Callable
 
+import torch
+
 from megagpt.compat import explicit_flags
 from megagpt.errors import UserError
 
@@ -94,6 +96,34 @@ def needs_grad_norm_guard(args, argv) -> bool:
             and "--no-check-for-nan-in-loss-and-grad" not in explicit_flags(argv or []))
 
 
+class NormInFlight:
+    """A gradient norm on its way from the GPU to the host, read without draining the queue.
+
+    ``float(norm)`` of a CUDA tensor waits for *everything* queued on the stream so far. Read
+    one iteration late, that is the whole next iteration, which the host has already queued:
+    the host then waits for the GPU to go idle, and the GPU idles while the host runs the
+    loop, the logging and the data loader before it queues the iteration after. Measured on
+    an H200 this cost 3.4 ms of a 47 ms step at 345M and 7.8 ms of 137 at 1.3B. So the norm
+    is copied into pinned host memory right behind the step that computes it, and an event
+    recorded after that copy is what the read waits for: that step, not what follows it.
+    """
+
+    def __init__(self, norm):
+        self.event = None
+        if isinstance(norm, torch.Tensor) and norm.is_cuda:
+            self.host = torch.empty(norm.shape, dtype=norm.dtype, pin_memory=True)
+            self.host.copy_(norm.detach(), non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = norm
+
+    def value(self) -> float:
+        if self.event is not None:
+            self.event.synchronize()
+        return float(self.host)
+
+
 class GradNormGuard:
     """Stop a run whose gradient norm is NaN or Inf, for runs whose in-step checks are off.
 
@@ -124,7 +154,7 @@ class GradNormGuard:
         """Read back (and check) every pending norm but the newest ``keep_last``."""
         while len(self.pending) > keep_last:
             iteration, norm = self.pending.pop(0)
-            value = float(norm)
+            value = norm.value()
             if not math.isfinite(value):
                 self.pending.clear()
                 self._raise(iteration, value)
@@ -141,7 +171,7 @@ class GradNormGuard:
                 if not math.isfinite(grad_norm):
                     self._raise(iteration, grad_norm)
                 return result
-            self.pending.append((iteration, grad_norm))
+            self.pending.append((iteration, NormInFlight(grad_norm)))
             last = self.final_iteration is not None and iteration >= self.final_iteration
             self.check_pending(keep_last=0 if last else 1)
             return result
