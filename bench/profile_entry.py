@@ -8,7 +8,10 @@ iterations ``--start``..``--start + --iters - 1`` with torch.profiler. It prints
   * per iteration: wall time and GPU busy time (union of kernels, copies and memsets);
   * the largest GPU idle gaps, each with the Python stack the CPU was in at the gap's middle
     (what kept the GPU waiting);
-  * the top GPU kernels by total time;
+  * idle time on the GPU's own timeline, with the activity on both sides of the largest gaps;
+  * the top GPU kernels by total time (every kernel, per iteration, in ``kernels.tsv``);
+  * with ``--who NAME``: where kernels matching NAME were launched (operator + Python frames);
+    with ``--ops N``: the N operators with the most GPU time (both without the CUDA graph);
   * after the run: the host time per iteration of train_step, optimizer.step, zero_grad
     and training_log (medians; the profiled iterations are slower);
   * before the window (iteration ``--start`` - 1): each place inside ``train_step`` where
@@ -220,10 +223,11 @@ def gpu_timeline_gaps(events: list, iters: int, top: int = 12) -> list[str]:
         if end > reach:
             reach, last = end, name
     idle = sum(g for g, _, _ in gaps)
-    out = [f"GPU timeline: {span / 1e3:.2f} ms from first to last activity, idle {idle / 1e3:.2f} ms"
-           f" ({100 * idle / span:.1f} %, {idle / 1e3 / max(1, iters):.2f} ms per iteration) in "
-           f"{len(gaps)} gaps; gaps under 5 us: {sum(g for g, _, _ in gaps if g < 5) / 1e3:.2f} ms;"
-           f" largest {top} (after > before):"]
+    short = sum(g for g, _, _ in gaps if g < 5)
+    out = [(f"GPU timeline: {span / 1e3:.2f} ms from first to last activity, idle "
+            f"{idle / 1e3:.2f} ms ({100 * idle / span:.1f} %, {idle / 1e3 / max(1, iters):.2f} ms "
+            f"per iteration) in {len(gaps)} gaps; gaps under 5 us: {short / 1e3:.2f} ms; "
+            f"largest {top} (before > after):")]
     for g, before, after in sorted(gaps, reverse=True)[:top]:
         out.append(f"  {g / 1e3:7.3f} ms  {before[:60]}  >  {after[:60]}")
     return out
@@ -247,8 +251,7 @@ def launch_stacks(events: list, needle: str, top: int = 8) -> list[str]:
                          and e["ts"] <= t <= e["ts"] + e["dur"]), key=lambda e: e["ts"])
         key = " > ".join(e["name"].split("/")[-1][:50] for e in frames[-7:])
         counts[key] = counts.get(key, 0) + 1
-    out = [f"launches of kernels matching {needle!r}: {len(kernels)} (stacks of "
-           f"{len(launches)})"]
+    out = [f"launches of kernels matching {needle!r}: {len(kernels)} (stacks of {len(launches)})"]
     out += [f"  {n:5d}x  {key}" for key, n in sorted(counts.items(), key=lambda kv: -kv[1])[:top]]
     return out
 
