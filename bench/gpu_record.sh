@@ -15,10 +15,12 @@
 #      40 iterations uninterrupted vs stopped at 20 and resumed (bench/resume_fidelity.py),
 #      alongside the fast path's first 50 losses against the local spec's (dropout 0,
 #      same data and seed). Untimed runs: these two share the GPU.
-#   3. throughput, 1.3B shape (24 x 2048 x 16, seq 2048, mb 4): fast path and reference.
+#   3. throughput, 1.3B shape (24 x 2048 x 16, seq 2048, mb 4): fast path (with and without
+#      dropout) and reference;
+#   4. (experiment, not in the default STEPS) 345M with inductor's coordinate-descent tuning.
 #
 # STEPS (default "0 0b 1 2 3") picks which of them run; PATHS the throughput paths of step 1
-# (default local,fast,noflat,nodrop,reference; wgrad is also defined).
+# (default local,fast,nodrop,recompute,reference; noflat and wgrad are also defined).
 #
 # Needs: megatron-core (+ omegaconf) importable, one CUDA GPU, and the corpus: the embedded one
 # (python -m megagpt.data.corpus builds it) or DATA_PREFIX, VOCAB_FILE, MERGE_FILE.
@@ -56,13 +58,15 @@ fi
 
 if want 1; then
 echo "== 1. throughput 345M ($(left)s left)"
-# PATHS: local, fast, reference and the variants nodrop (the fast path without dropout) and
+# PATHS: local, fast, reference and the variants nodrop (the fast path without dropout),
 # noflat (megatron's five-pass optimizer step instead of the flat one), wgrad (weight
-# gradients accumulated into main_grad by their GEMMs)
+# gradients accumulated into main_grad by their GEMMs), recompute (the chunked loss
+# recomputes logits in backward instead of forming the LM head's gradients in forward)
 timeout 300 $PY bench/bench_throughput.py --shape 345M \
-    --paths "${PATHS:-local,fast,noflat,nodrop,reference}" \
+    --paths "${PATHS:-local,fast,nodrop,recompute,reference}" \
     --variant "nodrop=--hidden-dropout 0 --attention-dropout 0" \
     --variant "noflat=--no-fast-flat-adam" --variant "wgrad=--fast-wgrad-fusion" \
+    --variant "recompute=--no-fast-lm-grad-in-forward" \
     --train-iters 50 --warmup-iters 10 --out "$OUT/bench_345m" > "$OUT/bench_345m.txt" 2>&1
 tail -20 "$OUT/bench_345m.txt"
 fi
@@ -102,10 +106,22 @@ if want 3; then
 echo "== 3. throughput 1.3B ($(left)s left)"
 if [ "$(left)" -gt 100 ]; then
     timeout $(( $(left) - 10 )) $PY bench/bench_throughput.py --shape 1.3B \
-        --paths "${PATHS_13B:-fast,reference}" --variant "noflat=--no-fast-flat-adam" \
+        --paths "${PATHS_13B:-fast,nodrop,reference}" --variant "noflat=--no-fast-flat-adam" \
         --variant "wgrad=--fast-wgrad-fusion" \
+        --variant "nodrop=--hidden-dropout 0 --attention-dropout 0" \
         --train-iters 30 --warmup-iters 10 --out "$OUT/bench_1.3b" > "$OUT/bench_1.3b.txt" 2>&1
     tail -12 "$OUT/bench_1.3b.txt"
+fi
+fi
+if want 4; then
+echo "== 4. inductor's tuning of the compiled kernels, 345M ($(left)s left)"
+# not a default: an experiment (coordinate-descent tuning of the triton kernels' launch
+# parameters; longer compile). Same bench, the fast path with and without it.
+if [ "$(left)" -gt 150 ]; then
+    TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 timeout $(( $(left) - 10 )) $PY bench/bench_throughput.py \
+        --shape 345M --paths fast,nodrop --variant "nodrop=--hidden-dropout 0 --attention-dropout 0" \
+        --train-iters 40 --warmup-iters 10 --out "$OUT/bench_345m_cdt" > "$OUT/bench_345m_cdt.txt" 2>&1
+    tail -6 "$OUT/bench_345m_cdt.txt"
 fi
 fi
 echo "== done in $((SECONDS - START))s"

@@ -11,6 +11,12 @@ chunk's logits (one extra [chunk, h] x [h, vocab] matmul per chunk, ~1/3 of the 
 FLOPs) and accumulates the weight gradient in fp32. Same math as megatron's: fp32
 softmax statistics over bf16 logits.
 
+``chunked_linear_cross_entropy_grad_in_forward(hidden, weight, labels, loss_weights)`` forms
+the LM head's gradients in the forward pass instead, while each chunk's logits are at hand
+(no recompute), for losses whose upstream gradient is a scalar multiple of ``loss_weights``
+(the entry's masked-sum loss); ``get_output_processor`` picks it unless
+``--no-fast-lm-grad-in-forward`` or pipeline parallelism.
+
 It plugs into ``GPTModel.forward(..., output_processor=...)`` through
 ``fused_lm_head_loss``; ``get_output_processor(args)`` returns it or None. Where the
 fused path does not apply (tensor/sequence parallel output layer, an output-layer bias,
