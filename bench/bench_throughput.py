@@ -74,8 +74,7 @@ def shape_flags(shape: str, train_iters: int, log_interval: int, seed: int) -> l
         "--bf16", "--seed", str(seed),
         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
         "--log-throughput", "--log-interval", str(log_interval),
-        # the peak, once, at the end: a memory report is a host wait plus allocator queries,
-        # which at every log would charge the figures for a report users do not ask for
+        # the peak, once, at the end (the examples ask for no memory reports)
         "--log-memory-interval", str(train_iters),
         "--eval-iters", "0", "--eval-interval", str(10 * train_iters),
         "--transformer-impl", "local", "--no-persist-layer-norm",
@@ -217,8 +216,7 @@ def main(argv=None) -> int:
                    help="iterations left out of the figures (compile, warm-up)")
     p.add_argument("--log-interval", type=int, default=10,
                    help="megatron's --log-interval for the timed runs (10, as the 345M and "
-                        "175B examples log): each log waits for the GPU, and the GPU then idles "
-                        "while the host prints")
+                        "175B examples log)")
     p.add_argument("--entry", default="pretrain_gpt.py")
     p.add_argument("--launcher", choices=["torchrun", "python"], default="torchrun")
     p.add_argument("--entry-args", default="", help="extra flags for every entry run")
