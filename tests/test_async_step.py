@@ -427,3 +427,6 @@ def test_the_log_line_names_the_pieces_that_are_on():
     assert "no host sync inside the step" in on and "bf16 gradient buffer" in on
     off = describe_fast_spec(argparse.Namespace(fast_async_step=False, fast_bf16_grad_buffer=False))
     assert "no host sync" not in off and "bf16 gradient buffer" not in off
+    assert "gradients formed in forward" in on
+    for kept in ({"fast_lm_grad_in_forward": False}, {"pipeline_model_parallel_size": 2}):
+        assert "gradients formed in forward" not in describe_fast_spec(argparse.Namespace(**kept))
