@@ -287,16 +287,15 @@ def analyse(trace_path: Path, top_gaps: int = 15, kernel_table: Path | None = No
     lines += gpu_timeline_gaps(events, len(iters))
     for needle in who:
         lines += launch_stacks(events, needle)
-    kern, full = {}, {}
+    kern = {}
     for e in events:
         if e.get("ph") == "X" and e.get("cat") == "kernel":
-            for table, name in ((kern, e["name"][:90]), (full, e["name"])):
-                k = table.setdefault(name, [0, 0])
-                k[0] += e["dur"]
-                k[1] += 1
+            k = kern.setdefault(e["name"], [0, 0])
+            k[0] += e["dur"]
+            k[1] += 1
     per_iter = max(1, len(iters))
     if kernel_table is not None:  # every kernel, for comparing runs offline
-        rows = sorted(((dur, cnt, name) for name, (dur, cnt) in full.items()), reverse=True)
+        rows = sorted(((dur, cnt, name) for name, (dur, cnt) in kern.items()), reverse=True)
         kernel_table.write_text("ms_per_iteration\tcalls_per_iteration\tkernel\n" + "".join(
             f"{dur / 1e3 / per_iter:.4f}\t{cnt / per_iter:g}\t{name}\n" for dur, cnt, name in rows))
     categories = kernel_categories({name: dur for name, (dur, _) in kern.items()})
@@ -307,7 +306,7 @@ def analyse(trace_path: Path, top_gaps: int = 15, kernel_table: Path | None = No
     lines.append(f"  {sum(categories.values()) / 1e3 / per_iter:8.2f}  all kernels")
     lines.append(f"top kernels over {len(iters)} iterations (ms, count):")
     for name, (dur, cnt) in sorted(kern.items(), key=lambda kv: -kv[1][0])[:25]:
-        lines.append(f"  {dur / 1e3:8.2f} {cnt:6d}  {name}")
+        lines.append(f"  {dur / 1e3:8.2f} {cnt:6d}  {name[:90]}")
     return "\n".join(lines)
 
 

@@ -115,6 +115,14 @@ def _is_cuda(device) -> bool:
     return torch.device(device).type == "cuda"
 
 
+def to_device_without_waiting(host: torch.Tensor, device) -> torch.Tensor:
+    """``host.to(device)`` through pinned memory: a copy from pageable memory would
+    synchronise the stream, this one is queued behind the work already there."""
+    if _is_cuda(device) and torch.cuda.is_available():
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 class NonBlockingScalarTensors(TorchFunctionMode):
     """``torch.tensor(python_data, device=cuda)`` built in pinned memory, copied async.
 
@@ -128,10 +136,7 @@ class NonBlockingScalarTensors(TorchFunctionMode):
             isinstance(args[0], torch.Tensor)
         ):
             device = kwargs.pop("device")
-            host = torch.tensor(*args, **kwargs)
-            if torch.cuda.is_available():
-                host = host.pin_memory()
-            return host.to(device, non_blocking=True)
+            return to_device_without_waiting(torch.tensor(*args, **kwargs), device)
         return func(*args, **kwargs)
 
 

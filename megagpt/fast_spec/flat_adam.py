@@ -343,10 +343,9 @@ def counted_in_norm(opt, main_param) -> bool:
 
 def _to_device(values, device) -> torch.Tensor:
     """Host values as an fp32 tensor on ``device``, copied from pinned memory without a wait."""
-    t = torch.tensor(values, dtype=torch.float32)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    from .async_step import to_device_without_waiting
+
+    return to_device_without_waiting(torch.tensor(values, dtype=torch.float32), device)
 
 
 def attach(opt, all_buffer_params=None, compiled: bool = True) -> FlatAdamState:

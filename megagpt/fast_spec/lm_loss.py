@@ -73,13 +73,18 @@ def _ce_backward_chunk(logits: Tensor, lse: Tensor, labels: Tensor, grad: Tensor
 
 def _ce_forward_grad_chunk(logits: Tensor, labels: Tensor, weights: Tensor, acc: torch.dtype):
     """(per-token loss, d(sum_i w_i loss_i)/d logits in logits' dtype) from one chunk."""
-    x = logits.to(acc)
-    lse = torch.logsumexp(x, dim=-1)
-    target = x.gather(1, labels.unsqueeze(1)).squeeze(1)
-    probs = torch.exp(x - lse.unsqueeze(1))
-    cols = torch.arange(x.size(1), device=x.device).unsqueeze(0)
-    onehot = (cols == labels.unsqueeze(1)).to(acc)
-    return lse - target, ((probs - onehot) * weights.unsqueeze(1)).to(logits.dtype)
+    loss, lse = _ce_forward_chunk(logits, labels, acc)
+    return loss, _ce_backward_chunk(logits, lse, labels, weights)
+
+
+def _chunk_input_grads(g: Tensor, hidden: Tensor, weight: Tensor, grad_hidden: Optional[Tensor],
+                       grad_weight: Optional[Tensor]) -> None:
+    """From one chunk's logit gradient ``g``: its hidden-state gradient into ``grad_hidden``
+    (that chunk's rows), its weight gradient added onto ``grad_weight``."""
+    if grad_hidden is not None:
+        torch.matmul(g, weight, out=grad_hidden)
+    if grad_weight is not None:
+        accumulate_weight_grad(grad_weight, g, hidden)
 
 
 def _kernel(name: str, fn, device: torch.device):
@@ -185,10 +190,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
         bwd = _kernel("bwd", _ce_backward_chunk, hidden.device)
         for a, b in _chunks(n, vocab, ctx.chunk_elements):
             g = bwd(hidden[a:b] @ weight.t(), lse_all[a:b], labels[a:b], grad_losses[a:b])
-            if need_h:
-                torch.matmul(g, weight, out=grad_hidden[a:b])
-            if need_w:
-                accumulate_weight_grad(grad_weight, g, hidden[a:b])
+            _chunk_input_grads(g, hidden[a:b], weight,
+                               grad_hidden[a:b] if need_h else None, grad_weight)
             del g
         if need_w:
             grad_weight = grad_weight.to(weight.dtype)
@@ -223,10 +226,8 @@ class _ChunkedLinearCEGradInForward(torch.autograd.Function):
         for a, b in _chunks(n, vocab, chunk_elements):
             loss, g = step(hidden[a:b] @ weight.t(), labels[a:b], w[a:b], acc)
             losses[a:b] = loss
-            if need_h:
-                torch.matmul(g, weight, out=grad_hidden[a:b])
-            if need_w:
-                accumulate_weight_grad(grad_weight, g, hidden[a:b])
+            _chunk_input_grads(g, hidden[a:b], weight,
+                               grad_hidden[a:b] if need_h else None, grad_weight)
             del g
         ctx.save_for_backward(grad_hidden, grad_weight, w)
         ctx.dtypes = (hidden.dtype, weight.dtype)

@@ -24,7 +24,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from .attention import SDPADotProductAttention
 from .layer import FastTransformerLayer, set_layer_compile, set_wgrad_fusion
-from .lm_loss import set_loss_compile
+from .lm_loss import lm_grad_in_forward_unsupported_reason, set_loss_compile
 
 
 class SDPAMaskedDotProductAttention(SDPADotProductAttention):
@@ -117,8 +117,6 @@ def describe_fast_spec(args) -> str:
         if _get(args, "fast_wgrad_fusion", False):
             parts.append("weight gradients accumulated into main_grad")
     if _get(args, "fast_lm_loss", True):
-        from .lm_loss import lm_grad_in_forward_unsupported_reason
-
         grad = ", gradients formed in forward" if (
             lm_grad_in_forward_unsupported_reason(args) is None) else ""
         parts.append(f"chunked LM-head cross entropy (TP=1{grad})")
