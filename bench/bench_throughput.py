@@ -31,6 +31,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -150,12 +151,16 @@ def run_logged(cmd: list[str], log_path: Path, timeout: float, env: dict | None 
     env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
                **(env or {}))
     t0 = time.time()
+    # its own process group: on a timeout torchrun's workers go too, not only torchrun,
+    # so that a hung layout does not hold the GPUs through the runs after it
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
-        text, rc = p.stdout, p.returncode
-    except subprocess.TimeoutExpired as e:
-        text = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        text, _ = p.communicate(timeout=timeout)
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        text, _ = p.communicate()
         rc = "timeout"
     log_path.write_text(text)
     return text, rc, time.time() - t0

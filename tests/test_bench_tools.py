@@ -82,3 +82,38 @@ def test_layout_log_parsing_and_comparison():
     c = compare(parsed, other)
     assert c["iterations"] == 3 and abs(c["max_abs_diff"] - 0.1) < 1e-9
     assert compare(parsed, other, first=3)["iterations"] == 1
+
+
+def test_run_logged_timeout_ends_the_whole_process_group(tmp_path):
+    """A launcher that times out takes its workers with it (torchrun's ranks would
+    otherwise keep the GPUs busy through the runs after it)."""
+    import os
+    import time
+
+    from bench_throughput import run_logged
+
+    pid_file = tmp_path / "worker.pid"
+    # a "launcher" that starts a long-lived worker and waits for it, as torchrun does
+    script = (f"import subprocess, sys; w = subprocess.Popen([sys.executable, '-c', "
+              f"'import time; time.sleep(60)']); open({str(pid_file)!r}, 'w').write(str(w.pid)); "
+              f"print('started', flush=True); w.wait()")
+    text, rc, wall_s = run_logged([sys.executable, "-c", script], tmp_path / "log.txt", 3)
+    assert rc == "timeout" and wall_s < 30
+    assert "started" in (tmp_path / "log.txt").read_text()
+    worker = int(pid_file.read_text())
+    for _ in range(50):  # the kill is asynchronous; give the kernel a moment to reap
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"worker {worker} outlived the timed-out launcher")
+
+
+def test_run_logged_returns_output_and_exit_status(tmp_path):
+    from bench_throughput import run_logged
+
+    text, rc, _ = run_logged([sys.executable, "-c", "print('hello'); raise SystemExit(3)"],
+                             tmp_path / "log.txt", 30)
+    assert rc == 3 and "hello" in text
