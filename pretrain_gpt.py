@@ -90,12 +90,32 @@ def is_dataset_built_on_rank(vp_stage=None) -> bool:
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None, *,
                                        dataset_config: GPTDatasetConfig, mock_data: bool):
-    """Train, validation and test datasets of at least the requested sample counts."""
+    """Train, validation and test datasets of at least the requested sample counts.
+
+    A split that holds no whole sample where none was asked of it (``--eval-iters 0``, or a
+    small corpus whose 1/1000 test share is shorter than one sequence) is left out, with a
+    log line, rather than handed to megatron's sampler, which stops on an assertion.
+    """
     dataset_type = MockGPTDataset if mock_data else GPTDataset
-    return BlendedMegatronDatasetBuilder(
+    datasets = BlendedMegatronDatasetBuilder(
         dataset_type, train_val_test_num_samples,
         partial(is_dataset_built_on_rank, vp_stage=vp_stage), dataset_config,
     ).build()
+    return drop_empty_unrequested_splits(datasets, train_val_test_num_samples,
+                                         dataset_config.sequence_length)
+
+
+def drop_empty_unrequested_splits(datasets, requested, seq_length: int):
+    """``datasets`` with each split that has no sample, and had none requested, as None."""
+    out = list(datasets)
+    for i, (name, dataset) in enumerate(zip(("train", "validation", "test"), datasets)):
+        # a split asked for samples gets them: megatron's index repeats epochs until it has
+        if dataset is None or isinstance(dataset, list) or len(dataset) > 0 or requested[i]:
+            continue
+        log(f"data: the {name} split holds no whole sample of {seq_length + 1} tokens and "
+            f"none is asked of it; left out (a larger share in --split gives it samples)")
+        out[i] = None
+    return type(datasets)(out) if isinstance(datasets, tuple) else out
 
 
 

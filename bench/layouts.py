@@ -172,6 +172,8 @@ def main(argv=None) -> int:
                    help="max relative loss difference counted as agreement (bf16 noise)")
     p.add_argument("--resume-check", default="", metavar="FROM,TO")
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--one-log", default="", metavar="LOG",
+                   help="compare with this earlier one-process log instead of running it again")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     a.data_args = data_args or ["--mock-data"]
@@ -181,7 +183,11 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
 
-    results = {"one": run_layout(a, "one", out_dir, [])}
+    if a.one_log:  # the one-process run of an earlier invocation (same flags)
+        results = {"one": dict(layout="one", processes=1, rc=0, log=a.one_log,
+                               **parse_log(Path(a.one_log).read_text(), a.skip))}
+    else:
+        results = {"one": run_layout(a, "one", out_dir, [])}
     base = results["one"]
     for name in [n for n in a.layouts.split(",") if n]:
         nproc = LAYOUTS[name][0]

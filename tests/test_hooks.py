@@ -243,3 +243,26 @@ def test_dataset_provider_mock_data(single_rank_data_parallel):
         [16, 4, 4], dataset_config=config, mock_data=True)
     assert len(train) >= 16
     assert train[3]["tokens"].shape == (SEQ,)
+
+
+def test_dataset_provider_leaves_out_a_split_too_small_for_one_sample(
+        tmp_path, single_rank_data_parallel, capsys):
+    """A small corpus under megatron's default split: the test share (1/1000) is shorter
+    than one sequence. With no test samples asked for (--eval-iters 0), that split is left
+    out instead of reaching megatron's sampler, which asserts on an empty dataset."""
+    documents = [[7] * 20 for _ in range(999)] + [[9] * 3]  # the last document: 3 tokens
+    prefix = str(tmp_path / "small_text_document")
+    _write_indexed_dataset(prefix, documents)
+    config = _dataset_config(blend=([prefix], None), split="969,30,1")
+
+    train, valid, test = pretrain_gpt.train_valid_test_datasets_provider(
+        [32, 0, 0], dataset_config=config, mock_data=False)
+
+    assert len(train) >= 32 and len(valid) > 0
+    assert test is None
+    assert "the test split holds no whole sample" in capsys.readouterr().out
+
+    # asked for samples, the same split gets them (megatron repeats its epochs)
+    _, _, test = pretrain_gpt.train_valid_test_datasets_provider(
+        [32, 4, 4], dataset_config=config, mock_data=False)
+    assert test is not None and len(test) >= 4

@@ -36,3 +36,15 @@ def test_layouts_bench_runs_compares_and_resumes_across_layouts(tmp_path):
     assert resume["against_uninterrupted"]["max_rel_diff"] < 1e-3
     assert not list(out.glob("ckpt_*")), "checkpoints are removed after the check"
     assert "resumed under pp2" in p.stdout
+
+    # a later invocation compares with that one-process log instead of running it again
+    again = tmp_path / "again"
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "layouts.py"), "--cpu",
+                        "--shape", "tiny", "--gpus", "2", "--iters", "4", "--skip", "1",
+                        "--layouts", "", "--one-log", str(out / "one.log"), "--out", str(again)],
+                       cwd=REPO, env=entry_env(), stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout[-4000:]
+    reused = json.loads((again / "layouts.json").read_text())["layouts"]["one"]
+    assert reused["losses"] == layouts["one"]["losses"]
+    assert not (again / "one.log").exists()  # not run
