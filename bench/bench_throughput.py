@@ -151,19 +151,19 @@ def run_logged(cmd: list[str], log_path: Path, timeout: float, env: dict | None 
     env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
                **(env or {}))
     t0 = time.time()
-    # its own process group: on a timeout torchrun's workers go too, not only torchrun,
-    # so that a hung layout does not hold the GPUs through the runs after it
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        text, _ = p.communicate(timeout=timeout)
-        rc = p.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        text, _ = p.communicate()
-        rc = "timeout"
-    log_path.write_text(text)
-    return text, rc, time.time() - t0
+    # written straight into the log, so that a run stopped from outside leaves what it
+    # printed; its own process group, so that on a timeout torchrun's workers go too, not
+    # only torchrun, and a hung layout does not hold the GPUs through the runs after it
+    with open(log_path, "w") as log:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        try:
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            rc = "timeout"
+    return log_path.read_text(errors="replace"), rc, time.time() - t0
 
 
 def run_entry(a, path: str, out_dir: Path, train_iters: int, log_interval: int,

@@ -136,6 +136,22 @@ def compare(base: dict, other: dict, first: int = 1) -> dict:
     return compare_losses(pairs(base), pairs(other))
 
 
+def tensor_parallel_size(layout: str) -> int:
+    flags = LAYOUTS[layout][1]
+    return int(flags[flags.index("--tensor-model-parallel-size") + 1]) \
+        if "--tensor-model-parallel-size" in flags else 1
+
+
+def same_vocab_padding(src: str, dst: str, divisible_by: int = 128) -> list[str]:
+    """Flags that make ``dst`` pad the vocabulary as ``src`` did: megatron pads it to a
+    multiple of --make-vocab-size-divisible-by (128) x TP, so GPT-2's 50257 tokens become
+    50432 rows under TP=2 and 50304 under TP=1, and the embedding would not load."""
+    tp_src, tp_dst = tensor_parallel_size(src), tensor_parallel_size(dst)
+    if tp_src == tp_dst or (divisible_by * tp_src) % tp_dst:
+        return []
+    return ["--make-vocab-size-divisible-by", str(divisible_by * tp_src // tp_dst)]
+
+
 def resume_check(a, out_dir: Path, src: str, dst: str, uninterrupted: dict) -> dict:
     """Save under ``src`` at half the run, resume under ``dst``, compare with ``src``."""
     ckpt = out_dir / f"ckpt_{src}_to_{dst}"
@@ -144,8 +160,8 @@ def resume_check(a, out_dir: Path, src: str, dst: str, uninterrupted: dict) -> d
     save = ["--save", str(ckpt), "--save-interval", str(half), "--exit-interval", str(half)]
     first = run_layout(a, src, out_dir, save, tag=f"_saved_at_{half}")
     resumed = run_layout(a, dst, out_dir, ["--load", str(ckpt), "--save", str(ckpt),
-                                            "--save-interval", str(10 * a.iters)],
-                         tag=f"_resumed_from_{src}")
+                                            "--save-interval", str(10 * a.iters)]
+                         + same_vocab_padding(src, dst), tag=f"_resumed_from_{src}")
     shutil.rmtree(ckpt, ignore_errors=True)  # checkpoints stay out of the results
     ok = first["rc"] == 0 and resumed["rc"] == 0
     res = dict(saved_under=src, resumed_under=dst, saved_at=half, runs_ok=ok,

@@ -117,3 +117,12 @@ def test_run_logged_returns_output_and_exit_status(tmp_path):
     text, rc, _ = run_logged([sys.executable, "-c", "print('hello'); raise SystemExit(3)"],
                              tmp_path / "log.txt", 30)
     assert rc == 3 and "hello" in text
+
+
+def test_layouts_resume_pads_the_vocabulary_as_the_checkpoint_did():
+    from layouts import same_vocab_padding
+
+    assert same_vocab_padding("tp2", "pp2") == ["--make-vocab-size-divisible-by", "256"]
+    assert same_vocab_padding("pp2", "tp2") == ["--make-vocab-size-divisible-by", "64"]
+    assert same_vocab_padding("tp2", "tp2pp2dp2") == []
+    assert same_vocab_padding("dp2", "pp2") == []

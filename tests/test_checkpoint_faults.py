@@ -151,6 +151,32 @@ def test_another_model_or_vocabulary_is_refused_another_layout_is_not(ckpt):
     assert blocking == [] and layout == ["tensor 1->2"]
 
 
+def test_vocabulary_padded_under_another_tensor_parallel_size_names_the_fix(ckpt, tmp_path):
+    """megatron pads GPT-2's 50257 tokens to a multiple of 128 x TP: 50432 under TP=2,
+    50304 under TP=1. Resuming a TP=2 checkpoint under PP=2 is refused with the flag
+    that pads as the checkpoint did."""
+    saved = yaml.safe_load(open(os.path.join(it_dir(ckpt, 8), "megagpt_config.yaml")))
+    saved["entry"]["model"]["padded_vocab_size"] = 50432
+    saved["entry"]["tokenizer"]["vocab_size"] = 50257
+    saved["entry"]["layout"]["tensor_model_parallel_size"] = 2
+    ckpt_dir = tmp_path / "iter_0000025"
+    ckpt_dir.mkdir()
+    (ckpt_dir / "megagpt_config.yaml").write_text(yaml.safe_dump(saved))
+    args = _args_like(str(ckpt_dir), padded_vocab_size=50304, tensor_model_parallel_size=1,
+                      pipeline_model_parallel_size=2)
+    blocking, layout = guard.compare_with_run(str(ckpt_dir), args)
+    assert blocking == ["model --padded-vocab-size 50432 there, 50304 here (the vocabulary is "
+                        "padded to a multiple of --make-vocab-size-divisible-by x "
+                        "tensor-parallel size; --make-vocab-size-divisible-by 256 gives 50432 "
+                        "here)"]
+    assert "tensor 2->1" in layout
+    # padding no divisor can reproduce here: no hint
+    saved["entry"]["model"]["padded_vocab_size"] = 50300
+    (ckpt_dir / "megagpt_config.yaml").write_text(yaml.safe_dump(saved))
+    blocking, _ = guard.compare_with_run(str(ckpt_dir), args)
+    assert blocking == ["model --padded-vocab-size 50300 there, 50304 here"]
+
+
 # ---------------------------------------------------------------------------
 # The entry, end to end
 # ---------------------------------------------------------------------------

@@ -223,7 +223,10 @@ def compare_with_run(ckpt_dir: str, args) -> tuple[list[str], list[str]]:
                 continue  # not given in this run: the tokenizer decides (padded size checked)
             if before != after:
                 flag = "--" + key.replace("_", "-")
-                blocking.append(f"{label} {flag} {before} there, {after} here")
+                message = f"{label} {flag} {before} there, {after} here"
+                if key == "padded_vocab_size":
+                    message += _vocab_padding_hint(before, args)
+                blocking.append(message)
     layout = []
     for key, before in (saved.get("layout") or {}).items():
         after = now["layout"].get(key)
@@ -231,6 +234,36 @@ def compare_with_run(ckpt_dir: str, args) -> tuple[list[str], list[str]]:
             layout.append(f"{key.replace('_model_parallel_size', '').replace('_size', '')} "
                           f"{before}->{after}")
     return blocking, layout
+
+
+def _vocab_padding_hint(saved_padded, args) -> str:
+    """How to pad the vocabulary as the checkpoint did. megatron pads it to a multiple of
+    --make-vocab-size-divisible-by x TP, so a checkpoint saved under another tensor-parallel
+    size has another embedding shape; the padding rows are never produced by the tokenizer."""
+    vocab = _tokenizer_vocab_size(args)
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    if not isinstance(saved_padded, int) or not vocab or saved_padded < vocab:
+        return ""
+    fitting = [d for d in (2 ** k for k in range(20)) if d * tp <= saved_padded
+               and -(-vocab // (d * tp)) * (d * tp) == saved_padded]
+    if not fitting:
+        return ""
+    best = fitting[0]
+    return (f" (the vocabulary is padded to a multiple of --make-vocab-size-divisible-by x "
+            f"tensor-parallel size; --make-vocab-size-divisible-by {best} gives {saved_padded} "
+            f"here)")
+
+
+def _tokenizer_vocab_size(args):
+    """The tokenizer's own vocabulary size (before padding), where it is known."""
+    if getattr(args, "vocab_size", None):
+        return int(args.vocab_size)
+    try:
+        from megatron.training.global_vars import get_tokenizer
+
+        return int(get_tokenizer().vocab_size)
+    except Exception:  # noqa: BLE001 - no tokenizer installed yet: no hint
+        return None
 
 
 def _rank0() -> bool:
