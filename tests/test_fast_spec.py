@@ -194,6 +194,48 @@ def test_fused_layer_matches_local_spec(cpu_buffers, monkeypatch, overrides, arg
     assert spy.calls == len(fast.decoder.layers)
 
 
+def _tensor_parallel_fused_layer(rank, world_size, overrides):
+    """On each of two tensor-parallel ranks: the fused layer on this rank's shards gives
+    megatron's losses and this rank's gradients (CPU initialisation: both models start from
+    the same full weights, split the same way)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    import megagpt.fast_spec.layer as layer_mod
+    from megagpt import cpu_mode
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    calls = []
+    original = layer_mod.fused_layer_forward
+
+    def spy(*a, **k):
+        calls.append(k.get("tp_group"))
+        return original(*a, **k)
+
+    layer_mod.fused_layer_forward = spy
+    try:
+        with cpu_mode.active():
+            model_parallel_cuda_manual_seed(1234)
+            ref, fast = _models(_config(**overrides), _args())
+            assert all(layer.fused_unsupported_reason is None for layer in fast.decoder.layers)
+            qkv = fast.decoder.layers[0].self_attention.linear_qkv.weight
+            groups, head_dim = overrides.get("num_query_groups", 4), 64 // 4
+            assert qkv.shape[0] == (64 + 2 * groups * head_dim) // 2  # this rank's shard
+            _assert_same(ref, fast, _batch(1))
+            assert len(calls) == len(fast.decoder.layers)
+            assert all(g is not None and g.size() == 2 for g in calls)
+    finally:
+        layer_mod.fused_layer_forward = original
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("overrides", [{}, {"num_query_groups": 2}], ids=["gpt-default", "gqa"])
+def test_fused_layer_under_tensor_parallelism_matches_megatrons_layer(overrides):
+    from gloo_ranks import run_on_ranks
+
+    run_on_ranks(_tensor_parallel_fused_layer, 2, overrides)
+
+
 def test_fused_layer_falls_back_and_still_matches(cpu_buffers, monkeypatch):
     """A layer the fused path does not cover runs megatron's layer code (with SDPA)."""
     spy = _Spy(monkeypatch)
@@ -551,6 +593,15 @@ def test_graph_stays_off_where_it_does_not_apply(restore_optimizer, argv, attrs,
     assert args.fast_spec_compile is False  # eager without the graph (CPU-bound step)
     if reason:
         assert any(reason in line for line in lines), lines
+
+
+def test_graph_asked_for_on_several_gpus_is_refused_before_any_work(restore_optimizer):
+    from megagpt.errors import UserError
+
+    with pytest.raises(UserError, match="--fast-cuda-graph on 2 GPUs.*for one GPU"):
+        _resolved(["--fast-cuda-graph"], world_size=2)
+    args, _ = _resolved(["--fast-cuda-graph"], world_size=1)
+    assert args.cuda_graph_impl == "full_iteration"
 
 
 def test_cpu_mode_never_compiles_or_graphs(restore_optimizer):

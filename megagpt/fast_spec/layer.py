@@ -2,7 +2,7 @@
 
 ``FastTransformerLayer`` is megatron's ``TransformerLayer`` (same submodules, same
 parameters, same state dict and checkpoint layout). Its ``forward`` takes a fused path when
-the layer is a plain dense pre-norm GPT block on one tensor-parallel rank:
+the layer is a plain dense pre-norm GPT block:
 
     x = x + dropout(proj(sdpa(qkv(norm1(x)))) + b_proj)
     x = x + dropout(fc2(act(fc1(norm2(x)))) + b_fc2)
@@ -10,8 +10,11 @@ the layer is a plain dense pre-norm GPT block on one tensor-parallel rank:
 written with plain torch ops over the layer's own parameters, so that ``torch.compile``
 can fuse the norms, bias + activation and bias + dropout + residual, and so that the
 ~25 Python-level module calls per layer of megatron's path collapse into one call (at the
-345M shape the step is bound by per-op CPU overhead, not arithmetic). Anything else (tensor
-or sequence parallelism, MoE, cross attention, recompute, offloading, inference contexts,
+345M shape the step is bound by per-op CPU overhead, not arithmetic). Under tensor
+parallelism (without sequence parallelism) the same function runs on each rank's shards,
+eagerly, with megatron's collectives where its parallel linears have them: the gradient of
+the QKV and fc1 inputs all-reduced, the projection and fc2 outputs all-reduced. Anything
+else (sequence parallelism, MoE, cross attention, recompute, offloading, inference contexts,
 packed sequences, q/k norms, FP8, ...) goes through ``TransformerLayer.forward`` unchanged,
 with the SDPA core attention of the fast spec.
 
@@ -36,8 +39,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    linear_with_grad_accumulation_and_async_allreduce,
+)
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -137,6 +146,34 @@ def _activation(x: Tensor, act: str) -> Tensor:
     raise ValueError(act)
 
 
+def _column_linear(x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Optional[Tensor],
+                   tp_group) -> Tensor:
+    """A column-parallel linear: under tensor parallelism the input's gradient is
+    all-reduced across the ranks in backward. megatron's own linear function does that
+    asynchronously, overlapped with the weight-gradient GEMM, as its ColumnParallelLinear
+    does (weight-gradient fusion is not used under tensor parallelism)."""
+    if tp_group is None:
+        return _linear(x, w, b, main_grad)
+    return linear_with_grad_accumulation_and_async_allreduce(
+        x, w, b, gradient_accumulation_fusion=False, allreduce_dgrad=True,
+        sequence_parallel=False, tp_group=tp_group)
+
+
+def _out_of_tp_region(x: Tensor, tp_group) -> Tensor:
+    """Output of a row-parallel linear: the partial products summed across the ranks."""
+    return x if tp_group is None else reduce_from_tensor_model_parallel_region(x, group=tp_group)
+
+
+def _attention(q, k, v, p: float, scale: float, tp_group) -> Tensor:
+    if p > 0.0 and tp_group is not None:
+        # each rank holds other heads: their dropout masks come from the model-parallel
+        # RNG stream, which differs across tensor-parallel ranks, as in megatron's attention
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                  scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=scale)
+
+
 def fused_layer_forward(
     x: Tensor,
     ln1_w: Tensor,
@@ -168,14 +205,18 @@ def fused_layer_forward(
     proj_main_grad: Optional[Tensor] = None,
     fc1_main_grad: Optional[Tensor] = None,
     fc2_main_grad: Optional[Tensor] = None,
+    tp_group=None,
 ) -> Tensor:
     """One dense pre-norm GPT layer on ``x`` of shape [s, b, h]; megatron's layouts.
 
     ``*_main_grad``: megatron's gradient-buffer views of the four weights, to accumulate
-    their gradients into directly (None: ordinary autograd gradients)."""
+    their gradients into directly (None: ordinary autograd gradients).
+    ``tp_group``: the tensor-parallel group when the weights are this rank's shards
+    (megatron's column-parallel QKV and fc1, row-parallel projection and fc2, no sequence
+    parallelism); ``groups`` then counts this rank's query groups."""
     s, b, _ = x.shape
     y = _norm(x, ln1_w, ln1_b, eps, rms)
-    qkv = _linear(y, qkv_w, qkv_b, qkv_main_grad)
+    qkv = _column_linear(y, qkv_w, qkv_b, qkv_main_grad, tp_group)
     # megatron's fused QKV layout: per query group [q_1..q_k, k, v]
     qkv = qkv.view(s, b, groups, (q_per_group + 2) * head_dim)
     q, k, v = torch.split(qkv, [q_per_group * head_dim, head_dim, head_dim], dim=-1)
@@ -193,17 +234,15 @@ def fused_layer_forward(
     if q_per_group > 1:
         k = k.repeat_interleave(q_per_group, dim=1)
         v = v.repeat_interleave(q_per_group, dim=1)
-    o = F.scaled_dot_product_attention(
-        q, k, v, dropout_p=attn_p if training else 0.0, is_causal=True, scale=scale
-    )
+    o = _attention(q, k, v, attn_p if training else 0.0, scale, tp_group)
     o = o.permute(2, 0, 1, 3).reshape(s, b, groups * q_per_group * head_dim)
-    a = _linear(o, proj_w, None, proj_main_grad)
+    a = _out_of_tp_region(_linear(o, proj_w, None, proj_main_grad), tp_group)
     if proj_b is not None:
         a = a + proj_b
     x = x + F.dropout(a, hidden_p, training)
     y = _norm(x, ln2_w, ln2_b, eps, rms)
-    f = _activation(_linear(y, fc1_w, fc1_b, fc1_main_grad), act)
-    m = _linear(f, fc2_w, None, fc2_main_grad)
+    f = _activation(_column_linear(y, fc1_w, fc1_b, fc1_main_grad, tp_group), act)
+    m = _out_of_tp_region(_linear(f, fc2_w, None, fc2_main_grad), tp_group)
     if fc2_b is not None:
         m = m + fc2_b
     return x + F.dropout(m, hidden_p, training)
@@ -265,10 +304,20 @@ class FastTransformerLayer(TransformerLayer):
             return "attention mask must be honoured (--reset-attention-mask)"
         if att.attn_mask_type != AttnMaskType.causal:
             return "attention mask type is not causal"
-        if att.pg_collection.tp.size() != 1:
-            return "tensor parallelism"
         if cfg.sequence_parallel:
             return "sequence parallelism"
+        for linear, parallel_input in ((att.linear_qkv, False), (att.linear_proj, True),
+                                       (self.mlp.linear_fc1, False),
+                                       (self.mlp.linear_fc2, True)):
+            # megatron's dense-layer wiring: column-parallel outputs stay split, row-parallel
+            # inputs arrive split, gradients are all-reduced across the tensor-parallel ranks
+            if parallel_input and not getattr(linear, "input_is_parallel", True):
+                return "a row-parallel linear whose input is not split"
+            if not parallel_input and getattr(linear, "gather_output", False):
+                return "a column-parallel linear that gathers its output"
+            if getattr(linear, "disable_grad_reduce", False) or getattr(
+                    linear, "explicit_expert_comm", False):
+                return "a linear with its own gradient communication"
         if getattr(cfg, "context_parallel_size", 1) != 1:
             return "context parallelism"
         if not isinstance(att.q_layernorm, (IdentityOp, type(None))) or not isinstance(
@@ -410,6 +459,7 @@ class FastTransformerLayer(TransformerLayer):
     def wgrad_fusion_ok(self, weights) -> bool:
         """Whether this forward accumulates the weight gradients into megatron's buffer."""
         return (_WGRAD_FUSION["enabled"] and self.training and torch.is_grad_enabled()
+                and self.self_attention.pg_collection.tp.size() == 1
                 and all(w.requires_grad and getattr(w, "main_grad", None) is not None
                         and hasattr(w, "grad_added_to_main_grad")
                         and not getattr(w, "zero_out_wgrad", False)
@@ -417,7 +467,15 @@ class FastTransformerLayer(TransformerLayer):
 
     def _fused_forward(self, hidden_states: Tensor, rope: Optional[Tensor]) -> Tensor:
         tensors, consts = self.fused_arguments(rope)
-        fn = _get_fn()
+        tp_group = self.self_attention.pg_collection.tp
+        if tp_group.size() > 1:
+            # eager: the tensor-parallel collectives are megatron's autograd functions, and
+            # without a full-iteration graph (one GPU only) the step is host-bound, where
+            # one Python function in place of ~25 module calls per layer is what counts
+            consts["tp_group"] = tp_group
+            fn = fused_layer_forward
+        else:
+            fn = _get_fn()
         try:
             out = fn(hidden_states, *tensors, **consts)
         except Exception as e:  # noqa: BLE001

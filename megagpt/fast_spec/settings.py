@@ -126,8 +126,9 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
         default=False,
         help="Fused layer: the four weight GEMMs accumulate their gradients into megatron's "
         "gradient buffer directly (gradient-accumulation fusion, as TE/apex linears do) "
-        "instead of autograd + megatron's DDP hook. Off by default: on an H200 it measured "
-        "within run-to-run noise, with and without gradient accumulation (docs/benchmarks.md).",
+        "instead of autograd + megatron's DDP hook (one tensor-parallel rank). Off by "
+        "default: on an H200 it measured within run-to-run noise, with and without gradient "
+        "accumulation (docs/benchmarks.md).",
     )
     group.add_argument(
         "--no-fast-flat-adam",
@@ -290,6 +291,17 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
         elif getattr(args, "cuda_graph_impl", "none") not in ("none", None, "full_iteration"):
             log(f"fast path: --fast-cuda-graph ignored: --cuda-graph-impl {args.cuda_graph_impl}")
             args.fast_cuda_graph = False
+        elif _planned_world_size(args) != 1:
+            from megagpt.errors import UserError
+
+            # measured on two H200s (docs/benchmarks.md, fifth session): the capture hung
+            # under DP=2 and TP=2 until the launcher's timeout, and under PP=2 megatron's
+            # pipeline synchronises the device inside the step, which a capture forbids
+            raise UserError(
+                f"--fast-cuda-graph on {_planned_world_size(args)} GPUs: the full-iteration "
+                "CUDA graph is for one GPU; on two H200s its capture hung under data and "
+                "tensor parallelism and failed under pipeline parallelism. Leave the flag "
+                "out (several GPUs run without the graph).")
     if args.fast_cuda_graph:
         args.cuda_graph_impl = "full_iteration"
         if getattr(args, "check_for_nan_in_loss_and_grad", False):

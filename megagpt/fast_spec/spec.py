@@ -112,8 +112,11 @@ def describe_fast_spec(args) -> str:
     """One line for the log: which fast-path pieces are on."""
     parts = ["SDPA core attention"]
     if _get(args, "fast_spec_fused_layer", True):
-        mode = "torch.compile" if _get(args, "fast_spec_compile", False) else "eager"
-        parts.append(f"fused dense layer ({mode}; TP=1 dense layers, else megatron's layer)")
+        tp = _get(args, "tensor_model_parallel_size", 1) or 1
+        mode = "eager, on each tensor-parallel rank's shards" if tp > 1 else (
+            "torch.compile" if _get(args, "fast_spec_compile", False) else "eager")
+        parts.append(f"fused dense layer ({mode}; dense layers without sequence "
+                     "parallelism, else megatron's layer)")
         if _get(args, "fast_wgrad_fusion", False):
             parts.append("weight gradients accumulated into main_grad")
     if _get(args, "fast_lm_loss", True):
