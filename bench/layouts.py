@@ -37,6 +37,9 @@ from pathlib import Path
 # same folder: run as ``python bench/layouts.py``
 from bench_throughput import compare_losses, parse_entry_log, run_logged
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from megagpt import vocab_padding  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
@@ -142,29 +145,55 @@ def tensor_parallel_size(layout: str) -> int:
         if "--tensor-model-parallel-size" in flags else 1
 
 
-def same_vocab_padding(src: str, dst: str, divisible_by: int = 128) -> list[str]:
-    """Flags that make ``dst`` pad the vocabulary as ``src`` did: megatron pads it to a
-    multiple of --make-vocab-size-divisible-by (128) x TP, so GPT-2's 50257 tokens become
-    50432 rows under TP=2 and 50304 under TP=1, and the embedding would not load."""
-    tp_src, tp_dst = tensor_parallel_size(src), tensor_parallel_size(dst)
-    if tp_src == tp_dst or (divisible_by * tp_src) % tp_dst:
+def tokenizer_vocab_size(data_args: list[str]) -> int | None:
+    """The vocabulary the runs use: ``--vocab-size N``, or the entries of a GPT-2 style
+    ``--vocab-file`` (JSON); None when neither says."""
+    def value(flag):
+        return data_args[data_args.index(flag) + 1] if flag in data_args[:-1] else None
+
+    if value("--vocab-size"):
+        return int(value("--vocab-size"))
+    if value("--vocab-file"):
+        try:
+            return len(json.loads(Path(value("--vocab-file")).read_text()))
+        except (OSError, ValueError):
+            return None
+    return None
+
+
+def same_vocab_padding(src: str, dst: str, vocab_size: int | None) -> list[str]:
+    """Flags under which ``src`` and ``dst`` pad the vocabulary alike (megatron loads only
+    the same padding: GPT-2's 50257 tokens pad to 50304 rows at TP=1, 50432 at TP=2 with its
+    default divisor of 128; a divisor of 64 gives 50304 at both)."""
+    tps = (tensor_parallel_size(src), tensor_parallel_size(dst))
+    if vocab_size is None or len(set(padded_sizes := [
+            vocab_padding.padded_vocab_size(vocab_size, vocab_padding.DEFAULT_DIVISOR, t)
+            for t in tps])) == 1:
         return []
-    return ["--make-vocab-size-divisible-by", str(divisible_by * tp_src // tp_dst)]
+    divisor = vocab_padding.divisor_for(vocab_size, tps)
+    return [] if divisor is None else ["--make-vocab-size-divisible-by", str(divisor)]
 
 
-def resume_check(a, out_dir: Path, src: str, dst: str, uninterrupted: dict) -> dict:
-    """Save under ``src`` at half the run, resume under ``dst``, compare with ``src``."""
+def resume_check(a, out_dir: Path, src: str, dst: str, uninterrupted: dict | None) -> dict:
+    """Save under ``src`` at half the run, resume under ``dst``, compare with ``src``
+    uninterrupted (``uninterrupted``: that run when it exists already with these flags)."""
     ckpt = out_dir / f"ckpt_{src}_to_{dst}"
     shutil.rmtree(ckpt, ignore_errors=True)
     half = a.iters // 2
     save = ["--save", str(ckpt), "--save-interval", str(half), "--exit-interval", str(half)]
-    first = run_layout(a, src, out_dir, save, tag=f"_saved_at_{half}")
+    padding = same_vocab_padding(src, dst, tokenizer_vocab_size(a.data_args))
+    if padding:  # the uninterrupted run pads as the two below do (it changes the init)
+        uninterrupted = run_layout(a, src, out_dir, padding, tag="_padded_alike")
+    elif uninterrupted is None:
+        uninterrupted = run_layout(a, src, out_dir, [])
+    first = run_layout(a, src, out_dir, save + padding, tag=f"_saved_at_{half}")
     resumed = run_layout(a, dst, out_dir, ["--load", str(ckpt), "--save", str(ckpt),
-                                            "--save-interval", str(10 * a.iters)]
-                         + same_vocab_padding(src, dst), tag=f"_resumed_from_{src}")
+                                            "--save-interval", str(10 * a.iters)] + padding,
+                         tag=f"_resumed_from_{src}")
     shutil.rmtree(ckpt, ignore_errors=True)  # checkpoints stay out of the results
     ok = first["rc"] == 0 and resumed["rc"] == 0
     res = dict(saved_under=src, resumed_under=dst, saved_at=half, runs_ok=ok,
+               vocab_padding=padding,
                resumed_iterations=sorted(i for i in resumed.get("losses", {}) if i > half))
     res["against_uninterrupted"] = compare(uninterrupted, resumed, first=half + 1)
     return res
@@ -221,8 +250,7 @@ def main(argv=None) -> int:
         if max(LAYOUTS[src][0], LAYOUTS[dst][0]) > a.gpus:
             report["resume"] = dict(skipped=f"needs more than --gpus {a.gpus}")
         else:
-            uninterrupted = results.get(src) or run_layout(a, src, out_dir, [])
-            report["resume"] = resume_check(a, out_dir, src, dst, uninterrupted)
+            report["resume"] = resume_check(a, out_dir, src, dst, results.get(src))
 
     (out_dir / "layouts.json").write_text(json.dumps(report, indent=1))
     print_table(report)

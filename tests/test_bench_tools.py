@@ -119,10 +119,18 @@ def test_run_logged_returns_output_and_exit_status(tmp_path):
     assert rc == 3 and "hello" in text
 
 
-def test_layouts_resume_pads_the_vocabulary_as_the_checkpoint_did():
-    from layouts import same_vocab_padding
+def test_layouts_resume_pads_the_vocabulary_alike_under_both_layouts(tmp_path):
+    import json
 
-    assert same_vocab_padding("tp2", "pp2") == ["--make-vocab-size-divisible-by", "256"]
-    assert same_vocab_padding("pp2", "tp2") == ["--make-vocab-size-divisible-by", "64"]
-    assert same_vocab_padding("tp2", "tp2pp2dp2") == []
-    assert same_vocab_padding("dp2", "pp2") == []
+    from layouts import same_vocab_padding, tokenizer_vocab_size
+
+    vocab_file = tmp_path / "vocab.json"
+    vocab_file.write_text(json.dumps({f"t{i}": i for i in range(50257)}))
+    gpt2 = tokenizer_vocab_size(["--data-path", "x", "--vocab-file", str(vocab_file)])
+    assert gpt2 == 50257
+    assert same_vocab_padding("tp2", "pp2", gpt2) == ["--make-vocab-size-divisible-by", "64"]
+    assert same_vocab_padding("pp2", "tp2", gpt2) == ["--make-vocab-size-divisible-by", "64"]
+    assert same_vocab_padding("dp2", "pp2", gpt2) == []  # one TP size: nothing to align
+    mock = tokenizer_vocab_size(["--mock-data", "--vocab-size", "512"])
+    assert same_vocab_padding("tp2", "pp2", mock) == []  # 512 pads alike already
+    assert same_vocab_padding("tp2", "pp2", None) == []

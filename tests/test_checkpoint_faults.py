@@ -151,11 +151,14 @@ def test_another_model_or_vocabulary_is_refused_another_layout_is_not(ckpt):
     assert blocking == [] and layout == ["tensor 1->2"]
 
 
-def test_vocabulary_padded_under_another_tensor_parallel_size_names_the_fix(ckpt, tmp_path):
-    """megatron pads GPT-2's 50257 tokens to a multiple of 128 x TP: 50432 under TP=2,
-    50304 under TP=1. Resuming a TP=2 checkpoint under PP=2 is refused with the flag
-    that pads as the checkpoint did."""
+def test_vocabulary_padded_under_another_tensor_parallel_size_says_what_resumes_it(
+        ckpt, tmp_path):
+    """megatron pads GPT-2's 50257 tokens to a multiple of 128 x TP (50432 rows under TP=2,
+    50304 under TP=1) and loads only the same divisor and shape. Resuming a TP=2 checkpoint
+    under TP=1 is refused with the TP sizes it loads under, and the divisor that a run meant
+    to change TP needs from its first launch."""
     saved = yaml.safe_load(open(os.path.join(it_dir(ckpt, 8), "megagpt_config.yaml")))
+    assert saved["entry"]["model"]["make_vocab_size_divisible_by"] == 128  # recorded
     saved["entry"]["model"]["padded_vocab_size"] = 50432
     saved["entry"]["tokenizer"]["vocab_size"] = 50257
     saved["entry"]["layout"]["tensor_model_parallel_size"] = 2
@@ -165,16 +168,29 @@ def test_vocabulary_padded_under_another_tensor_parallel_size_names_the_fix(ckpt
     args = _args_like(str(ckpt_dir), padded_vocab_size=50304, tensor_model_parallel_size=1,
                       pipeline_model_parallel_size=2)
     blocking, layout = guard.compare_with_run(str(ckpt_dir), args)
-    assert blocking == ["model --padded-vocab-size 50432 there, 50304 here (the vocabulary is "
-                        "padded to a multiple of --make-vocab-size-divisible-by x "
-                        "tensor-parallel size; --make-vocab-size-divisible-by 256 gives 50432 "
-                        "here)"]
+    assert blocking == [
+        "model --padded-vocab-size 50432 there, 50304 here (megatron pads the vocabulary to "
+        "a multiple of --make-vocab-size-divisible-by x TP and loads only the same padding: "
+        "this checkpoint, divisor 128, loads under TP 2; a run meant to move between TP 2 "
+        "and 1 needs --make-vocab-size-divisible-by 64 from its first launch)"]
     assert "tensor 2->1" in layout
-    # padding no divisor can reproduce here: no hint
-    saved["entry"]["model"]["padded_vocab_size"] = 50300
-    (ckpt_dir / "megagpt_config.yaml").write_text(yaml.safe_dump(saved))
+    # another divisor is refused as megatron's loader would, but first and in one line
+    args = _args_like(str(ckpt_dir), make_vocab_size_divisible_by=64,
+                      tensor_model_parallel_size=2)
     blocking, _ = guard.compare_with_run(str(ckpt_dir), args)
-    assert blocking == ["model --padded-vocab-size 50300 there, 50304 here"]
+    assert blocking == ["model --make-vocab-size-divisible-by 128 there, 64 here"]
+
+
+def test_vocabulary_padding_arithmetic():
+    from megagpt import vocab_padding as vp
+
+    assert [vp.padded_vocab_size(50257, 128, t) for t in (1, 2, 4, 8)] == [
+        50304, 50432, 50688, 51200]  # megatron's log for GPT-2
+    assert vp.divisor_for(50257, (1, 2)) == 64
+    assert vp.padded_vocab_size(50257, 64, 1) == vp.padded_vocab_size(50257, 64, 2) == 50304
+    assert vp.divisor_for(512, (1, 2, 4)) == 128  # already a multiple
+    assert vp.tensor_parallel_sizes_with(50257, 128, 50432) == [2]
+    assert vp.tensor_parallel_sizes_with(50257, 64, 50304) == [1, 2]
 
 
 # ---------------------------------------------------------------------------
@@ -290,6 +306,30 @@ def test_checkpoint_saved_under_tp2_loads_under_pp2_and_tp1(tmp_path):
         assert sorted(losses) == [4]
         # Another layout sums in another order: equal to float32 rounding, not bit for bit.
         assert losses[4] == pytest.approx(reference[4], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_gpt2_sized_vocabulary_moves_between_tp_sizes_when_padded_alike(tmp_path):
+    """GPT-2's vocabulary pads to 50432 rows under TP=2 and 50304 under TP=1 with megatron's
+    default divisor: that checkpoint is refused under TP=1 in one line that names the
+    divisor to launch with; saved with --make-vocab-size-divisible-by 64 it resumes."""
+    base = [a if a != "512" else "50256" for a in TINY_MODEL] + NO_DROPOUT + [
+        "--train-iters", "6"]  # the NullTokenizer adds one token: 50257, as GPT-2
+    for divisor, ckpt in (([], tmp_path / "default"), (["--make-vocab-size-divisible-by",
+                                                        "64"], tmp_path / "aligned")):
+        saved = run_entry(base + divisor + ["--tensor-model-parallel-size", "2", "--save",
+                                            str(ckpt), "--save-interval", "3",
+                                            "--exit-interval", "3"], cwd=tmp_path, nproc=2)
+        assert saved.returncode == 0, saved.stdout[-3000:]
+    line = _one_line_error(run_entry(base + ["--load", str(tmp_path / "default"),
+                                             "--exit-interval", "4"], cwd=tmp_path))
+    assert "--padded-vocab-size 50432 there, 50304 here" in line
+    assert "--make-vocab-size-divisible-by 64 from its first launch" in line
+    resumed = run_entry(base + ["--make-vocab-size-divisible-by", "64", "--load",
+                                str(tmp_path / "aligned"), "--exit-interval", "4"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert "parallel layout changed (tensor 2->1)" in resumed.stdout
+    assert sorted(parse_losses(resumed.stdout)) == [4]
 
 
 def test_divergence_default_and_message():

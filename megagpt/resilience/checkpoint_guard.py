@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from megagpt.errors import UserError
+from megagpt import vocab_padding
 from megagpt.resilience import config_snapshot
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -225,7 +226,7 @@ def compare_with_run(ckpt_dir: str, args) -> tuple[list[str], list[str]]:
                 flag = "--" + key.replace("_", "-")
                 message = f"{label} {flag} {before} there, {after} here"
                 if key == "padded_vocab_size":
-                    message += _vocab_padding_hint(before, args)
+                    message += _vocab_padding_hint(saved, args)
                 blocking.append(message)
     layout = []
     for key, before in (saved.get("layout") or {}).items():
@@ -236,34 +237,42 @@ def compare_with_run(ckpt_dir: str, args) -> tuple[list[str], list[str]]:
     return blocking, layout
 
 
-def _vocab_padding_hint(saved_padded, args) -> str:
-    """How to pad the vocabulary as the checkpoint did. megatron pads it to a multiple of
-    --make-vocab-size-divisible-by x TP, so a checkpoint saved under another tensor-parallel
-    size has another embedding shape; the padding rows are never produced by the tokenizer."""
+def _vocab_padding_hint(saved: dict, args) -> str:
+    """Why the embedding's rows differ, and what resumes it: megatron pads the vocabulary
+    to a multiple of --make-vocab-size-divisible-by x TP and loads only the same divisor
+    and shape (megagpt.vocab_padding)."""
+    model = saved.get("model") or {}
+    saved_padded = model.get("padded_vocab_size")
+    saved_tp = (saved.get("layout") or {}).get("tensor_model_parallel_size") or 1
     vocab = _tokenizer_vocab_size(args)
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    divisor = (model.get("make_vocab_size_divisible_by")
+               or getattr(args, "make_vocab_size_divisible_by", None)
+               or vocab_padding.DEFAULT_DIVISOR)
     if not isinstance(saved_padded, int) or not vocab or saved_padded < vocab:
         return ""
-    fitting = [d for d in (2 ** k for k in range(20)) if d * tp <= saved_padded
-               and -(-vocab // (d * tp)) * (d * tp) == saved_padded]
-    if not fitting:
+    loads_under = vocab_padding.tensor_parallel_sizes_with(vocab, divisor, saved_padded)
+    if not loads_under:
         return ""
-    best = fitting[0]
-    return (f" (the vocabulary is padded to a multiple of --make-vocab-size-divisible-by x "
-            f"tensor-parallel size; --make-vocab-size-divisible-by {best} gives {saved_padded} "
-            f"here)")
+    hint = (f" (megatron pads the vocabulary to a multiple of --make-vocab-size-divisible-by "
+            f"x TP and loads only the same padding: this checkpoint, divisor {divisor}, loads "
+            f"under TP {', '.join(map(str, loads_under))}")
+    across = vocab_padding.divisor_for(vocab, (saved_tp, tp))
+    if across:
+        hint += (f"; a run meant to move between TP {saved_tp} and {tp} needs "
+                 f"--make-vocab-size-divisible-by {across} from its first launch")
+    return hint + ")"
 
 
 def _tokenizer_vocab_size(args):
-    """The tokenizer's own vocabulary size (before padding), where it is known."""
-    if getattr(args, "vocab_size", None):
-        return int(args.vocab_size)
+    """The tokenizer's own vocabulary size (before padding), where it is known (megatron
+    pads the tokenizer's size, which for its NullTokenizer is --vocab-size + 1)."""
     try:
         from megatron.training.global_vars import get_tokenizer
 
         return int(get_tokenizer().vocab_size)
-    except Exception:  # noqa: BLE001 - no tokenizer installed yet: no hint
-        return None
+    except Exception:  # noqa: BLE001 - no tokenizer installed (a unit test): --vocab-size
+        return int(args.vocab_size) if getattr(args, "vocab_size", None) else None
 
 
 def _rank0() -> bool:

@@ -26,7 +26,7 @@ MODEL_KEYS = (
     "num_query_groups", "group_query_attention", "kv_channels",
     "max_position_embeddings", "position_embedding_type", "normalization", "swiglu",
     "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
-    "num_experts", "padded_vocab_size",
+    "num_experts", "padded_vocab_size", "make_vocab_size_divisible_by",
 )
 TOKENIZER_KEYS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
 # Free to change between save and load (the distributed format reshards).
