@@ -24,7 +24,11 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 
-from megagpt.fast_spec.spec import fast_spec_unsupported_reason, get_fast_gpt_layer_spec
+from megagpt.fast_spec.spec import (
+    fast_decoder_block_spec,
+    fast_spec_unsupported_reason,
+    get_fast_gpt_layer_spec,
+)
 
 TRANSFORMER_ENGINE = "transformer_engine"
 MOE_BLOCK = "moe_block"
@@ -64,7 +68,8 @@ def layer_spec_builder(choice: LayerSpecChoice, args) -> Callable | None:
         return None  # gpt_config_from_args already imported the user's spec
     if choice.path == FAST:
         spec = get_fast_gpt_layer_spec(args)
-        return lambda config, vp_stage=None: spec
+        return lambda config, vp_stage=None: fast_decoder_block_spec(
+            spec, config.transformer, vp_stage)
 
     def build(config, vp_stage=None):
         t = config.transformer

@@ -71,6 +71,9 @@ COVERED_SITES: tuple[CoveredSite, ...] = (
     CoveredSite("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32",
                 "assert param.grad.type() == 'torch.cuda.FloatTensor'",
                 "Tensor.type() of a CPU float tensor reports the CUDA type name"),
+    CoveredSite("megatron.core.tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication",
+                "backward", "device=torch.cuda.current_device()",
+                "in backward (run with the mode off) torch.cuda.current_device() names the CPU"),
     CoveredSite("megatron.training.checkpointing", "get_rng_state",
                 "torch.cuda.get_rng_state()", "torch.cuda.get_rng_state returns the CPU-mode stand-in"),
 )
@@ -92,11 +95,29 @@ def _is_cuda_device(device) -> bool:
 _CPU = torch.device("cpu")
 
 
+_BACKWARD_FUNCTIONS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+
+
+@contextlib.contextmanager
+def _current_device_is_the_cpu():
+    saved = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = saved
+
+
 class CudaToCpu(TorchFunctionMode):
     """Rewrites CUDA device arguments of torch calls to the CPU."""
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func in _BACKWARD_FUNCTIONS:
+            # the engine runs the backward functions inside this handler, where the mode is
+            # off: there the current device (0, a CUDA ordinal) must itself name the CPU
+            with _current_device_is_the_cpu():
+                return func(*args, **kwargs)
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.pin_memory:

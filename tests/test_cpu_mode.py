@@ -102,3 +102,27 @@ def test_adapt_args_sets_gloo_and_rejects_gpu_only_settings():
     bad.bf16, bad.use_distributed_optimizer = True, True
     with pytest.raises(cpu_mode.CpuModeError, match="--bf16.*--use-distributed-optimizer"):
         cpu_mode.adapt_args(bad, lines.append)
+
+
+def test_backward_functions_allocate_on_the_cpu_too():
+    """megatron's backward functions allocate with device=torch.cuda.current_device()
+    (sequence parallelism's gathers and reduce-scatters); the engine runs them inside the
+    mode's handler, where the mode is off."""
+    class Doubling(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            buffer = torch.empty(g.shape, device=torch.cuda.current_device())
+            buffer.copy_(g * 2)
+            return buffer
+
+    with cpu_mode.active():
+        x = torch.ones(3, requires_grad=True)
+        Doubling.apply(x).sum().backward()
+        torch.autograd.backward(Doubling.apply(x).sum())
+        (grad,) = torch.autograd.grad(Doubling.apply(x).sum(), x)
+        assert torch.cuda.current_device() == 0  # outside backward: the ordinal again
+    assert x.grad.tolist() == [4.0, 4.0, 4.0] and grad.tolist() == [2.0, 2.0, 2.0]

@@ -194,6 +194,24 @@ def test_fused_layer_matches_local_spec(cpu_buffers, monkeypatch, overrides, arg
     assert spy.calls == len(fast.decoder.layers)
 
 
+def _sequence_parallel_models(config):
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megagpt.fast_spec.spec import fast_decoder_block_spec, get_fast_gpt_layer_spec
+
+    def build(args):
+        torch.manual_seed(0)
+        block = fast_decoder_block_spec(get_fast_gpt_layer_spec(args), config)
+        return GPTModel(config, block, vocab_size=VOCAB, max_sequence_length=SEQ)
+
+    ref, fast = build(_args(fast_spec_fused_layer=False)), build(_args())
+    assert type(ref.decoder.layers[0]).__name__ == "TransformerLayer"
+    norm_weight = fast.decoder.final_layernorm.weight
+    assert getattr(norm_weight, "sequence_parallel", False)  # finalize_model_grads sums it
+    fast.load_state_dict(ref.state_dict(), strict=True)
+    return ref, fast
+
+
 def _tensor_parallel_fused_layer(rank, world_size, overrides):
     """On each of two tensor-parallel ranks: the fused layer on this rank's shards gives
     megatron's losses and this rank's gradients (CPU initialisation: both models start from
@@ -216,7 +234,12 @@ def _tensor_parallel_fused_layer(rank, world_size, overrides):
     try:
         with cpu_mode.active():
             model_parallel_cuda_manual_seed(1234)
-            ref, fast = _models(_config(**overrides), _args())
+            if overrides.get("sequence_parallel"):
+                # megatron's local spec refuses sequence parallelism (its torch norm
+                # asserts): the reference is megatron's layer code with the fast spec's norms
+                ref, fast = _sequence_parallel_models(_config(**overrides))
+            else:
+                ref, fast = _models(_config(**overrides), _args())
             assert all(layer.fused_unsupported_reason is None for layer in fast.decoder.layers)
             qkv = fast.decoder.layers[0].self_attention.linear_qkv.weight
             groups, head_dim = overrides.get("num_query_groups", 4), 64 // 4
@@ -229,7 +252,10 @@ def _tensor_parallel_fused_layer(rank, world_size, overrides):
         parallel_state.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("overrides", [{}, {"num_query_groups": 2}], ids=["gpt-default", "gqa"])
+@pytest.mark.parametrize("overrides", [
+    {}, {"num_query_groups": 2},
+    {"sequence_parallel": True, "tensor_model_parallel_size": 2},
+], ids=["gpt-default", "gqa", "sequence-parallel"])
 def test_fused_layer_under_tensor_parallelism_matches_megatrons_layer(overrides):
     from gloo_ranks import run_on_ranks
 

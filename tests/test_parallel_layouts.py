@@ -35,7 +35,7 @@ def _two_processes(tmp_path, *layout):
 def test_tensor_and_data_parallel_match_one_process(tmp_path, single_process, layout):
     losses = _two_processes(tmp_path, *layout)
     for i, loss in single_process.items():
-        assert losses[i] == pytest.approx(loss, rel=1e-4), (i, losses[i], loss)
+        assert losses[i] == pytest.approx(loss, rel=1e-5), (i, losses[i], loss)
 
 
 def test_pipeline_parallel_trains_like_one_process(tmp_path, single_process):
@@ -43,3 +43,24 @@ def test_pipeline_parallel_trains_like_one_process(tmp_path, single_process):
     for i, loss in single_process.items():
         assert losses[i] == pytest.approx(loss, abs=0.05), (i, losses[i], loss)
     assert losses[8] < losses[1]
+
+
+def test_sequence_parallel_matches_one_process(tmp_path):
+    """TP=2 with sequence parallelism, which megatron's own torch norm refuses: each rank
+    normalises half the sequence, so the norms' weight gradients are halves that
+    finalize_model_grads must sum. Plain SGD with a large step and no clipping, because
+    Adam's update barely changes when a gradient is halved: there a missing sum went unseen
+    (with it left out, this run's losses move 1.8e-3 apart by iteration 8)."""
+    sgd = [*RUN, "--optimizer", "sgd", "--lr", "2.0", "--clip-grad", "0"]
+    (tmp_path / "one").mkdir()
+    one = run_entry(sgd, cwd=tmp_path / "one")
+    assert one.returncode == 0, one.stdout[-3000:]
+    reference = parse_losses(one.stdout)
+    split = run_entry([*sgd, "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                      cwd=tmp_path, nproc=2)
+    assert split.returncode == 0, split.stdout[-3000:]
+    losses = parse_losses(split.stdout)
+    assert sorted(losses) == sorted(reference) == list(range(1, 9))
+    for i, loss in reference.items():
+        assert losses[i] == pytest.approx(loss, rel=1e-5), (i, losses[i], loss)
+

@@ -11,12 +11,13 @@ written with plain torch ops over the layer's own parameters, so that ``torch.co
 can fuse the norms, bias + activation and bias + dropout + residual, and so that the
 ~25 Python-level module calls per layer of megatron's path collapse into one call (at the
 345M shape the step is bound by per-op CPU overhead, not arithmetic). Under tensor
-parallelism (without sequence parallelism) the same function runs on each rank's shards,
-eagerly, with megatron's collectives where its parallel linears have them: the gradient of
-the QKV and fc1 inputs all-reduced, the projection and fc2 outputs all-reduced. Anything
-else (sequence parallelism, MoE, cross attention, recompute, offloading, inference contexts,
-packed sequences, q/k norms, FP8, ...) goes through ``TransformerLayer.forward`` unchanged,
-with the SDPA core attention of the fast spec.
+parallelism the same function runs on each rank's shards, eagerly, with megatron's
+collectives where its parallel linears have them: the gradient of the QKV and fc1 inputs
+all-reduced, the projection and fc2 outputs all-reduced (with sequence parallelism: the
+inputs gathered along the sequence, the outputs reduce-scattered). Anything else (MoE,
+cross attention, recompute, offloading, inference contexts, packed sequences, q/k norms,
+FP8, ...) goes through ``TransformerLayer.forward`` unchanged, with the SDPA core attention
+of the fast spec.
 
 Gradients reach the parameters through ordinary autograd, and megatron's DDP hooks add them
 into ``main_grad``. With ``--fast-wgrad-fusion`` the four weight matrices' gradients go
@@ -41,7 +42,10 @@ from torch import Tensor
 
 from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
-from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+from megatron.core.tensor_parallel.mappings import (
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -147,27 +151,34 @@ def _activation(x: Tensor, act: str) -> Tensor:
 
 
 def _column_linear(x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Optional[Tensor],
-                   tp_group) -> Tensor:
-    """A column-parallel linear: under tensor parallelism the input's gradient is
-    all-reduced across the ranks in backward. megatron's own linear function does that
-    asynchronously, overlapped with the weight-gradient GEMM, as its ColumnParallelLinear
-    does (weight-gradient fusion is not used under tensor parallelism)."""
+                   tp_group, sequence_parallel: bool) -> Tensor:
+    """A column-parallel linear. Under tensor parallelism megatron's own linear function
+    does what its ColumnParallelLinear does: the input's gradient all-reduced across the
+    ranks in backward, overlapped with the weight-gradient GEMM; with sequence parallelism
+    the input gathered along the sequence first (its gradient reduce-scattered back).
+    Weight-gradient fusion is not used under tensor parallelism."""
     if tp_group is None:
         return _linear(x, w, b, main_grad)
     return linear_with_grad_accumulation_and_async_allreduce(
-        x, w, b, gradient_accumulation_fusion=False, allreduce_dgrad=True,
-        sequence_parallel=False, tp_group=tp_group)
+        x, w, b, gradient_accumulation_fusion=False, allreduce_dgrad=not sequence_parallel,
+        sequence_parallel=sequence_parallel, tp_group=tp_group)
 
 
-def _out_of_tp_region(x: Tensor, tp_group) -> Tensor:
-    """Output of a row-parallel linear: the partial products summed across the ranks."""
-    return x if tp_group is None else reduce_from_tensor_model_parallel_region(x, group=tp_group)
+def _row_parallel_output(x: Tensor, tp_group, sequence_parallel: bool) -> Tensor:
+    """A row-parallel linear's partial products, summed across the ranks (with sequence
+    parallelism: summed and scattered along the sequence)."""
+    if tp_group is None:
+        return x
+    if sequence_parallel:
+        return reduce_scatter_to_sequence_parallel_region(x, group=tp_group)
+    return reduce_from_tensor_model_parallel_region(x, group=tp_group)
 
 
-def _attention(q, k, v, p: float, scale: float, tp_group) -> Tensor:
-    if p > 0.0 and tp_group is not None:
+def _attention(q, k, v, p: float, scale: float, tp_group, sequence_parallel: bool) -> Tensor:
+    if p > 0.0 and tp_group is not None and not sequence_parallel:
         # each rank holds other heads: their dropout masks come from the model-parallel
         # RNG stream, which differs across tensor-parallel ranks, as in megatron's attention
+        # (which, under sequence parallelism, draws from the default stream)
         with tensor_parallel.get_cuda_rng_tracker().fork():
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
                                                   scale=scale)
@@ -206,17 +217,20 @@ def fused_layer_forward(
     fc1_main_grad: Optional[Tensor] = None,
     fc2_main_grad: Optional[Tensor] = None,
     tp_group=None,
+    sequence_parallel: bool = False,
 ) -> Tensor:
     """One dense pre-norm GPT layer on ``x`` of shape [s, b, h]; megatron's layouts.
 
     ``*_main_grad``: megatron's gradient-buffer views of the four weights, to accumulate
     their gradients into directly (None: ordinary autograd gradients).
     ``tp_group``: the tensor-parallel group when the weights are this rank's shards
-    (megatron's column-parallel QKV and fc1, row-parallel projection and fc2, no sequence
-    parallelism); ``groups`` then counts this rank's query groups."""
-    s, b, _ = x.shape
+    (megatron's column-parallel QKV and fc1, row-parallel projection and fc2);
+    ``groups`` then counts this rank's query groups. ``sequence_parallel``: ``x`` is this
+    rank's slice of the sequence, gathered before QKV and fc1 and scattered after the
+    projection and fc2, as megatron's parallel linears do."""
     y = _norm(x, ln1_w, ln1_b, eps, rms)
-    qkv = _column_linear(y, qkv_w, qkv_b, qkv_main_grad, tp_group)
+    qkv = _column_linear(y, qkv_w, qkv_b, qkv_main_grad, tp_group, sequence_parallel)
+    s, b = qkv.shape[0], qkv.shape[1]  # the whole sequence, also under sequence parallelism
     # megatron's fused QKV layout: per query group [q_1..q_k, k, v]
     qkv = qkv.view(s, b, groups, (q_per_group + 2) * head_dim)
     q, k, v = torch.split(qkv, [q_per_group * head_dim, head_dim, head_dim], dim=-1)
@@ -234,15 +248,18 @@ def fused_layer_forward(
     if q_per_group > 1:
         k = k.repeat_interleave(q_per_group, dim=1)
         v = v.repeat_interleave(q_per_group, dim=1)
-    o = _attention(q, k, v, attn_p if training else 0.0, scale, tp_group)
+    o = _attention(q, k, v, attn_p if training else 0.0, scale, tp_group, sequence_parallel)
     o = o.permute(2, 0, 1, 3).reshape(s, b, groups * q_per_group * head_dim)
-    a = _out_of_tp_region(_linear(o, proj_w, None, proj_main_grad), tp_group)
+    a = _row_parallel_output(_linear(o, proj_w, None, proj_main_grad), tp_group,
+                             sequence_parallel)
     if proj_b is not None:
         a = a + proj_b
     x = x + F.dropout(a, hidden_p, training)
     y = _norm(x, ln2_w, ln2_b, eps, rms)
-    f = _activation(_column_linear(y, fc1_w, fc1_b, fc1_main_grad, tp_group), act)
-    m = _out_of_tp_region(_linear(f, fc2_w, None, fc2_main_grad), tp_group)
+    f = _activation(_column_linear(y, fc1_w, fc1_b, fc1_main_grad, tp_group,
+                                   sequence_parallel), act)
+    m = _row_parallel_output(_linear(f, fc2_w, None, fc2_main_grad), tp_group,
+                             sequence_parallel)
     if fc2_b is not None:
         m = m + fc2_b
     return x + F.dropout(m, hidden_p, training)
@@ -304,8 +321,6 @@ class FastTransformerLayer(TransformerLayer):
             return "attention mask must be honoured (--reset-attention-mask)"
         if att.attn_mask_type != AttnMaskType.causal:
             return "attention mask type is not causal"
-        if cfg.sequence_parallel:
-            return "sequence parallelism"
         for linear, parallel_input in ((att.linear_qkv, False), (att.linear_proj, True),
                                        (self.mlp.linear_fc1, False),
                                        (self.mlp.linear_fc2, True)):
@@ -318,6 +333,8 @@ class FastTransformerLayer(TransformerLayer):
             if getattr(linear, "disable_grad_reduce", False) or getattr(
                     linear, "explicit_expert_comm", False):
                 return "a linear with its own gradient communication"
+            if bool(getattr(linear, "sequence_parallel", False)) != bool(cfg.sequence_parallel):
+                return "a linear whose sequence parallelism differs from the layer's"
         if getattr(cfg, "context_parallel_size", 1) != 1:
             return "context parallelism"
         if not isinstance(att.q_layernorm, (IdentityOp, type(None))) or not isinstance(
@@ -473,6 +490,7 @@ class FastTransformerLayer(TransformerLayer):
             # without a full-iteration graph (one GPU only) the step is host-bound, where
             # one Python function in place of ~25 module calls per layer is what counts
             consts["tp_group"] = tp_group
+            consts["sequence_parallel"] = bool(self.config.sequence_parallel)
             fn = fused_layer_forward
         else:
             fn = _get_fn()

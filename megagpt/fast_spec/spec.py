@@ -1,14 +1,17 @@
 """The fast GPT layer spec used when Transformer Engine is not in use.
 
 It is megatron's local spec (``get_gpt_layer_local_submodules``: torch norms, megatron's
-parallel linears, bias-GeLU and bias-dropout-add fusions) with two changes:
+parallel linears, bias-GeLU and bias-dropout-add fusions) with three changes:
 
 1. core attention is ``SDPADotProductAttention`` (torch ``scaled_dot_product_attention``:
    flash / cuDNN / memory-efficient kernels; no [b, heads, s, s] score tensor);
-2. the layer class is ``FastTransformerLayer``, which runs a dense pre-norm layer on one
-   tensor-parallel rank as one ``torch.compile``'d function over the same parameters
+2. the layer class is ``FastTransformerLayer``, which runs a dense pre-norm layer as one
+   function over the same parameters, ``torch.compile``'d on one tensor-parallel rank
    (``--no-fast-spec-fused-layer`` keeps megatron's ``TransformerLayer``;
-   ``--no-fast-spec-compile`` runs that function eagerly).
+   ``--no-fast-spec-compile`` runs that function eagerly);
+3. the norms, the decoder block's final one too, are ``TorchNorm``: torch's, as megatron's
+   ``WrappedTorchNorm`` builds them, but usable under sequence parallelism, which megatron's
+   refuses (``fast_decoder_block_spec`` gives the block).
 
 Parameters, their names and the checkpoint layout are those of the local spec, so a
 checkpoint moves freely between ``--no-fast-spec`` and the fast spec.
@@ -20,10 +23,15 @@ from typing import Optional
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from .attention import SDPADotProductAttention
 from .layer import FastTransformerLayer, set_layer_compile, set_wgrad_fusion
+from .norm import TorchNorm
 from .lm_loss import lm_grad_in_forward_unsupported_reason, set_loss_compile
 
 
@@ -96,6 +104,9 @@ def get_fast_gpt_layer_spec(args) -> ModuleSpec:
         else SDPADotProductAttention
     )
     submodules.self_attention.submodules.core_attention = core
+    # torch's norms, marked for sequence parallelism where it is on (megatron's refuse it)
+    submodules.input_layernorm = TorchNorm
+    submodules.pre_mlp_layernorm = TorchNorm
 
     fused = bool(_get(args, "fast_spec_fused_layer", True))
     compile_ = _get(args, "fast_spec_compile", None)
@@ -108,6 +119,15 @@ def get_fast_gpt_layer_spec(args) -> ModuleSpec:
     return ModuleSpec(module=layer_cls, submodules=submodules)
 
 
+def fast_decoder_block_spec(layer_spec: ModuleSpec, config, vp_stage=None
+                            ) -> TransformerBlockSubmodules:
+    """The decoder block for ``layer_spec``: this stage's layers and a final norm that, like
+    the layers' own, serves sequence parallelism (megatron's block would take its
+    ``WrappedTorchNorm``, which refuses it)."""
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * layers, layer_norm=TorchNorm)
+
+
 def describe_fast_spec(args) -> str:
     """One line for the log: which fast-path pieces are on."""
     parts = ["SDPA core attention"]
@@ -115,8 +135,7 @@ def describe_fast_spec(args) -> str:
         tp = _get(args, "tensor_model_parallel_size", 1) or 1
         mode = "eager, on each tensor-parallel rank's shards" if tp > 1 else (
             "torch.compile" if _get(args, "fast_spec_compile", False) else "eager")
-        parts.append(f"fused dense layer ({mode}; dense layers without sequence "
-                     "parallelism, else megatron's layer)")
+        parts.append(f"fused dense layer ({mode}; dense layers, else megatron's layer)")
         if _get(args, "fast_wgrad_fusion", False):
             parts.append("weight gradients accumulated into main_grad")
     if _get(args, "fast_lm_loss", True):
