@@ -15,7 +15,7 @@ format reshards), and compares the resumed losses with FROM's uninterrupted run.
   python bench/layouts.py --cpu --shape tiny --gpus 2 --iters 6 --out /tmp/l -- --mock-data
 
 Layouts (``--layouts``; those that need more GPUs than ``--gpus`` are skipped): ``tp2``,
-``pp2``, ``vpp2`` (interleaved pipeline, 2 virtual stages per rank), ``dp2`` (distributed
+``tp2sp`` (with sequence parallelism), ``pp2``, ``vpp2`` (interleaved pipeline, 2 virtual stages per rank), ``dp2`` (distributed
 optimizer), ``cp2`` (context parallelism at twice the sequence; needs Transformer Engine,
 else "not run" with the entry's reason), ``tp2pp2dp2`` (8 GPUs). With ``--cpu`` the
 distributed optimizer is left out (CPU mode refuses it): plain data parallelism. Exit status 1
@@ -55,6 +55,7 @@ MICRO_BATCHES = 4
 LAYOUTS = {  # name: (processes, flags)
     "one": (1, []),
     "tp2": (2, ["--tensor-model-parallel-size", "2"]),
+    "tp2sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "vpp2": (2, ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]),
     "dp2": (2, ["--use-distributed-optimizer"]),
@@ -207,7 +208,7 @@ def main(argv=None) -> int:
         argv, data_args = argv[:cut], argv[cut + 1:]
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gpus", type=int, default=2, help="processes available (GPUs, or CPU ranks)")
-    p.add_argument("--layouts", default="tp2,pp2,vpp2,dp2,cp2,tp2pp2dp2")
+    p.add_argument("--layouts", default="tp2,tp2sp,pp2,vpp2,dp2,cp2,tp2pp2dp2")
     p.add_argument("--shape", default="345M", choices=sorted(SHAPES))
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--skip", type=int, default=10, help="iterations left out of the timing")

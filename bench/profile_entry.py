@@ -257,8 +257,13 @@ def launch_stacks(events: list, needle: str, top: int = 8) -> list[str]:
 
 
 def analyse(trace_path: Path, top_gaps: int = 15, kernel_table: Path | None = None,
-            who: tuple = ()) -> str:
-    events = json.loads(trace_path.read_text())["traceEvents"]
+            who: tuple = (), iterations: int | None = None) -> str:
+    """The report for a torch.profiler trace (plain or .gz JSON): this tool's own, whose
+    iterations are annotated, or another's such as megatron's ``--use-pytorch-profiler``
+    (``iterations``: how many it spans, to give per-iteration figures)."""
+    opener = gzip.open if str(trace_path).endswith(".gz") else open
+    with opener(trace_path, "rt") as f:
+        events = json.load(f)["traceEvents"]
     gpu = [(e["ts"], e["ts"] + e["dur"]) for e in events
            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     iters = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
@@ -284,7 +289,12 @@ def analyse(trace_path: Path, top_gaps: int = 15, kernel_table: Path | None = No
                            key=lambda ev: ev["ts"])
             names = [ev["name"].split("/")[-1] for ev in stack][-6:]
             lines.append(f"  {g / 1e3:7.3f} ms  " + " > ".join(names))
-    lines += gpu_timeline_gaps(events, len(iters))
+    if not iters and busy:  # not annotated: the whole trace's window
+        span = busy[-1][1] - busy[0][0]
+        on = sum(e - s for s, e in busy)
+        lines.append(f"GPU busy {on / 1e3:.2f} ms of the {span / 1e3:.2f} ms from the first "
+                     f"GPU activity to the last ({100 * on / span:.1f} %)")
+    lines += gpu_timeline_gaps(events, len(iters) or iterations or 1)
     for needle in who:
         lines += launch_stacks(events, needle)
     kern = {}
@@ -293,7 +303,7 @@ def analyse(trace_path: Path, top_gaps: int = 15, kernel_table: Path | None = No
             k = kern.setdefault(e["name"], [0, 0])
             k[0] += e["dur"]
             k[1] += 1
-    per_iter = max(1, len(iters))
+    per_iter = len(iters) or iterations or 1
     if kernel_table is not None:  # every kernel, for comparing runs offline
         rows = sorted(((dur, cnt, name) for name, (dur, cnt) in kern.items()), reverse=True)
         kernel_table.write_text("ms_per_iteration\tcalls_per_iteration\tkernel\n" + "".join(
@@ -304,7 +314,7 @@ def analyse(trace_path: Path, top_gaps: int = 15, kernel_table: Path | None = No
     for kind, dur in sorted(categories.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {dur / 1e3 / per_iter:8.2f}  {kind}")
     lines.append(f"  {sum(categories.values()) / 1e3 / per_iter:8.2f}  all kernels")
-    lines.append(f"top kernels over {len(iters)} iterations (ms, count):")
+    lines.append(f"top kernels over {per_iter} iterations (ms, count):")
     for name, (dur, cnt) in sorted(kern.items(), key=lambda kv: -kv[1][0])[:25]:
         lines.append(f"  {dur / 1e3:8.2f} {cnt:6d}  {name[:90]}")
     return "\n".join(lines)
@@ -324,8 +334,15 @@ def main(argv=None) -> int:
                    help="also print the N operators with the most GPU time, with their Python "
                         "stacks (attributes kernels to ops; run with --no-fast-cuda-graph, as "
                         "ops inside a replayed CUDA graph are not recorded)")
+    p.add_argument("--analyse", metavar="TRACE",
+                   help="only report on an existing trace (e.g. megatron's "
+                        "--use-pytorch-profiler rank-0.json.gz; --iters: how many iterations "
+                        "it spans)")
     p.add_argument("entry_args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
+    if a.analyse:
+        print(analyse(Path(a.analyse), who=tuple(a.who), iterations=a.iters))
+        return 0
     entry_args = a.entry_args[1:] if a.entry_args[:1] == ["--"] else a.entry_args
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

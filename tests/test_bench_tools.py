@@ -134,3 +134,31 @@ def test_layouts_resume_pads_the_vocabulary_alike_under_both_layouts(tmp_path):
     mock = tokenizer_vocab_size(["--mock-data", "--vocab-size", "512"])
     assert same_vocab_padding("tp2", "pp2", mock) == []  # 512 pads alike already
     assert same_vocab_padding("tp2", "pp2", None) == []
+
+
+def test_analyse_reports_on_a_trace_megatron_wrote(tmp_path):
+    """megatron's --use-pytorch-profiler writes rank-N.json.gz without our iteration
+    annotations: the report gives the busy share of the whole window and per-iteration
+    kernel times for the iterations the caller says it spans."""
+    import gzip
+    import json
+
+    from profile_entry import main
+
+    events = [_x("kernel", "nvjet_sm90_tst_256x128_NNT", 0, 300),
+              _x("kernel", "ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 1000, 100),
+              _x("kernel", "nvjet_sm90_tst_256x128_NNT", 3900, 100)]
+    trace = tmp_path / "rank-0.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    from io import StringIO
+    from contextlib import redirect_stdout
+
+    out = StringIO()
+    with redirect_stdout(out):
+        assert main(["--analyse", str(trace), "--iters", "2"]) == 0
+    text = out.getvalue()
+    assert "GPU busy 0.50 ms of the 4.00 ms from the first GPU activity to the last (12.5 %)" \
+        in text
+    assert "0.20  matmul (cuBLAS / CUTLASS)" in text  # 0.4 ms over 2 iterations
+    assert "0.05  communication (NCCL)" in text
