@@ -15,12 +15,12 @@ format reshards), and compares the resumed losses with FROM's uninterrupted run.
   python bench/layouts.py --cpu --shape tiny --gpus 2 --iters 6 --out /tmp/l -- --mock-data
 
 Layouts (``--layouts``; those that need more GPUs than ``--gpus`` are skipped): ``tp2``,
-``tp2sp`` (with sequence parallelism), ``pp2``, ``vpp2`` (interleaved pipeline, 2 virtual stages per rank), ``dp2`` (distributed
-optimizer), ``cp2`` (context parallelism at twice the sequence; needs Transformer Engine,
-else "not run" with the entry's reason), ``tp2pp2dp2`` (8 GPUs). With ``--cpu`` the
-distributed optimizer is left out (CPU mode refuses it): plain data parallelism. Exit status 1
-when a run fails, a layout's losses differ from one process's by more than ``--tolerance``
-(relative), or the resumed run's from the uninterrupted one's.
+``tp2sp`` (with sequence parallelism), ``pp2``, ``vpp2`` (interleaved pipeline, 2 virtual
+stages per rank), ``dp2`` (distributed optimizer), ``cp2`` (context parallelism at twice the
+sequence; needs Transformer Engine, else "not run" with the entry's reason), ``tp2pp2dp2`` (8
+GPUs). With ``--cpu`` the distributed optimizer is left out (CPU mode refuses it): plain data
+parallelism. Exit status 1 when a run fails, a layout's losses differ from one process's by
+more than ``--tolerance`` (relative), or the resumed run's from the uninterrupted one's.
 """
 
 from __future__ import annotations

@@ -71,7 +71,8 @@ COVERED_SITES: tuple[CoveredSite, ...] = (
     CoveredSite("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32",
                 "assert param.grad.type() == 'torch.cuda.FloatTensor'",
                 "Tensor.type() of a CPU float tensor reports the CUDA type name"),
-    CoveredSite("megatron.core.tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication",
+    CoveredSite("megatron.core.tensor_parallel.layers."
+                "LinearWithGradAccumulationAndAsyncCommunication",
                 "backward", "device=torch.cuda.current_device()",
                 "in backward (run with the mode off) torch.cuda.current_device() names the CPU"),
     CoveredSite("megatron.training.checkpointing", "get_rng_state",

@@ -19,8 +19,9 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 class TorchNorm:
     """``WrappedTorchNorm``'s torch module, usable under sequence parallelism."""
 
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
-                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5,
+                persist_layer_norm: bool = False, zero_centered_gamma: bool = False,
+                normalization: str = "LayerNorm"):
         if not config.sequence_parallel:
             return WrappedTorchNorm(config, hidden_size, eps, persist_layer_norm,
                                     zero_centered_gamma, normalization)

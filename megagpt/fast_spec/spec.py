@@ -31,8 +31,8 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from .attention import SDPADotProductAttention
 from .layer import FastTransformerLayer, set_layer_compile, set_wgrad_fusion
-from .norm import TorchNorm
 from .lm_loss import lm_grad_in_forward_unsupported_reason, set_loss_compile
+from .norm import TorchNorm
 
 
 class SDPAMaskedDotProductAttention(SDPADotProductAttention):

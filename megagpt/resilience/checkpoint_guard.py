@@ -44,8 +44,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from megagpt.errors import UserError
 from megagpt import vocab_padding
+from megagpt.errors import UserError
 from megagpt.resilience import config_snapshot
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -257,7 +257,7 @@ def _vocab_padding_hint(saved: dict, args) -> str:
     hint = (f" (megatron pads the vocabulary to a multiple of --make-vocab-size-divisible-by "
             f"x TP and loads only the same padding: this checkpoint, divisor {divisor}, loads "
             f"under TP {', '.join(map(str, loads_under))}")
-    across = vocab_padding.divisor_for(vocab, (saved_tp, tp))
+    across = vocab_padding.divisor_for(vocab, (saved_tp, tp)) if saved_tp != tp else None
     if across:
         hint += (f"; a run meant to move between TP {saved_tp} and {tp} needs "
                  f"--make-vocab-size-divisible-by {across} from its first launch")
