@@ -27,6 +27,7 @@ flags), usable in ``--paths`` and ``--compare-paths fast,fp32grads``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -152,18 +153,53 @@ def run_logged(cmd: list[str], log_path: Path, timeout: float, env: dict | None 
                **(env or {}))
     t0 = time.time()
     # written straight into the log, so that a run stopped from outside leaves what it
-    # printed; its own process group, so that on a timeout torchrun's workers go too, not
-    # only torchrun, and a hung layout does not hold the GPUs through the runs after it
+    # printed
     with open(log_path, "w") as log:
         p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)
         try:
             rc = p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+            end_process_tree(p)
             rc = "timeout"
     return log_path.read_text(errors="replace"), rc, time.time() - t0
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc), children first found first."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, queue = [], [pid]
+    while queue:
+        for child in children.get(queue.pop(), []):
+            found.append(child)
+            queue.append(child)
+    return found
+
+
+def end_process_tree(p: subprocess.Popen, grace: float = 15) -> None:
+    """Stop a launcher and everything it started. torchrun starts each worker in a session
+    of its own, so the launcher's process group does not hold them: a hung layout's workers
+    would keep the GPUs busy through the runs after it. SIGTERM first (torchrun then stops
+    its workers itself), SIGKILL to whatever is left after ``grace`` seconds."""
+    tree = _descendants(p.pid)  # before the launcher dies and its workers are re-parented
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.pid, signal.SIGTERM)
+    try:
+        p.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    for pid in [p.pid, *tree]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)  # a worker's own session: its group
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    p.wait()
 
 
 def run_entry(a, path: str, out_dir: Path, train_iters: int, log_interval: int,

@@ -294,14 +294,14 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
         elif _planned_world_size(args) != 1:
             from megagpt.errors import UserError
 
-            # measured on two H200s (docs/benchmarks.md, fifth session): the capture hung
-            # under DP=2 and TP=2 until the launcher's timeout, and under PP=2 megatron's
-            # pipeline synchronises the device inside the step, which a capture forbids
+            # seen on two H200s (docs/benchmarks.md, fifth session): the capture hung under
+            # DP=2 until the launcher's timeout, and under PP=2 megatron's pipeline
+            # synchronises the device inside the step, which a capture forbids
             raise UserError(
                 f"--fast-cuda-graph on {_planned_world_size(args)} GPUs: the full-iteration "
-                "CUDA graph is for one GPU; on two H200s its capture hung under data and "
-                "tensor parallelism and failed under pipeline parallelism. Leave the flag "
-                "out (several GPUs run without the graph).")
+                "CUDA graph is for one GPU; on two H200s its capture hung under data "
+                "parallelism and failed under pipeline parallelism. Leave the flag out "
+                "(several GPUs run without the graph).")
     if args.fast_cuda_graph:
         args.cuda_graph_impl = "full_iteration"
         if getattr(args, "check_for_nan_in_loss_and_grad", False):
