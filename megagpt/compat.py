@@ -118,6 +118,18 @@ def check_required_packages(args, installed: Installed) -> None:
             "megatron's local attention (DotProductAttention) cannot split a sequence across "
             "ranks. Install it (pip install 'megagpt[te]') or use tensor/pipeline/data "
             "parallelism instead.")
+    if (args.sequence_parallel and (args.tensor_model_parallel_size or 1) > 1
+            and not installed.transformer_engine and not installed.apex):
+        from megagpt.fast_spec.settings import fast_path_selected
+
+        if not fast_path_selected(args):
+            # megatron's torch norm asserts on it while the model is built
+            raise MissingDependencyError(
+                "--sequence-parallel without Transformer Engine or apex needs the fast "
+                "spec's norms (megatron's torch LayerNorm refuses sequence parallelism), and "
+                "the fast spec is not used in this run (--no-fast-spec, --spec, MoE or "
+                "another reason the log gives). Use the fast spec, install Transformer "
+                "Engine (pip install 'megagpt[te]'), or drop --sequence-parallel.")
 
 
 def explicit_flags(argv: Iterable[str]) -> set[str]:

@@ -56,6 +56,25 @@ def test_dataset_helper_compilation_is_skipped_when_the_extension_is_prebuilt():
     assert dataset_utils.compile_helpers._megagpt_skipped
 
 
+def test_sequence_parallelism_without_te_or_apex_needs_the_fast_spec():
+    """megatron's torch norm asserts on --sequence-parallel while building the model; the
+    fast spec's norms serve it, so only a run without the fast spec is refused, early."""
+    flags = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+
+    def plain_install(extra=(), **attrs):
+        args = megatron_defaults(flags + list(extra))
+        compat.adapt_args_to_installed(args, flags, NOTHING, lambda line: None)
+        for name, value in attrs.items():
+            setattr(args, name, value)
+        return args
+
+    compat.check_required_packages(plain_install(), NOTHING)  # the fast spec serves it
+    for args in (plain_install(fast_spec=False), plain_install(["--num-experts", "4"])):
+        with pytest.raises(compat.MissingDependencyError, match="--sequence-parallel without"):
+            compat.check_required_packages(args, NOTHING)
+        compat.check_required_packages(args, EVERYTHING)  # TE's or apex's norms serve it
+
+
 def test_context_parallelism_without_transformer_engine_is_refused_early():
     args = megatron_defaults(["--context-parallel-size", "2"])
     with pytest.raises(compat.MissingDependencyError, match="--context-parallel-size 2 needs"):
