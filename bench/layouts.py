@@ -166,13 +166,14 @@ def same_vocab_padding(src: str, dst: str, vocab_size: int | None) -> list[str]:
     """Flags under which ``src`` and ``dst`` pad the vocabulary alike (megatron loads only
     the same padding: GPT-2's 50257 tokens pad to 50304 rows at TP=1, 50432 at TP=2 with its
     default divisor of 128; a divisor of 64 gives 50304 at both)."""
-    tps = (tensor_parallel_size(src), tensor_parallel_size(dst))
-    if vocab_size is None or len(set(padded_sizes := [
-            vocab_padding.padded_vocab_size(vocab_size, vocab_padding.DEFAULT_DIVISOR, t)
-            for t in tps])) == 1:
+    if vocab_size is None:
         return []
-    divisor = vocab_padding.divisor_for(vocab_size, tps)
-    return [] if divisor is None else ["--make-vocab-size-divisible-by", str(divisor)]
+    divisor = vocab_padding.divisor_for(
+        vocab_size, (tensor_parallel_size(src), tensor_parallel_size(dst)))
+    # megatron's default already pads alike, or no divisor does: nothing to pass
+    if divisor in (None, vocab_padding.DEFAULT_DIVISOR):
+        return []
+    return ["--make-vocab-size-divisible-by", str(divisor)]
 
 
 def resume_check(a, out_dir: Path, src: str, dst: str, uninterrupted: dict | None) -> dict:
