@@ -39,3 +39,13 @@ def gpt2():
         if os.environ.get("CI"):
             raise
         pytest.skip(f"GPT-2 files not cached and not fetchable here: {e}")
+
+
+@pytest.fixture(autouse=True)
+def _grad_write_off_afterwards():
+    """``--fast-grad-write`` is a process-wide switch that parsing a run's arguments sets;
+    a test that parsed or set it must not leave it on for the next one's models."""
+    yield
+    from megagpt.fast_spec import grad_write
+
+    grad_write.set_grad_write(False)

@@ -701,6 +701,32 @@ def test_fast_spec_unsupported_reasons(attrs, needle):
     assert reason is not None and needle in reason
 
 
+@pytest.mark.parametrize("acc_dtype, op_dtype", [(torch.float32, torch.float32),
+                                                  (torch.float32, torch.bfloat16)])
+def test_weight_gradient_written_ignores_what_the_accumulator_held(acc_dtype, op_dtype):
+    """The chunked loss's first chunk writes its weight gradient into an uninitialised
+    accumulator (no zero fill): NaN there must not leak; later chunks add."""
+    from megagpt.fast_spec.lm_loss import accumulate_weight_grad
+
+    g = torch.Generator().manual_seed(0)
+    a = [torch.randn(16, 8, generator=g).to(op_dtype) for _ in range(2)]
+    x = [torch.randn(16, 4, generator=g).to(op_dtype) for _ in range(2)]
+    acc = torch.full((8, 4), float("nan"), dtype=acc_dtype)
+    accumulate_weight_grad(acc, a[0], x[0], write=True)
+    accumulate_weight_grad(acc, a[1], x[1])
+    ref = sum(ai.double().t() @ xi.double() for ai, xi in zip(a, x))
+    torch.testing.assert_close(acc.double(), ref, rtol=1e-2, atol=1e-2)
+
+
+def test_chunks_grow_with_the_hidden_size():
+    from megagpt.fast_spec.lm_loss import _chunks, chunk_elements_for
+
+    tokens, vocab = 8192, 50304
+    assert len(_chunks(tokens, vocab, chunk_elements_for(1024))) == 8  # 345M: 1024 tokens
+    assert len(_chunks(tokens, vocab, chunk_elements_for(2048))) == 4  # 1.3B: 2048 tokens
+    assert chunk_elements_for(512) == chunk_elements_for(1024)
+
+
 # ---------------------------------------------------------------------------------------
 # GPU (skipped without CUDA)
 # ---------------------------------------------------------------------------------------
@@ -745,6 +771,12 @@ def test_gpu_chunked_loss_gradients_match_fp32_autograd(monkeypatch, fused_accum
         monkeypatch.setitem(lm_loss._FUSED_FP32_ACCUMULATION, str(h.device), False)
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
     lm_loss.chunked_linear_cross_entropy(hh, ww, labels, chunk_elements=2**20).sum().backward()
+    # the first chunk writes into an uninitialised accumulator: its old contents must not count
+    acc = torch.full(w.shape, float("nan"), device="cuda")
+    logit_grad = torch.randn(512, w.size(0), device="cuda").bfloat16()
+    lm_loss.accumulate_weight_grad(acc, logit_grad, h[:512], write=True)
+    torch.testing.assert_close(acc, logit_grad.float().t() @ h[:512].float(), rtol=1e-2,
+                               atol=1e-2)
     hf, wf = h.float().requires_grad_(), w.float().requires_grad_()
     F.cross_entropy(hf @ wf.t(), labels, reduction="sum").backward()
     for ours, ref in ((hh.grad, hf.grad), (ww.grad, wf.grad)):

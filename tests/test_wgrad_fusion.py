@@ -89,13 +89,15 @@ def test_default_leaves_the_weights_to_autograd(cpu_megatron):
     assert qkv.grad_added_to_main_grad is False
 
 
+@pytest.mark.parametrize("write", [False, True], ids=["accumulate", "write"])
 @pytest.mark.parametrize("backend, device", [
     ("aot_eager", "cpu"), ("inductor", "cpu"),
     pytest.param("inductor", "cuda", marks=pytest.mark.gpu)])
-def test_compiled_layer_accumulates_into_views_of_one_buffer(backend, device):
+def test_compiled_layer_accumulates_into_views_of_one_buffer(backend, device, write):
     """torch.compile of the fused layer with the four main_grads as views of one buffer (as
     megatron's DDP lays them out): one graph for every layer, each layer's gradients in its
-    own views, equal to autograd's."""
+    own views, equal to autograd's. Written (``--fast-grad-write``), they replace what the
+    buffer held; accumulated, they add to its zeros."""
     import torch._dynamo
 
     from megagpt.fast_spec import layer
@@ -105,6 +107,8 @@ def test_compiled_layer_accumulates_into_views_of_one_buffer(backend, device):
     n_layers = 3
     per_layer = sum(o * i for o, i in shapes)
     buffer = torch.zeros(5 + n_layers * per_layer, device=device)  # an offset, as padding gives
+    if write:
+        buffer.fill_(7.0)  # last step's gradients, not zeroed
     consts = dict(rope=None, eps=1e-5, rms=False, groups=heads, q_per_group=1,
                   head_dim=h // heads, scale=(h // heads) ** -0.5, attn_p=0.0, hidden_p=0.0,
                   act="gelu", rotary_interleaved=False, rope_mscale=1.0, training=True)
@@ -126,7 +130,8 @@ def test_compiled_layer_accumulates_into_views_of_one_buffer(backend, device):
         args = (x, ln1_w, ln1_b, ws[0], qkv_b, ws[1], proj_b, ln2_w, ln2_b, ws[2], fc1_b,
                 ws[3], fc2_b)
         fn(*args, **consts, qkv_main_grad=views[0], proj_main_grad=views[1],
-           fc1_main_grad=views[2], fc2_main_grad=views[3]).square().sum().backward()
+           fc1_main_grad=views[2], fc2_main_grad=views[3],
+           wgrad_write=write).square().sum().backward()
         fused_x_grad = x.grad.clone()
         for t in [x] + ws + small:  # the fused weights' .grad is the placeholder (DDP drops it)
             t.grad = None

@@ -58,6 +58,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
+from . import grad_write
 from .attention import SDPADotProductAttention
 
 logger = logging.getLogger(__name__)
@@ -76,12 +77,16 @@ def set_wgrad_fusion(enabled: bool) -> None:
 
 
 @torch.library.custom_op("megagpt::wgrad_into_main_grad", mutates_args=("main_grad",))
-def wgrad_into_main_grad(grad_out: Tensor, inp: Tensor, main_grad: Tensor) -> Tensor:
-    """``main_grad += grad_out^T @ inp`` over all leading dims; returns a placeholder weight
-    gradient (uninitialised, as megatron's own fusion returns) for autograd to hand on."""
+def wgrad_into_main_grad(grad_out: Tensor, inp: Tensor, main_grad: Tensor, write: bool) -> Tensor:
+    """``main_grad += grad_out^T @ inp`` over all leading dims (``write``: ``main_grad =
+    grad_out^T @ inp``, the GEMM's output written straight into the buffer); returns a
+    placeholder weight gradient (uninitialised, as megatron's own fusion returns) for
+    autograd to hand on."""
     g = grad_out.reshape(-1, grad_out.shape[-1])
     x = inp.reshape(-1, inp.shape[-1])
-    if main_grad.dtype == g.dtype:
+    if write:  # same dtype: wgrad_mode checked it
+        torch.mm(g.t(), x, out=main_grad)
+    elif main_grad.dtype == g.dtype:
         main_grad.addmm_(g.t(), x)
     else:  # an fp32 buffer for bf16 activations
         from .lm_loss import accumulate_weight_grad
@@ -91,33 +96,36 @@ def wgrad_into_main_grad(grad_out: Tensor, inp: Tensor, main_grad: Tensor) -> Te
 
 
 @wgrad_into_main_grad.register_fake
-def _(grad_out: Tensor, inp: Tensor, main_grad: Tensor) -> Tensor:
+def _(grad_out: Tensor, inp: Tensor, main_grad: Tensor, write: bool) -> Tensor:
     return grad_out.new_empty(main_grad.shape)
 
 
 class _LinearIntoMainGrad(torch.autograd.Function):
-    """``x @ w^T`` whose weight gradient is accumulated into ``main_grad`` in backward."""
+    """``x @ w^T`` whose weight gradient goes into ``main_grad`` in backward (added, or with
+    ``write`` written)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, main_grad: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, w: Tensor, main_grad: Tensor, write: bool) -> Tensor:
         ctx.save_for_backward(x, w)
         # not a saved tensor: every view of the gradient buffer shares one version counter,
         # which the other weights' accumulations bump before this backward runs
         ctx.main_grad = main_grad
+        ctx.write = write
         return F.linear(x, w)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         x, w = ctx.saved_tensors
         grad_x = grad_out @ w if ctx.needs_input_grad[0] else None
-        grad_w = torch.ops.megagpt.wgrad_into_main_grad(grad_out, x, ctx.main_grad)
-        return grad_x, grad_w, None
+        grad_w = torch.ops.megagpt.wgrad_into_main_grad(grad_out, x, ctx.main_grad, ctx.write)
+        return grad_x, grad_w, None, None
 
 
-def _linear(x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Optional[Tensor]) -> Tensor:
+def _linear(x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Optional[Tensor],
+            write: bool = False) -> Tensor:
     if main_grad is None:
         return F.linear(x, w, b)
-    y = _LinearIntoMainGrad.apply(x, w, main_grad)
+    y = _LinearIntoMainGrad.apply(x, w, main_grad, write)
     return y if b is None else y + b
 
 
@@ -151,14 +159,14 @@ def _activation(x: Tensor, act: str) -> Tensor:
 
 
 def _column_linear(x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Optional[Tensor],
-                   tp_group, sequence_parallel: bool) -> Tensor:
+                   tp_group, sequence_parallel: bool, write: bool = False) -> Tensor:
     """A column-parallel linear. Under tensor parallelism megatron's own linear function
     does what its ColumnParallelLinear does: the input's gradient all-reduced across the
     ranks in backward, overlapped with the weight-gradient GEMM; with sequence parallelism
     the input gathered along the sequence first (its gradient reduce-scattered back).
     Weight-gradient fusion is not used under tensor parallelism."""
     if tp_group is None:
-        return _linear(x, w, b, main_grad)
+        return _linear(x, w, b, main_grad, write)
     return linear_with_grad_accumulation_and_async_allreduce(
         x, w, b, gradient_accumulation_fusion=False, allreduce_dgrad=not sequence_parallel,
         sequence_parallel=sequence_parallel, tp_group=tp_group)
@@ -216,20 +224,23 @@ def fused_layer_forward(
     proj_main_grad: Optional[Tensor] = None,
     fc1_main_grad: Optional[Tensor] = None,
     fc2_main_grad: Optional[Tensor] = None,
+    wgrad_write: bool = False,
     tp_group=None,
     sequence_parallel: bool = False,
 ) -> Tensor:
     """One dense pre-norm GPT layer on ``x`` of shape [s, b, h]; megatron's layouts.
 
     ``*_main_grad``: megatron's gradient-buffer views of the four weights, to accumulate
-    their gradients into directly (None: ordinary autograd gradients).
+    their gradients into directly (None: ordinary autograd gradients); ``wgrad_write``:
+    write them there instead (the buffer holds nothing of this step to add to).
     ``tp_group``: the tensor-parallel group when the weights are this rank's shards
     (megatron's column-parallel QKV and fc1, row-parallel projection and fc2);
     ``groups`` then counts this rank's query groups. ``sequence_parallel``: ``x`` is this
     rank's slice of the sequence, gathered before QKV and fc1 and scattered after the
     projection and fc2, as megatron's parallel linears do."""
     y = _norm(x, ln1_w, ln1_b, eps, rms)
-    qkv = _column_linear(y, qkv_w, qkv_b, qkv_main_grad, tp_group, sequence_parallel)
+    qkv = _column_linear(y, qkv_w, qkv_b, qkv_main_grad, tp_group, sequence_parallel,
+                         wgrad_write)
     s, b = qkv.shape[0], qkv.shape[1]  # the whole sequence, also under sequence parallelism
     # megatron's fused QKV layout: per query group [q_1..q_k, k, v]
     qkv = qkv.view(s, b, groups, (q_per_group + 2) * head_dim)
@@ -250,15 +261,15 @@ def fused_layer_forward(
         v = v.repeat_interleave(q_per_group, dim=1)
     o = _attention(q, k, v, attn_p if training else 0.0, scale, tp_group, sequence_parallel)
     o = o.permute(2, 0, 1, 3).reshape(s, b, groups * q_per_group * head_dim)
-    a = _row_parallel_output(_linear(o, proj_w, None, proj_main_grad), tp_group,
+    a = _row_parallel_output(_linear(o, proj_w, None, proj_main_grad, wgrad_write), tp_group,
                              sequence_parallel)
     if proj_b is not None:
         a = a + proj_b
     x = x + F.dropout(a, hidden_p, training)
     y = _norm(x, ln2_w, ln2_b, eps, rms)
     f = _activation(_column_linear(y, fc1_w, fc1_b, fc1_main_grad, tp_group,
-                                   sequence_parallel), act)
-    m = _row_parallel_output(_linear(f, fc2_w, None, fc2_main_grad), tp_group,
+                                   sequence_parallel, wgrad_write), act)
+    m = _row_parallel_output(_linear(f, fc2_w, None, fc2_main_grad, wgrad_write), tp_group,
                              sequence_parallel)
     if fc2_b is not None:
         m = m + fc2_b
@@ -465,22 +476,36 @@ class FastTransformerLayer(TransformerLayer):
         )
         weights = dict(qkv_main_grad=att.linear_qkv.weight, proj_main_grad=att.linear_proj.weight,
                        fc1_main_grad=mlp.linear_fc1.weight, fc2_main_grad=mlp.linear_fc2.weight)
-        if self.wgrad_fusion_ok(weights.values()):
+        mode = self.wgrad_mode(weights.values())
+        if mode is not None:
             for name, w in weights.items():
                 consts[name] = w.main_grad
-                # megatron's DDP hook: the value is in main_grad already, do not add the
-                # placeholder (its zero_grad_buffer resets this flag every iteration)
-                w.grad_added_to_main_grad = True
+                if mode == "write":
+                    grad_write.mark_written_by_gemm(w)
+                else:
+                    # megatron's DDP hook: the value is in main_grad already, do not add the
+                    # placeholder (its zero_grad_buffer resets this flag every iteration)
+                    w.grad_added_to_main_grad = True
+            consts["wgrad_write"] = mode == "write"
         return tensors, consts
 
-    def wgrad_fusion_ok(self, weights) -> bool:
-        """Whether this forward accumulates the weight gradients into megatron's buffer."""
-        return (_WGRAD_FUSION["enabled"] and self.training and torch.is_grad_enabled()
+    def wgrad_mode(self, weights) -> Optional[str]:
+        """How this forward's weight GEMMs deliver their gradients in backward: ``"write"``
+        them into megatron's buffer (``--fast-grad-write``: nothing of this step is there to
+        add to), ``"accumulate"`` into it (``--fast-wgrad-fusion``), or None (autograd and
+        megatron's DDP hook)."""
+        weights = list(weights)
+        if not (self.training and torch.is_grad_enabled()
                 and self.self_attention.pg_collection.tp.size() == 1
                 and all(w.requires_grad and getattr(w, "main_grad", None) is not None
                         and hasattr(w, "grad_added_to_main_grad")
                         and not getattr(w, "zero_out_wgrad", False)
-                        and w.main_grad.shape == w.shape for w in weights))
+                        and w.main_grad.shape == w.shape for w in weights)):
+            return None
+        if all(grad_write.gemm_may_write(w) and w.main_grad.dtype == w.dtype
+               for w in weights):
+            return "write"
+        return "accumulate" if _WGRAD_FUSION["enabled"] else None
 
     def _fused_forward(self, hidden_states: Tensor, rope: Optional[Tensor]) -> Tensor:
         tensors, consts = self.fused_arguments(rope)

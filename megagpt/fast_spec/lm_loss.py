@@ -33,8 +33,18 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-# elements of one chunk's logits (tokens x vocab): 2**26 = 64 Mi = 128 MB in bf16
+# elements of one chunk's logits (tokens x vocab) per 1024 of hidden size: 2**26 = 64 Mi =
+# 128 MB in bf16 at the 345M shape. Scaled with the hidden size, the chunk keeps its share
+# of the peak (activations grow with it), and wider models get chunks of more tokens: each
+# chunk's weight-gradient GEMM reads and writes the whole fp32 [vocab, hidden] accumulator,
+# so fewer, longer chunks move less memory per FLOP (1024-token chunks ran at 545 TFLOP/s
+# at the 1.3B shape on an H200, where the layers' GEMMs run at 720).
 _CHUNK_ELEMENTS = 2**26
+
+
+def chunk_elements_for(hidden_size: int) -> int:
+    """Logit elements per chunk for a model of this hidden size."""
+    return _CHUNK_ELEMENTS * max(1, hidden_size // 1024)
 
 # torch.compile of the per-chunk kernels (one read of the bf16 logits forward, one fused
 # pointwise pass backward). Off on CPU and when set_loss_compile(False) was called.
@@ -78,13 +88,14 @@ def _ce_forward_grad_chunk(logits: Tensor, labels: Tensor, weights: Tensor, acc:
 
 
 def _chunk_input_grads(g: Tensor, hidden: Tensor, weight: Tensor, grad_hidden: Optional[Tensor],
-                       grad_weight: Optional[Tensor]) -> None:
+                       grad_weight: Optional[Tensor], first: bool) -> None:
     """From one chunk's logit gradient ``g``: its hidden-state gradient into ``grad_hidden``
-    (that chunk's rows), its weight gradient added onto ``grad_weight``."""
+    (that chunk's rows), its weight gradient added onto ``grad_weight`` (``first``: written
+    there; the accumulator starts uninitialised, not zeroed)."""
     if grad_hidden is not None:
         torch.matmul(g, weight, out=grad_hidden)
     if grad_weight is not None:
-        accumulate_weight_grad(grad_weight, g, hidden)
+        accumulate_weight_grad(grad_weight, g, hidden, write=first)
 
 
 def _kernel(name: str, fn, device: torch.device):
@@ -143,18 +154,23 @@ def fused_fp32_accumulation_works(device: torch.device) -> bool:
     return works
 
 
-def accumulate_weight_grad(acc: Tensor, grad_out: Tensor, inp: Tensor) -> None:
-    """``acc += grad_out.T @ inp`` where ``acc`` may be wider (fp32) than the operands (bf16).
+def accumulate_weight_grad(acc: Tensor, grad_out: Tensor, inp: Tensor, write: bool = False) -> None:
+    """``acc += grad_out.T @ inp`` where ``acc`` may be wider (fp32) than the operands (bf16);
+    ``write``: ``acc = grad_out.T @ inp`` (whatever ``acc`` held is neither read nor kept).
 
     One GEMM accumulating in fp32 straight into ``acc`` where that form works (see
     ``fused_fp32_accumulation_works``): no separate add kernel over the [vocab, hidden] fp32
     accumulator per chunk, and the product is not rounded to bf16 first. Elsewhere the
-    product is formed in the operands' dtype and added in fp32.
+    product is formed in the operands' dtype and added in fp32. (beta = 0 makes the GEMM
+    ignore ``acc``'s old values, NaN included.)
     """
+    beta = 0 if write else 1
     if grad_out.dtype == acc.dtype:
-        acc.addmm_(grad_out.t(), inp)
+        acc.addmm_(grad_out.t(), inp, beta=beta)
     elif acc.dtype == torch.float32 and fused_fp32_accumulation_works(acc.device):
-        torch.addmm(acc, grad_out.t(), inp, out_dtype=torch.float32, out=acc)
+        torch.addmm(acc, grad_out.t(), inp, beta=beta, out_dtype=torch.float32, out=acc)
+    elif write:
+        acc.copy_(grad_out.t() @ inp)
     else:
         acc.add_(grad_out.t() @ inp)
 
@@ -184,14 +200,15 @@ class _ChunkedLinearCE(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         acc = lse_all.dtype
         grad_hidden = torch.empty_like(hidden) if need_h else None
-        # fp32 accumulator over chunks; each chunk's product is added without an fp32 copy
-        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        # fp32 accumulator over chunks; each chunk's product is added without an fp32 copy (the
+        # first one's written: no zero fill)
+        grad_weight = torch.empty(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_losses = grad_losses.to(acc)
         bwd = _kernel("bwd", _ce_backward_chunk, hidden.device)
         for a, b in _chunks(n, vocab, ctx.chunk_elements):
             g = bwd(hidden[a:b] @ weight.t(), lse_all[a:b], labels[a:b], grad_losses[a:b])
             _chunk_input_grads(g, hidden[a:b], weight,
-                               grad_hidden[a:b] if need_h else None, grad_weight)
+                               grad_hidden[a:b] if need_h else None, grad_weight, a == 0)
             del g
         if need_w:
             grad_weight = grad_weight.to(weight.dtype)
@@ -220,14 +237,14 @@ class _ChunkedLinearCEGradInForward(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         losses = torch.empty(n, dtype=acc, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_h else None
-        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_weight = torch.empty(weight.shape, dtype=acc, device=weight.device) if need_w else None
         w = loss_weights.to(acc)
         step = _kernel("fwd_grad", _ce_forward_grad_chunk, hidden.device)
         for a, b in _chunks(n, vocab, chunk_elements):
             loss, g = step(hidden[a:b] @ weight.t(), labels[a:b], w[a:b], acc)
             losses[a:b] = loss
             _chunk_input_grads(g, hidden[a:b], weight,
-                               grad_hidden[a:b] if need_h else None, grad_weight)
+                               grad_hidden[a:b] if need_h else None, grad_weight, a == 0)
             del g
         ctx.save_for_backward(grad_hidden, grad_weight, w)
         ctx.dtypes = (hidden.dtype, weight.dtype)
@@ -248,7 +265,7 @@ class _ChunkedLinearCEGradInForward(torch.autograd.Function):
 
 def chunked_linear_cross_entropy_grad_in_forward(
     hidden: Tensor, weight: Tensor, labels: Tensor, loss_weights: Tensor,
-    chunk_elements: int = _CHUNK_ELEMENTS,
+    chunk_elements: Optional[int] = None,
 ) -> Tensor:
     """``chunked_linear_cross_entropy`` whose gradients are formed in the forward pass.
 
@@ -256,17 +273,21 @@ def chunked_linear_cross_entropy_grad_in_forward(
     ``_ChunkedLinearCEGradInForward``). hidden: [N, h]; weight: [V, h]; labels, loss_weights:
     [N]. Returns [N] float32.
     """
+    if chunk_elements is None:
+        chunk_elements = chunk_elements_for(hidden.size(-1))
     return _ChunkedLinearCEGradInForward.apply(hidden, weight, labels.long(), loss_weights,
                                                chunk_elements)
 
 
 def chunked_linear_cross_entropy(
-    hidden: Tensor, weight: Tensor, labels: Tensor, chunk_elements: int = _CHUNK_ELEMENTS
+    hidden: Tensor, weight: Tensor, labels: Tensor, chunk_elements: Optional[int] = None
 ) -> Tensor:
     """Per-token ``cross_entropy(hidden @ weight.T, labels)`` (no reduction), fp32.
 
     hidden: [N, h]; weight: [V, h]; labels: [N] int64. Returns [N] float32.
     """
+    if chunk_elements is None:
+        chunk_elements = chunk_elements_for(hidden.size(-1))
     return _ChunkedLinearCE.apply(hidden, weight, labels.long(), chunk_elements)
 
 

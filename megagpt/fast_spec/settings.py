@@ -22,6 +22,12 @@
                                  --grad-reduce-in-bf16); default: on where that gives the same
                                  values as the fp32 buffer (bf16, one micro-batch per step,
                                  one data-parallel rank)
+  --fast-grad-write / --no-fast-grad-write
+                                 write each gradient into megatron's gradient buffer instead
+                                 of zeroing the buffer and adding to it (the fused layer's
+                                 weight GEMMs write straight into it); default: on where
+                                 nothing is accumulated there (one micro-batch per step, one
+                                 data-parallel rank)
   --fast-wgrad-fusion            fused layer: weight gradients accumulated into main_grad by
                                  their GEMMs instead of autograd + megatron's DDP hook (off)
   --no-fast-flat-adam            keep megatron's five-pass bf16 optimizer step (cast, norm,
@@ -118,6 +124,18 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
         "on for fast-path bf16 runs with one micro-batch per step and one data-parallel rank, "
         "where nothing is accumulated or reduced in the buffer and its values equal the fp32 "
         "buffer's (saves 2 bytes per parameter of peak memory).",
+    )
+    group.add_argument(
+        "--fast-grad-write",
+        action=argparse.BooleanOptionalAction,
+        dest="fast_grad_write",
+        default=None,
+        help="Write each step's gradients into megatron's gradient buffer (the DDP hook "
+        "copies, the fused layer's weight GEMMs write their product there) instead of "
+        "zeroing the whole buffer every step and adding to it; parameters that get no "
+        "gradient are zeroed at the end of the backward pass. Default: on for the fast path "
+        "with one micro-batch per step and one data-parallel rank, where nothing is "
+        "accumulated in the buffer and the values are the same.",
     )
     group.add_argument(
         "--fast-wgrad-fusion",
@@ -256,6 +274,8 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
     - bf16 gradient buffer: sets megatron's ``grad_reduce_in_bf16`` when
       ``fast_bf16_grad_buffer`` is on (by default where ``bf16_grad_buffer_unsupported_reason``
       is None);
+    - gradients written instead of zeroed and added: ``fast_grad_write`` on by default where
+      ``grad_write.unsupported_reason`` is None (asked for where it is not: ``UserError``);
     - attention mask: ``create_attention_mask_in_dataloader`` off where the fast spec is used
       and no document mask (``--reset-attention-mask``) has to be honoured;
     - changes no other argument and patches nothing in megatron (``install_fast_path_patches``
@@ -274,6 +294,7 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
         ("fast_flat_adam", True),
         ("fast_wgrad_fusion", False),
         ("fast_bf16_grad_buffer", None),
+        ("fast_grad_write", None),
     ):
         if not hasattr(args, name):
             setattr(args, name, default)
@@ -321,6 +342,19 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
     if args.fast_bf16_grad_buffer:
         args.grad_reduce_in_bf16 = True
 
+    # --- gradients written, not zeroed and added ------------------------------------------
+    from . import grad_write
+
+    reason = grad_write.unsupported_reason(args)
+    if args.fast_grad_write is None:
+        args.fast_grad_write = reason is None
+    elif args.fast_grad_write and reason is not None:
+        from megagpt.errors import UserError
+
+        raise UserError(f"--fast-grad-write: {reason}: gradients are summed in the buffer "
+                        "there, which needs megatron's zeroing; leave the flag out")
+    grad_write.set_grad_write(bool(args.fast_grad_write))
+
     # --- no attention mask from the data loader ---------------------------------------------
     # The fast spec's attention is causal by construction (SDPA's is_causal); the [s, s]
     # mask per sample is built by the loader's workers and copied to the GPU every step
@@ -351,6 +385,9 @@ def install_fast_path_patches(args, log: Optional[Callable[[str], None]] = None)
     Called by ``pretrain_gpt.run`` before ``megatron.training.pretrain`` builds the optimizer,
     not at parse time, so that ``--help`` and ``--dry-run`` leave megatron untouched:
 
+    - gradients written (``fast_grad_write``): megatron's DDP hook copies, its buffer is not
+      zeroed, parameters without a gradient are zeroed at ``finish_grad_sync``
+      (``megagpt.fast_spec.grad_write``);
     - optimizer: if ``fast_optimizer`` and megatron's optimizer modules are on their
       no-TE/no-apex fallbacks, torch's fused AdamW as megatron's Adam class and
       torch._foreach_* versions of the gradient-norm / scale / param-copy kernels
@@ -366,6 +403,10 @@ def install_fast_path_patches(args, log: Optional[Callable[[str], None]] = None)
       identities (``megagpt.fast_spec.async_step``).
     """
     log = log or (lambda s: None)
+    if getattr(args, "fast_grad_write", False):
+        from . import grad_write
+
+        grad_write.install(log)
     if not getattr(args, "fast_optimizer", True):
         log("fast optimizer: off (--no-fast-optimizer)")
         return

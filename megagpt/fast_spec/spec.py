@@ -152,4 +152,6 @@ def describe_fast_spec(args) -> str:
             parts.append("flat AdamW step where it applies")
     if _get(args, "fast_bf16_grad_buffer", False):
         parts.append("bf16 gradient buffer")
+    if _get(args, "fast_grad_write", False):
+        parts.append("gradients written into the buffer, not zeroed and added")
     return "fast spec (no Transformer Engine): " + ", ".join(parts)

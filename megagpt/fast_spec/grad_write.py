@@ -1,0 +1,209 @@
+"""Gradients written into megatron's gradient buffer, not added to a zeroed one.
+
+Megatron's DDP zeroes its whole gradient buffer at the start of every step, and its backward
+hook then adds each parameter's gradient into that buffer (``main_grad.add_(grad)``). With
+one micro-batch per step and one data-parallel rank nothing is ever accumulated there: each
+parameter receives exactly one gradient per step (autograd has already summed the uses of a
+parameter used twice, like tied embeddings), and ``0 + g`` is ``g``. So the zero fill
+(2 bytes per parameter in a bf16 buffer) and the add's read of the zeros (2 more) move memory
+for nothing, and the add needs the gradient in a tensor of its own first. At the 1.3B shape
+the fill and the adds took 3.2 ms of a 136 ms step on an H200 (docs/benchmarks.md, sixth
+session).
+
+With writing on (``--fast-grad-write``, the default where it applies):
+
+- the buffer is not zeroed at the start of a step (megatron's bookkeeping is still reset);
+- the DDP hook copies the gradient into ``main_grad`` instead of adding it;
+- the fused layer's four weight GEMMs write their product straight into ``main_grad``
+  (``layer.py``: beta = 0, no gradient tensor of their own, no copy);
+- at the end of the backward pass (``finish_grad_sync``, before any reduction or optimizer
+  step) every parameter that received no gradient in this step has its ``main_grad`` zeroed,
+  so what the optimizer reads is exactly this step's gradients, as after megatron's zeroing.
+
+Inside the full-iteration CUDA graph the hooks and ``finish_grad_sync`` run while the graph
+is captured, so the copies, the GEMMs' writes and any zeroing are replayed each step.
+
+It applies when one micro-batch per step reaches one data-parallel rank and nothing else adds
+into ``main_grad`` (megatron's gradient-accumulation fusion, the distributed optimizer, FSDP
+and buffers with extra local gradients are excluded); ``unsupported_reason(args)`` says why not.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+_STATE = {"enabled": False, "installed": False}
+
+
+def set_grad_write(enabled: bool) -> None:
+    """Turn writing gradients (instead of zeroing and adding) on or off, process-wide."""
+    _STATE["enabled"] = bool(enabled)
+
+
+def grad_write_enabled() -> bool:
+    return _STATE["enabled"]
+
+
+def unsupported_reason(args) -> Optional[str]:
+    """Why gradients cannot be written instead of added in this run (None: they can)."""
+    from .settings import _planned_world_size, fast_path_selected
+
+    if not fast_path_selected(args):
+        return "the fast spec is not used"
+    model_parallel = 1
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "context_parallel_size"):
+        model_parallel *= getattr(args, name, 1) or 1
+    if max(1, _planned_world_size(args) // model_parallel) != 1:
+        return "more than one data-parallel rank"
+    micro = getattr(args, "micro_batch_size", None) or 1
+    global_batch = getattr(args, "global_batch_size", None) or micro
+    if global_batch != micro or getattr(args, "rampup_batch_size", None):
+        return "more than one micro-batch per step (gradients are accumulated)"
+    if getattr(args, "gradient_accumulation_fusion", False):
+        return "gradient-accumulation fusion adds into the buffer itself"
+    if getattr(args, "use_distributed_optimizer", False):
+        return "the distributed optimizer"
+    if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
+        return "FSDP"
+    return None
+
+
+def _eligible(ddp) -> bool:
+    """Whether this DDP instance's buffers hold nothing but its hooks' gradients."""
+    buffers = list(getattr(ddp, "buffers", []))
+    return (not getattr(ddp, "expert_parallel_buffers", None)
+            and all(not getattr(b, "extra_main_grads", None) for b in buffers))
+
+
+def _active(ddp) -> bool:
+    """Decided by each ``zero_grad_buffer`` (the start of a step) for that step."""
+    return getattr(ddp, "_megagpt_grad_write_step", False)
+
+
+def _written(ddp) -> set:
+    written = getattr(ddp, "_megagpt_grads_written", None)
+    if written is None:
+        written = ddp._megagpt_grads_written = set()
+    return written
+
+
+def gemm_may_write(param) -> bool:
+    """Whether a GEMM may write this step's gradient of ``param`` straight into its
+    ``main_grad``: its DDP is writing this step, and no gradient of ``param`` is there yet."""
+    return (getattr(param, "_megagpt_grad_write", False)
+            and not getattr(param, "_megagpt_main_grad_written", False))
+
+
+def mark_written_by_gemm(param) -> None:
+    """``param.main_grad`` receives this step's gradient from a GEMM that writes it (the
+    fused layer); megatron's hook must neither add the placeholder nor take it for an
+    accumulation."""
+    param.grad_added_to_main_grad = True
+    param._megagpt_main_grad_written = True
+
+
+def _second_gradient(param) -> RuntimeError:
+    return RuntimeError(
+        f"--fast-grad-write: a second gradient of a parameter of shape {tuple(param.shape)} "
+        "arrived in one step (more than one micro-batch, or a parameter's gradient "
+        "accumulated outside megagpt's fused layer); gradients must be added there: "
+        "relaunch with --no-fast-grad-write")
+
+
+def install(log: Optional[Callable[[str], None]] = None) -> None:
+    """Wrap megatron's DDP hook factory, ``zero_grad_buffer`` and ``finish_grad_sync``
+    (once per process). Each ``zero_grad_buffer`` decides for its step whether to write
+    (``set_grad_write`` on, and a DDP whose buffers hold only its hooks' gradients);
+    otherwise the wrappers do megatron's work unchanged. Call before the model is wrapped in
+    DDP: the hooks are made then."""
+    if _STATE["installed"]:
+        if log:
+            log(_LOG_LINE)
+        return
+    from megatron.core.distributed import DistributedDataParallel as DDP
+
+    make_hook = DDP._make_backward_post_hook
+    zero_grad_buffer = DDP.zero_grad_buffer
+    finish_grad_sync = DDP.finish_grad_sync
+    _ORIGINALS.update(_make_backward_post_hook=make_hook, zero_grad_buffer=zero_grad_buffer,
+                      finish_grad_sync=finish_grad_sync)
+
+    def _make_backward_post_hook(self, param):
+        megatron_hook = make_hook(self, param)
+
+        def hook(*unused):
+            if _active(self) and param in self.param_to_bucket_group and param.grad is not None:
+                written = _written(self)
+                if param in written:
+                    raise _second_gradient(param)
+                written.add(param)
+                if param.grad_added_to_main_grad:
+                    if not getattr(param, "_megagpt_main_grad_written", False):
+                        # added into main_grad by something else: onto last step's values
+                        raise _second_gradient(param)
+                    return megatron_hook(*unused)
+                param.main_grad.copy_(param.grad.data)
+                param.grad_added_to_main_grad = True  # megatron's hook: do not add ...
+                # ... unless zero_out_wgrad: megatron marks a tied embedding so, for TE's
+                # fused output layer, whose placeholder is zeros; here the gradient holds both
+                # uses, copied already
+                zero_out = getattr(param, "zero_out_wgrad", False)
+                param.zero_out_wgrad = False
+                try:
+                    return megatron_hook(*unused)
+                finally:
+                    param.zero_out_wgrad = zero_out
+            return megatron_hook(*unused)
+
+        return hook
+
+    def _zero_grad_buffer(self):
+        active = _STATE["enabled"] and _eligible(self)
+        self._megagpt_grad_write_step = active
+        _written(self).clear()
+        for param in self.params_with_grad:
+            param._megagpt_grad_write = active
+            param._megagpt_main_grad_written = False
+        if not active:
+            return zero_grad_buffer(self)
+        # megatron's reset without the fill: every main_grad is written during the step,
+        # or zeroed at its end if it gets no gradient
+        for param in self.params_with_grad:
+            param.grad_added_to_main_grad = False
+        for bucket_group in self.bucket_groups + self.expert_parallel_bucket_groups:
+            bucket_group.reset()
+
+    def _finish_grad_sync(self, *args, **kwargs):
+        if _active(self):
+            written = _written(self)
+            for param in self.params_with_grad:
+                if param not in written:
+                    param.main_grad.zero_()  # no gradient this step: zero, as megatron's fill
+                    written.add(param)
+        return finish_grad_sync(self, *args, **kwargs)
+
+    DDP._make_backward_post_hook = _make_backward_post_hook
+    DDP.zero_grad_buffer = _zero_grad_buffer
+    DDP.finish_grad_sync = _finish_grad_sync
+    _STATE["installed"] = True
+    if log:
+        log(_LOG_LINE)
+
+
+def uninstall() -> None:
+    """Put megatron's DDP methods back (hooks of models wrapped meanwhile stay wrapped, and
+    do megatron's work while their DDP is not writing)."""
+    if not _STATE["installed"]:
+        return
+    from megatron.core.distributed import DistributedDataParallel as DDP
+
+    for name, fn in _ORIGINALS.items():
+        setattr(DDP, name, fn)
+    _ORIGINALS.clear()
+    _STATE["installed"] = False
+
+
+_ORIGINALS: dict = {}
+_LOG_LINE = ("fast path: gradients written into megatron's buffer, not zeroed and added "
+             "(--no-fast-grad-write adds them)")

@@ -1,0 +1,190 @@
+"""Gradients written into megatron's gradient buffer instead of zeroed and added
+(``--fast-grad-write``, ``megagpt.fast_spec.grad_write``).
+
+Two tiny GPTs of the fast spec with the same weights, each in megatron's real DDP, run the
+same batches on the CPU: one with writing on, one with megatron's zeroing and adding. After
+every step their gradient buffers must be equal bit for bit, though the writing one's buffer
+was never zeroed; a parameter that gets no gradient must read zero, and a second gradient in
+one step (gradient accumulation) must stop the run instead of overwriting the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from gloo_ranks import single_gloo_rank
+from megatron_parts import TINY_SEQ as SEQ
+from megatron_parts import TINY_VOCAB as VOCAB
+from megatron_parts import tiny_ddp_gpt
+
+BATCH = 2
+FUSED_WEIGHTS = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight",
+                 "linear_fc2.weight")
+
+
+@pytest.fixture()
+def writing():
+    """megatron's DDP with megagpt's wrappers (CPU mode, one gloo rank); put back after."""
+    from megagpt import cpu_mode
+    from megagpt.fast_spec import grad_write, layer
+
+    saved = (dict(layer._COMPILE), dict(layer._WGRAD_FUSION))
+    was_installed = grad_write._STATE["installed"]
+    grad_write.install()
+    with single_gloo_rank(), cpu_mode.active():
+        yield grad_write
+    grad_write.set_grad_write(False)
+    if not was_installed:
+        grad_write.uninstall()
+    layer.set_layer_compile(saved[0]["enabled"], saved[0]["options"])
+    layer.set_wgrad_fusion(saved[1]["enabled"])
+
+
+def _fast_model(grad_dtype):
+    from megagpt.fast_spec.spec import get_fast_gpt_layer_spec
+
+    spec = get_fast_gpt_layer_spec(argparse.Namespace(
+        fast_spec=True, fast_spec_fused_layer=True, fast_spec_compile=False,
+        fast_wgrad_fusion=False))
+    return tiny_ddp_gpt(spec, grad_dtype)
+
+
+def _batch(seed: int):
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+    return tokens[:, :-1], torch.arange(SEQ).expand(BATCH, -1), tokens[:, 1:]
+
+
+def _step(model, seed: int, *, write: bool, zero: bool = True):
+    from megagpt.fast_spec import grad_write
+
+    grad_write.set_grad_write(write)  # decided by each zero_grad_buffer, for its step
+    if zero:
+        model.zero_grad_buffer()
+    tokens, positions, labels = _batch(seed)
+    model(tokens, positions, None, labels=labels).float().mean().backward()
+    model.finish_grad_sync()
+    return {n: p.main_grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+def test_written_gradients_equal_zeroed_and_added_ones(writing, grad_dtype):
+    written, added = _fast_model(grad_dtype), _fast_model(grad_dtype)
+    qkv = written.module.module.decoder.layers[0].self_attention.linear_qkv.weight
+    for seed in range(3):
+        before = qkv.main_grad.clone()
+        g_written = _step(written, seed, write=True)
+        g_added = _step(added, seed, write=False)
+        assert written._megagpt_grad_write_step and not added._megagpt_grad_write_step
+        for name, grad in g_added.items():
+            assert grad.abs().sum() > 0, name
+            torch.testing.assert_close(g_written[name], grad, rtol=0, atol=0, msg=name)
+        if seed > 0:  # the step started from the last step's values: nothing zeroed them
+            assert not torch.equal(before, g_written["module.module.decoder.layers.0."
+                                                   "self_attention.linear_qkv.weight"])
+    # in a bf16 buffer the fused layer's GEMMs wrote the four weights; in an fp32 one
+    # (other dtype than the weights) autograd delivered them and the hook copied
+    assert qkv._megagpt_main_grad_written is (grad_dtype == torch.bfloat16)
+
+
+def test_buffer_is_not_zeroed_while_writing(writing):
+    model = _fast_model(torch.bfloat16)
+    _step(model, 0, write=True)
+    grads = {n: p.main_grad for n, p in model.named_parameters()}
+    kept = {n: g.clone() for n, g in grads.items()}
+    writing.set_grad_write(True)
+    model.zero_grad_buffer()
+    for name, grad in grads.items():
+        assert torch.equal(grad, kept[name]), name  # no fill
+    writing.set_grad_write(False)
+    model.zero_grad_buffer()
+    assert all(g.abs().sum() == 0 for g in grads.values())  # megatron's fill
+
+
+def test_parameter_without_a_gradient_reads_zero(writing):
+    written, added = _fast_model(torch.bfloat16), _fast_model(torch.bfloat16)
+    _step(written, 0, write=True)
+    _step(added, 0, write=False)
+    pos_name = "module.module.embedding.position_embeddings.weight"
+    for model in (written, added):  # no gradient for the position embeddings next step
+        dict(model.named_parameters())[pos_name].requires_grad_(False)
+    assert dict(written.named_parameters())[pos_name].main_grad.abs().sum() > 0
+    g_written = _step(written, 1, write=True)
+    g_added = _step(added, 1, write=False)
+    assert g_written[pos_name].abs().sum() == 0
+    for name, grad in g_added.items():
+        torch.testing.assert_close(g_written[name], grad, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+def test_a_second_gradient_in_one_step_stops_the_run(writing, grad_dtype):
+    model = _fast_model(grad_dtype)
+    _step(model, 0, write=True)
+    with pytest.raises(RuntimeError, match="--no-fast-grad-write"):
+        _step(model, 1, write=True, zero=False)  # two micro-batches' backward passes
+
+
+def test_off_is_megatrons_zeroing_and_adding(writing):
+    """Writing off: a second backward pass in one step accumulates, as megatron's does."""
+    model = _fast_model(torch.bfloat16)
+    once = _step(model, 0, write=False)
+    twice = _step(model, 0, write=False, zero=False)
+    name = "module.module.decoder.layers.0.mlp.linear_fc1.weight"
+    torch.testing.assert_close(twice[name], 2 * once[name])
+
+
+def _args(argv=(), **attrs):
+    from megagpt.fast_spec.settings import add_fast_path_arguments
+
+    p = argparse.ArgumentParser()
+    add_fast_path_arguments(p)
+    args = p.parse_args(list(argv))
+    base = dict(transformer_impl="local", spec=None, num_experts=None, world_size=1,
+                tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                context_parallel_size=1, cuda_graph_impl="none", bf16=True,
+                check_for_nan_in_loss_and_grad=True, check_for_spiky_loss=False, cpu=False,
+                optimizer="adam", micro_batch_size=8, global_batch_size=8,
+                rampup_batch_size=None, grad_reduce_in_bf16=False, entry_argv=list(argv),
+                gradient_accumulation_fusion=False, use_distributed_optimizer=False)
+    base.update(attrs)
+    for k, v in base.items():
+        setattr(args, k, v)
+    return args
+
+
+@pytest.mark.parametrize("attrs,needle", [
+    ({}, None),
+    ({"cpu": True}, None),
+    ({"world_size": 2, "tensor_model_parallel_size": 2}, None),
+    ({"global_batch_size": 16}, "micro-batch"),
+    ({"rampup_batch_size": [8, 8, 100]}, "micro-batch"),
+    ({"world_size": 2}, "data-parallel"),
+    ({"gradient_accumulation_fusion": True}, "accumulation fusion"),
+    ({"use_distributed_optimizer": True}, "distributed optimizer"),
+    ({"transformer_impl": "transformer_engine"}, "fast spec"),
+])
+def test_on_by_default_where_nothing_is_accumulated(attrs, needle):
+    from megagpt.fast_spec import grad_write
+    from megagpt.fast_spec.settings import apply_fast_path_defaults
+
+    args = _args(**attrs)
+    reason = grad_write.unsupported_reason(args)
+    assert (reason is None) if needle is None else (needle in reason)
+    apply_fast_path_defaults(args, lambda s: None)
+    assert args.fast_grad_write is (needle is None)
+    assert grad_write.grad_write_enabled() is (needle is None)
+
+
+def test_switch_off_and_refused_where_gradients_are_summed():
+    from megagpt.errors import UserError
+    from megagpt.fast_spec import grad_write
+    from megagpt.fast_spec.settings import apply_fast_path_defaults
+
+    args = _args(["--no-fast-grad-write"])
+    apply_fast_path_defaults(args, lambda s: None)
+    assert args.fast_grad_write is False and not grad_write.grad_write_enabled()
+    args = _args(["--fast-grad-write"], global_batch_size=32)
+    with pytest.raises(UserError, match="micro-batch"):
+        apply_fast_path_defaults(args, lambda s: None)
