@@ -101,32 +101,38 @@ def _(grad_out: Tensor, inp: Tensor, main_grad: Tensor, write: bool) -> Tensor:
 
 
 class _LinearIntoMainGrad(torch.autograd.Function):
-    """``x @ w^T`` whose weight gradient goes into ``main_grad`` in backward (added, or with
-    ``write`` written)."""
+    """``x @ w^T + b`` whose weight gradient goes into ``main_grad`` in backward (added, or
+    with ``write`` written). The bias stays inside the GEMM (cuBLAS's bias epilogue), as in
+    ``F.linear``: added afterwards, in front of SDPA it would cost a pass over the QKV
+    output of its own."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, main_grad: Tensor, write: bool) -> Tensor:
+    def forward(ctx, x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Tensor,
+                write: bool) -> Tensor:
         ctx.save_for_backward(x, w)
         # not a saved tensor: every view of the gradient buffer shares one version counter,
         # which the other weights' accumulations bump before this backward runs
         ctx.main_grad = main_grad
         ctx.write = write
-        return F.linear(x, w)
+        ctx.has_bias = b is not None
+        return F.linear(x, w, b)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         x, w = ctx.saved_tensors
         grad_x = grad_out @ w if ctx.needs_input_grad[0] else None
         grad_w = torch.ops.megagpt.wgrad_into_main_grad(grad_out, x, ctx.main_grad, ctx.write)
-        return grad_x, grad_w, None, None
+        grad_b = None
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
+        return grad_x, grad_w, grad_b, None, None
 
 
 def _linear(x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Optional[Tensor],
             write: bool = False) -> Tensor:
     if main_grad is None:
         return F.linear(x, w, b)
-    y = _LinearIntoMainGrad.apply(x, w, main_grad, write)
-    return y if b is None else y + b
+    return _LinearIntoMainGrad.apply(x, w, b, main_grad, write)
 
 
 def set_layer_compile(enabled: bool, options: Optional[dict] = None) -> None:
