@@ -20,15 +20,19 @@ FP8, ...) goes through ``TransformerLayer.forward`` unchanged, with the SDPA cor
 of the fast spec.
 
 Gradients reach the parameters through ordinary autograd, and megatron's DDP hooks add them
-into ``main_grad``. With ``--fast-wgrad-fusion`` the four weight matrices' gradients go
-straight into ``main_grad`` instead (gradient-accumulation fusion, as TE's and apex's linears
-do for megatron): their GEMM accumulates into megatron's gradient buffer (``addmm_``,
-beta = 1) rather than writing a new gradient tensor that the DDP hook then adds. As with
-megatron's own fusion, autograd receives a placeholder gradient and
-``grad_added_to_main_grad`` tells the hook that the value is already in the buffer. It is off
-by default: on an H200 it measured within run-to-run noise, with one micro-batch per step and
-with eight accumulated into an fp32 buffer (docs/benchmarks.md); without megatron's DDP (no
-``main_grad``) it never applies.
+into ``main_grad`` — except for the four weight matrices where their GEMM can deliver them
+there itself (as TE's and apex's linears do for megatron; autograd then receives a
+placeholder gradient, and ``grad_added_to_main_grad`` tells the hook that the value is in the
+buffer already):
+
+- written (beta = 0) when megatron's DDP writes this step's gradients instead of zeroing its
+  buffer and adding (``--fast-grad-write``, ``grad_write.py``: one micro-batch per step, the
+  default there) and the buffer has the weights' dtype;
+- accumulated (``addmm_``, beta = 1) with ``--fast-wgrad-fusion``, off by default: on an H200
+  it measured within run-to-run noise, with one micro-batch per step and with eight
+  accumulated into an fp32 buffer (docs/benchmarks.md).
+
+Without megatron's DDP (no ``main_grad``) neither applies.
 """
 
 from __future__ import annotations
