@@ -188,3 +188,22 @@ def test_switch_off_and_refused_where_gradients_are_summed():
     args = _args(["--fast-grad-write"], global_batch_size=32)
     with pytest.raises(UserError, match="micro-batch"):
         apply_fast_path_defaults(args, lambda s: None)
+
+
+@pytest.mark.slow
+def test_entry_trains_the_same_with_gradients_written(tmp_path):
+    """The entry on the CPU, one micro-batch per step (writing on by default): the same
+    losses as with megatron's zeroing and adding, through megatron's training loop and its
+    finalize_model_grads."""
+    from helpers import TINY_MODEL, parse_losses, run_entry
+
+    args = [*TINY_MODEL, "--global-batch-size", "2", "--train-iters", "8"]
+    written = run_entry(args, cwd=tmp_path)
+    added = run_entry([*args, "--no-fast-grad-write"], cwd=tmp_path)
+    for out in (written, added):
+        assert out.returncode == 0, out.stdout[-3000:]
+    assert "gradients written into megatron's buffer" in written.stdout
+    assert "gradients written into megatron's buffer" not in added.stdout
+    losses = parse_losses(written.stdout)
+    assert sorted(losses) == list(range(1, 9))
+    assert losses == parse_losses(added.stdout)
