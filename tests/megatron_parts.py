@@ -3,6 +3,7 @@ installed in megatron's optimizer modules, and a tiny bf16 GPT wrapped in megatr
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 
 import pytest
@@ -54,3 +55,26 @@ def tiny_ddp_gpt(spec=None, grad_dtype=torch.bfloat16, device="cpu"):
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_dtype == torch.float32,
                                         overlap_grad_reduce=False, use_distributed_optimizer=False)
     return DistributedDataParallel(config, ddp, module=model)
+
+
+def fast_path_namespace(argv=(), **attrs) -> argparse.Namespace:
+    """The fast-path switches parsed from ``argv``, on a namespace of the megatron arguments
+    their defaults look at (one GPU, bf16, one micro-batch of 8, the local spec's settings),
+    ``attrs`` overriding them: what ``apply_fast_path_defaults`` sees after parsing."""
+    from megagpt.fast_spec.settings import add_fast_path_arguments
+
+    p = argparse.ArgumentParser()
+    add_fast_path_arguments(p)
+    args = p.parse_args(list(argv))
+    base = dict(transformer_impl="local", spec=None, num_experts=None, world_size=1,
+                tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                context_parallel_size=1, cuda_graph_impl="none", bf16=True,
+                check_for_nan_in_loss_and_grad=True, check_for_spiky_loss=False, cpu=False,
+                optimizer="adam", micro_batch_size=8, global_batch_size=8,
+                rampup_batch_size=None, grad_reduce_in_bf16=False, entry_argv=list(argv),
+                fast_optimizer=False, gradient_accumulation_fusion=False,
+                use_distributed_optimizer=False)
+    base.update(attrs)
+    for k, v in base.items():
+        setattr(args, k, v)
+    return args

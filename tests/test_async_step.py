@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gloo_ranks import run_on_ranks, single_gloo_rank
-from megatron_parts import fast_optimizer_kernels
+from megatron_parts import fast_optimizer_kernels, fast_path_namespace
 
 
 @pytest.fixture()
@@ -232,25 +232,6 @@ def test_reading_a_device_norm_waits_for_its_step_only():
 # ---------------------------------------------------------------------------------------
 # the bf16 gradient buffer
 # ---------------------------------------------------------------------------------------
-def _args(argv=(), **attrs):
-    from megagpt.fast_spec.settings import add_fast_path_arguments
-
-    p = argparse.ArgumentParser()
-    add_fast_path_arguments(p)
-    args = p.parse_args(list(argv))
-    base = dict(transformer_impl="local", spec=None, num_experts=None, world_size=1,
-                tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                context_parallel_size=1, cuda_graph_impl="none", bf16=True,
-                check_for_nan_in_loss_and_grad=True, check_for_spiky_loss=False, cpu=False,
-                optimizer="adam", micro_batch_size=8, global_batch_size=8,
-                rampup_batch_size=None, grad_reduce_in_bf16=False, entry_argv=list(argv),
-                fast_optimizer=False)
-    base.update(attrs)
-    for k, v in base.items():
-        setattr(args, k, v)
-    return args
-
-
 @pytest.mark.parametrize(
     "attrs,argv,needle",
     [
@@ -272,7 +253,7 @@ def test_bf16_grad_buffer_only_where_values_are_unchanged(attrs, argv, needle):
         bf16_grad_buffer_unsupported_reason,
     )
 
-    args = _args(argv, **attrs)
+    args = fast_path_namespace(argv, **attrs)
     reason = bf16_grad_buffer_unsupported_reason(args)
     assert (reason is None) if needle is None else (needle in reason)
     lines = []
@@ -284,10 +265,10 @@ def test_bf16_grad_buffer_only_where_values_are_unchanged(attrs, argv, needle):
 def test_bf16_grad_buffer_switch_wins():
     from megagpt.fast_spec.settings import apply_fast_path_defaults
 
-    args = _args(["--no-fast-bf16-grad-buffer"])
+    args = fast_path_namespace(["--no-fast-bf16-grad-buffer"])
     apply_fast_path_defaults(args, lambda s: None)
     assert not args.grad_reduce_in_bf16
-    args = _args(["--fast-bf16-grad-buffer"], global_batch_size=32)
+    args = fast_path_namespace(["--fast-bf16-grad-buffer"], global_batch_size=32)
     apply_fast_path_defaults(args, lambda s: None)
     assert args.grad_reduce_in_bf16
 
@@ -300,7 +281,7 @@ def test_bf16_grad_buffer_switch_wins():
 def test_no_attention_mask_from_the_loader_where_the_fast_spec_ignores_it(attrs, kept):
     from megagpt.fast_spec.settings import apply_fast_path_defaults
 
-    args = _args(create_attention_mask_in_dataloader=True, **attrs)
+    args = fast_path_namespace(create_attention_mask_in_dataloader=True, **attrs)
     lines = []
     apply_fast_path_defaults(args, lines.append)
     assert args.create_attention_mask_in_dataloader is kept

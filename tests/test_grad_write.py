@@ -18,7 +18,7 @@ import torch
 from gloo_ranks import single_gloo_rank
 from megatron_parts import TINY_SEQ as SEQ
 from megatron_parts import TINY_VOCAB as VOCAB
-from megatron_parts import tiny_ddp_gpt
+from megatron_parts import fast_path_namespace, tiny_ddp_gpt
 
 BATCH = 2
 FUSED_WEIGHTS = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight",
@@ -135,25 +135,6 @@ def test_off_is_megatrons_zeroing_and_adding(writing):
     torch.testing.assert_close(twice[name], 2 * once[name])
 
 
-def _args(argv=(), **attrs):
-    from megagpt.fast_spec.settings import add_fast_path_arguments
-
-    p = argparse.ArgumentParser()
-    add_fast_path_arguments(p)
-    args = p.parse_args(list(argv))
-    base = dict(transformer_impl="local", spec=None, num_experts=None, world_size=1,
-                tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                context_parallel_size=1, cuda_graph_impl="none", bf16=True,
-                check_for_nan_in_loss_and_grad=True, check_for_spiky_loss=False, cpu=False,
-                optimizer="adam", micro_batch_size=8, global_batch_size=8,
-                rampup_batch_size=None, grad_reduce_in_bf16=False, entry_argv=list(argv),
-                gradient_accumulation_fusion=False, use_distributed_optimizer=False)
-    base.update(attrs)
-    for k, v in base.items():
-        setattr(args, k, v)
-    return args
-
-
 @pytest.mark.parametrize("attrs,needle", [
     ({}, None),
     ({"cpu": True}, None),
@@ -169,7 +150,7 @@ def test_on_by_default_where_nothing_is_accumulated(attrs, needle):
     from megagpt.fast_spec import grad_write
     from megagpt.fast_spec.settings import apply_fast_path_defaults
 
-    args = _args(**attrs)
+    args = fast_path_namespace(**attrs)
     reason = grad_write.unsupported_reason(args)
     assert (reason is None) if needle is None else (needle in reason)
     apply_fast_path_defaults(args, lambda s: None)
@@ -182,10 +163,10 @@ def test_switch_off_and_refused_where_gradients_are_summed():
     from megagpt.fast_spec import grad_write
     from megagpt.fast_spec.settings import apply_fast_path_defaults
 
-    args = _args(["--no-fast-grad-write"])
+    args = fast_path_namespace(["--no-fast-grad-write"])
     apply_fast_path_defaults(args, lambda s: None)
     assert args.fast_grad_write is False and not grad_write.grad_write_enabled()
-    args = _args(["--fast-grad-write"], global_batch_size=32)
+    args = fast_path_namespace(["--fast-grad-write"], global_batch_size=32)
     with pytest.raises(UserError, match="micro-batch"):
         apply_fast_path_defaults(args, lambda s: None)
 
