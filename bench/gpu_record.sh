@@ -18,7 +18,10 @@
 #   3. throughput, 1.3B shape (24 x 2048 x 16, seq 2048, mb 4): fast path (with and without
 #      dropout) and reference;
 #   4. (experiment, not in the default STEPS) 345M with inductor's coordinate-descent tuning
-#      (at 1.3B it changed nothing in the sixth session and tripled the compile time).
+#      (at 1.3B it changed nothing in the sixth session and tripled the compile time);
+#   5. (not in the default STEPS) kernel profiles of the 1.3B step without dropout, gradients
+#      written and added (--no-fast-grad-write), in one call: where the kernels that writing
+#      removes went in the step time (the sixth session saw 3.0 ms of kernels go, 1.2 ms of step).
 #
 # STEPS (default "0 0b 1 2 3") picks which of them run; PATHS the throughput paths of step 1
 # (default local,fast,nodrop,recompute,reference; noflat, wgrad and nowrite are also defined).
@@ -125,5 +128,18 @@ if [ "$(left)" -gt 150 ]; then
         --train-iters 40 --warmup-iters 10 --out "$OUT/bench_345m_cdt" > "$OUT/bench_345m_cdt.txt" 2>&1
     tail -6 "$OUT/bench_345m_cdt.txt"
 fi
+fi
+if want 5; then
+echo "== 5. 1.3B kernel profiles, gradients written and added ($(left)s left)"
+SHAPE_13B=$(cd bench && $PY -c "from bench_throughput import shape_flags; print(' '.join(shape_flags('1.3B', 25, 5, 1234)))")
+for variant in written added; do
+    extra=""
+    [ "$variant" = added ] && extra="--no-fast-grad-write"
+    timeout 150 $PY bench/profile_entry.py --light --start 16 --iters 3 --out "$OUT/profile_13b_$variant" \
+        -- $SHAPE_13B --hidden-dropout 0 --attention-dropout 0 $extra > "$OUT/profile_13b_$variant.txt" 2>&1
+    rm -f "$OUT/profile_13b_$variant"/*.json.gz
+    echo "-- $variant"; grep -E "^GPU timeline" "$OUT/profile_13b_$variant.txt" | cut -c1-120
+    grep -A8 "GPU kernel time per iteration" "$OUT/profile_13b_$variant.txt" | tail -8
+done
 fi
 echo "== done in $((SECONDS - START))s"
