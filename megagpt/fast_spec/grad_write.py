@@ -21,7 +21,9 @@ With writing on (``--fast-grad-write``, the default where it applies):
   so what the optimizer reads is exactly this step's gradients, as after megatron's zeroing.
 
 Inside the full-iteration CUDA graph the hooks and ``finish_grad_sync`` run while the graph
-is captured, so the copies, the GEMMs' writes and any zeroing are replayed each step.
+is captured, so the copies, the GEMMs' writes and any zeroing are replayed each step. Each
+``zero_grad_buffer`` decides for its own step whether to write; a second gradient of one
+parameter in one step (accumulation after all) stops the run rather than overwrite the first.
 
 It applies when one micro-batch per step reaches one data-parallel rank and nothing else adds
 into ``main_grad`` (megatron's gradient-accumulation fusion, the distributed optimizer, FSDP
@@ -46,19 +48,14 @@ def grad_write_enabled() -> bool:
 
 def unsupported_reason(args) -> Optional[str]:
     """Why gradients cannot be written instead of added in this run (None: they can)."""
-    from .settings import _planned_world_size, fast_path_selected
+    from .settings import _one_micro_batch_per_step, _planned_data_parallel_size
+    from .settings import fast_path_selected
 
     if not fast_path_selected(args):
         return "the fast spec is not used"
-    model_parallel = 1
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                 "context_parallel_size"):
-        model_parallel *= getattr(args, name, 1) or 1
-    if max(1, _planned_world_size(args) // model_parallel) != 1:
+    if _planned_data_parallel_size(args) != 1:
         return "more than one data-parallel rank"
-    micro = getattr(args, "micro_batch_size", None) or 1
-    global_batch = getattr(args, "global_batch_size", None) or micro
-    if global_batch != micro or getattr(args, "rampup_batch_size", None):
+    if not _one_micro_batch_per_step(args):
         return "more than one micro-batch per step (gradients are accumulated)"
     if getattr(args, "gradient_accumulation_fusion", False):
         return "gradient-accumulation fusion adds into the buffer itself"

@@ -201,6 +201,21 @@ def _planned_world_size(args) -> int:
     return int(getattr(args, "world_size", 1) or 1)
 
 
+def _planned_data_parallel_size(args) -> int:
+    model_parallel = 1
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "context_parallel_size"):
+        model_parallel *= getattr(args, name, 1) or 1
+    return max(1, _planned_world_size(args) // model_parallel)
+
+
+def _one_micro_batch_per_step(args) -> bool:
+    """Whether each step's gradients come from one micro-batch (no accumulation)."""
+    micro = getattr(args, "micro_batch_size", None) or 1
+    global_batch = getattr(args, "global_batch_size", None) or micro
+    return global_batch == micro and not getattr(args, "rampup_batch_size", None)
+
+
 def cuda_graph_unsupported_reason(args) -> Optional[str]:
     """Why the full-iteration CUDA graph is not switched on automatically (None: it is)."""
     if getattr(args, "cpu", False):
@@ -241,16 +256,9 @@ def bf16_grad_buffer_unsupported_reason(args) -> Optional[str]:
                  "--main-grads-dtype"):
         if flag in given:
             return f"{flag} was given"
-    model_parallel = 1
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                 "context_parallel_size"):
-        model_parallel *= getattr(args, name, 1) or 1
-    data_parallel = max(1, _planned_world_size(args) // model_parallel)
-    if data_parallel != 1:
+    if _planned_data_parallel_size(args) != 1:
         return "more than one data-parallel rank (gradients are summed across ranks)"
-    micro = getattr(args, "micro_batch_size", None) or 1
-    global_batch = getattr(args, "global_batch_size", None) or micro
-    if global_batch != micro or getattr(args, "rampup_batch_size", None):
+    if not _one_micro_batch_per_step(args):
         return "more than one micro-batch per step (gradients are accumulated)"
     if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
         return "FSDP"
