@@ -64,3 +64,28 @@ def test_sequence_parallel_matches_one_process(tmp_path):
     for i, loss in reference.items():
         assert losses[i] == pytest.approx(loss, rel=1e-5), (i, losses[i], loss)
 
+
+
+@pytest.mark.parametrize("layout", [
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    ["--pipeline-model-parallel-size", "2"],
+], ids=["tp2sp", "pp2"])
+def test_gradients_written_under_model_parallelism(tmp_path, layout):
+    """One micro-batch per step, so gradients are written into megatron's buffer instead of
+    zeroed and added (--fast-grad-write, the default there). Under TP + SP the norms'
+    gradient halves are summed after the backward pass, and under PP the stages exchange the
+    tied embedding's gradient then: the losses must equal those of megatron's zeroing and
+    adding in the same layout (SGD, large step, no clipping: a stale or missing gradient
+    would show)."""
+    run = [*RUN, "--global-batch-size", "2", "--optimizer", "sgd", "--lr", "2.0",
+           "--clip-grad", "0", *layout]
+    (tmp_path / "added").mkdir()
+    written = run_entry(run, cwd=tmp_path, nproc=2)
+    added = run_entry([*run, "--no-fast-grad-write"], cwd=tmp_path / "added", nproc=2)
+    for out in (written, added):
+        assert out.returncode == 0, out.stdout[-3000:]
+    assert "gradients written into megatron's buffer" in written.stdout
+    assert "gradients written into megatron's buffer" not in added.stdout
+    losses = parse_losses(written.stdout)
+    assert sorted(losses) == list(range(1, 9))
+    assert losses == parse_losses(added.stdout)
