@@ -64,6 +64,22 @@ def parse_losses(log_text: str) -> dict[int, float]:
     return {int(it): float(loss) for it, loss in _LOSS.findall(log_text)}
 
 
+def losses_with_and_without_grad_write(args: list[str], cwd, nproc: int = 1):
+    """The entry run twice on ``args``: with gradients written into megatron's buffer (the
+    default at one micro-batch per step; the log must say so) and with
+    ``--no-fast-grad-write``. Returns both runs' ``{iteration: lm loss}``."""
+    from pathlib import Path
+
+    (Path(cwd) / "added").mkdir()
+    written = run_entry(args, cwd=cwd, nproc=nproc)
+    added = run_entry([*args, "--no-fast-grad-write"], cwd=Path(cwd) / "added", nproc=nproc)
+    for out in (written, added):
+        assert out.returncode == 0, out.stdout[-3000:]
+    assert "gradients written into megatron's buffer" in written.stdout
+    assert "gradients written into megatron's buffer" not in added.stdout
+    return parse_losses(written.stdout), parse_losses(added.stdout)
+
+
 def start_entry(args: list[str], cwd, log_path, env: dict | None = None,
                 nproc: int = 1) -> subprocess.Popen:
     """Start the entry in its own process group (as a scheduler would), output to log_path."""

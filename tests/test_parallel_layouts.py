@@ -8,7 +8,7 @@ losses are only close, and must fall the same way.
 
 import pytest
 
-from helpers import TINY_MODEL, parse_losses, run_entry
+from helpers import TINY_MODEL, losses_with_and_without_grad_write, parse_losses, run_entry
 
 pytestmark = pytest.mark.slow
 
@@ -77,15 +77,8 @@ def test_gradients_written_under_model_parallelism(tmp_path, layout):
     tied embedding's gradient then: the losses must equal those of megatron's zeroing and
     adding in the same layout (SGD, large step, no clipping: a stale or missing gradient
     would show)."""
-    run = [*RUN, "--global-batch-size", "2", "--optimizer", "sgd", "--lr", "2.0",
-           "--clip-grad", "0", *layout]
-    (tmp_path / "added").mkdir()
-    written = run_entry(run, cwd=tmp_path, nproc=2)
-    added = run_entry([*run, "--no-fast-grad-write"], cwd=tmp_path / "added", nproc=2)
-    for out in (written, added):
-        assert out.returncode == 0, out.stdout[-3000:]
-    assert "gradients written into megatron's buffer" in written.stdout
-    assert "gradients written into megatron's buffer" not in added.stdout
-    losses = parse_losses(written.stdout)
-    assert sorted(losses) == list(range(1, 9))
-    assert losses == parse_losses(added.stdout)
+    written, added = losses_with_and_without_grad_write(
+        [*RUN, "--global-batch-size", "2", "--optimizer", "sgd", "--lr", "2.0",
+         "--clip-grad", "0", *layout], tmp_path, nproc=2)
+    assert sorted(written) == list(range(1, 9))
+    assert written == added

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-_STATE = {"enabled": False, "installed": False}
+_STATE = {"enabled": False}
 
 
 def set_grad_write(enabled: bool) -> None:
@@ -114,7 +114,7 @@ def install(log: Optional[Callable[[str], None]] = None) -> None:
     (``set_grad_write`` on, and a DDP whose buffers hold only its hooks' gradients);
     otherwise the wrappers do megatron's work unchanged. Call before the model is wrapped in
     DDP: the hooks are made then."""
-    if _STATE["installed"]:
+    if _ORIGINALS:  # installed already
         if log:
             log(_LOG_LINE)
         return
@@ -162,12 +162,12 @@ def install(log: Optional[Callable[[str], None]] = None) -> None:
         for param in self.params_with_grad:
             param._megagpt_grad_write = active
             param._megagpt_main_grad_written = False
+            if active:
+                param.grad_added_to_main_grad = False
         if not active:
             return zero_grad_buffer(self)
         # megatron's reset without the fill: every main_grad is written during the step,
         # or zeroed at its end if it gets no gradient
-        for param in self.params_with_grad:
-            param.grad_added_to_main_grad = False
         for bucket_group in self.bucket_groups + self.expert_parallel_bucket_groups:
             bucket_group.reset()
 
@@ -183,7 +183,6 @@ def install(log: Optional[Callable[[str], None]] = None) -> None:
     DDP._make_backward_post_hook = _make_backward_post_hook
     DDP.zero_grad_buffer = _zero_grad_buffer
     DDP.finish_grad_sync = _finish_grad_sync
-    _STATE["installed"] = True
     if log:
         log(_LOG_LINE)
 
@@ -191,14 +190,13 @@ def install(log: Optional[Callable[[str], None]] = None) -> None:
 def uninstall() -> None:
     """Put megatron's DDP methods back (hooks of models wrapped meanwhile stay wrapped, and
     do megatron's work while their DDP is not writing)."""
-    if not _STATE["installed"]:
+    if not _ORIGINALS:
         return
     from megatron.core.distributed import DistributedDataParallel as DDP
 
     for name, fn in _ORIGINALS.items():
         setattr(DDP, name, fn)
     _ORIGINALS.clear()
-    _STATE["installed"] = False
 
 
 _ORIGINALS: dict = {}
