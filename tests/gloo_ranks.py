@@ -60,13 +60,15 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 120) -> None:
 
 
 @contextlib.contextmanager
-def single_gloo_rank():
+def single_gloo_rank(backend: str = "gloo"):
     """This process as rank 0 of a one-process gloo group with megatron's parallel state
-    (what megatron's dataset builder and model constructors ask for)."""
+    (what megatron's dataset builder and model constructors ask for). ``backend="nccl"``
+    for megatron's DDP on a GPU: its gradient all-reduce is coalesced, which gloo refuses
+    for CUDA tensors."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
                             rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
     try:
