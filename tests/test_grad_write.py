@@ -43,13 +43,13 @@ def writing():
     layer.set_wgrad_fusion(saved[1]["enabled"])
 
 
-def _fast_model(grad_dtype):
+def _fast_model(grad_dtype, overlap_grad_reduce=False):
     from megagpt.fast_spec.spec import get_fast_gpt_layer_spec
 
     spec = get_fast_gpt_layer_spec(argparse.Namespace(
         fast_spec=True, fast_spec_fused_layer=True, fast_spec_compile=False,
         fast_wgrad_fusion=False))
-    return tiny_ddp_gpt(spec, grad_dtype)
+    return tiny_ddp_gpt(spec, grad_dtype, overlap_grad_reduce=overlap_grad_reduce)
 
 
 def _batch(seed: int):
@@ -87,6 +87,44 @@ def test_written_gradients_equal_zeroed_and_added_ones(writing, grad_dtype):
     # in a bf16 buffer the fused layer's GEMMs wrote the four weights; in an fp32 one
     # (other dtype than the weights) autograd delivered them and the hook copied
     assert qkv._megagpt_main_grad_written is (grad_dtype == torch.bfloat16)
+
+
+def test_small_gradients_reach_the_buffer_together_at_the_end(writing):
+    """Biases' and norms' gradients are held back by the hooks and copied together by
+    finish_grad_sync; the GEMM-written weights are in the buffer already."""
+    model = _fast_model(torch.bfloat16)
+    _step(model, 0, write=True)
+    layer = model.module.module.decoder.layers[0]
+    bias, qkv = layer.self_attention.linear_proj.bias, layer.self_attention.linear_qkv.weight
+    before = {"bias": bias.main_grad.clone(), "qkv": qkv.main_grad.clone()}
+    writing.set_grad_write(True)
+    model.zero_grad_buffer()
+    tokens, positions, labels = _batch(1)
+    model(tokens, positions, None, labels=labels).float().mean().backward()
+    assert torch.equal(bias.main_grad, before["bias"])  # not yet
+    assert not torch.equal(qkv.main_grad, before["qkv"])  # written by its GEMM
+    assert any(dst.data_ptr() == bias.main_grad.data_ptr()
+               for dst, _ in model._megagpt_pending_copies)
+    model.finish_grad_sync()
+    assert not model._megagpt_pending_copies
+    assert not torch.equal(bias.main_grad, before["bias"])
+
+
+def test_overlapped_reduction_gets_each_gradient_at_once(writing):
+    """With --overlap-grad-reduce megatron reduces a bucket as soon as its last gradient
+    arrives, so nothing is held back; the gradients still equal megatron's added ones."""
+    written = _fast_model(torch.bfloat16, overlap_grad_reduce=True)
+    added = _fast_model(torch.bfloat16, overlap_grad_reduce=True)
+    for seed in range(2):
+        writing.set_grad_write(True)
+        written.zero_grad_buffer()
+        tokens, positions, labels = _batch(seed)
+        written(tokens, positions, None, labels=labels).float().mean().backward()
+        assert not written._megagpt_pending_copies
+        written.finish_grad_sync()
+        g_added = _step(added, seed, write=False)
+        for name, p in written.named_parameters():
+            torch.testing.assert_close(p.main_grad, g_added[name], rtol=0, atol=0, msg=name)
 
 
 def test_buffer_is_not_zeroed_while_writing(writing):

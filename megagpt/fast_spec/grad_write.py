@@ -13,7 +13,8 @@ session).
 With writing on (``--fast-grad-write``, the default where it applies):
 
 - the buffer is not zeroed at the start of a step (megatron's bookkeeping is still reset);
-- the DDP hook copies the gradient into ``main_grad`` instead of adding it;
+- the DDP hook copies the gradient into ``main_grad`` instead of adding it (small ones,
+  biases and norm weights, all together at the end of the backward pass);
 - the fused layer's four weight GEMMs write their product straight into ``main_grad``
   (``layer.py``: beta = 0, no gradient tensor of their own, no copy);
 - at the end of the backward pass (``finish_grad_sync``, before any reduction or optimizer
@@ -85,6 +86,44 @@ def _written(ddp) -> set:
     return written
 
 
+# Gradients of at most this many elements (biases, norm weights) are copied together at the
+# end of the backward pass, in a few multi-tensor kernels instead of one copy kernel each:
+# ~200 copies of a few KB per 1.3B step, each a kernel launch and a gap in the graph. The
+# larger ones are copied at once, so that no big gradient outlives its hook.
+_COPY_LATER_MAX_ELEMENTS = 1 << 20
+
+
+def _copy_later(ddp, param) -> bool:
+    """Whether ``param``'s gradient may wait for ``finish_grad_sync`` to reach ``main_grad``:
+    small, and nothing reads the buffer before then (with overlapped reduction megatron
+    starts a bucket's reduction as soon as its last gradient arrives)."""
+    return (param.numel() <= _COPY_LATER_MAX_ELEMENTS
+            and not getattr(getattr(ddp, "ddp_config", None), "overlap_grad_reduce", False))
+
+
+def _pending_copies(ddp) -> list:
+    pending = getattr(ddp, "_megagpt_pending_copies", None)
+    if pending is None:
+        pending = ddp._megagpt_pending_copies = []
+    return pending
+
+
+def _copy_pending(ddp) -> None:
+    """The small gradients held back by the hooks, into ``main_grad`` (one multi-tensor copy
+    per dtype pair)."""
+    import torch
+
+    pending = _pending_copies(ddp)
+    by_dtypes: dict = {}
+    for dst, src in pending:
+        dsts, srcs = by_dtypes.setdefault((dst.dtype, src.dtype, dst.device), ([], []))
+        dsts.append(dst)
+        srcs.append(src)
+    for dsts, srcs in by_dtypes.values():
+        torch._foreach_copy_(dsts, srcs)
+    pending.clear()
+
+
 def gemm_may_write(param) -> bool:
     """Whether a GEMM may write this step's gradient of ``param`` straight into its
     ``main_grad``: its DDP is writing this step, and no gradient of ``param`` is there yet."""
@@ -140,7 +179,10 @@ def install(log: Optional[Callable[[str], None]] = None) -> None:
                         # added into main_grad by something else: onto last step's values
                         raise _second_gradient(param)
                     return megatron_hook(*unused)
-                param.main_grad.copy_(param.grad.data)
+                if _copy_later(self, param):
+                    _pending_copies(self).append((param.main_grad, param.grad.data))
+                else:
+                    param.main_grad.copy_(param.grad.data)
                 param.grad_added_to_main_grad = True  # megatron's hook: do not add ...
                 # ... unless zero_out_wgrad: megatron marks a tied embedding so, for TE's
                 # fused output layer, whose placeholder is zeros; here the gradient holds both
@@ -159,6 +201,7 @@ def install(log: Optional[Callable[[str], None]] = None) -> None:
         active = _STATE["enabled"] and _eligible(self)
         self._megagpt_grad_write_step = active
         _written(self).clear()
+        _pending_copies(self).clear()
         for param in self.params_with_grad:
             param._megagpt_grad_write = active
             param._megagpt_main_grad_written = False
@@ -173,6 +216,7 @@ def install(log: Optional[Callable[[str], None]] = None) -> None:
 
     def _finish_grad_sync(self, *args, **kwargs):
         if _active(self):
+            _copy_pending(self)
             written = _written(self)
             for param in self.params_with_grad:
                 if param not in written:
