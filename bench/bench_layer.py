@@ -15,6 +15,8 @@ gradients written into ``main_grad`` views as in a training step, no dropout) at
   tiled reductions     2-D tiled reductions (the bias gradients' column sums)
   aggressive fusion    fuse kernels without common reads
   no split reductions  each reduction in one kernel rather than partial sums + a second pass
+  multi-kernel         persistent and looped variants of each reduction, picked by timing
+  persistent 4096      rows of up to 4096 elements reduced in one block (inductor: 1024)
 
   python bench/bench_layer.py [--shapes 345M,1.3B] [--settings default,...] [--split-sizes N,...]
                               [--out F.json]
@@ -69,9 +71,18 @@ def capture_layer(shape: str, inductor_options: dict) -> torch.cuda.CUDAGraph:
     at 345M launching the layer's kernels eagerly takes longer than running them)."""
     from megagpt.fast_spec.layer import fused_layer_forward
 
+    import contextlib
+
+    from torch._inductor.virtualized import V
+
     torch._dynamo.reset()
-    fn = torch.compile(fused_layer_forward, dynamic=False, fullgraph=True,
-                       options=dict(inductor_options))
+    options = dict(inductor_options)
+    choices = contextlib.nullcontext()
+    if "_persistent_up_to" in options:
+        choices = V.set_choices_handler(wider_persistent_reductions(
+            options.pop("_persistent_up_to")))
+        options["fx_graph_cache"] = False  # the cache key does not see the heuristic
+    fn = torch.compile(fused_layer_forward, dynamic=False, fullgraph=True, options=options)
     x, weights, main_grads, static = _layer_inputs(*SHAPES[shape])
     grad_out = torch.randn_like(x)
 
@@ -83,7 +94,7 @@ def capture_layer(shape: str, inductor_options: dict) -> torch.cuda.CUDAGraph:
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    with torch.cuda.stream(side), choices:  # forward and backward compile in the first step
         for _ in range(3):
             step()
     torch.cuda.current_stream().wait_stream(side)
@@ -141,14 +152,42 @@ def summarise_kernels(per_kernel: dict) -> dict:
     return {"kernels_ms": total, "norm_and_sum_kernels_ms": norm}
 
 
-# named inductor settings (torch.compile options) to compare with the default
+# named inductor settings (torch.compile options) to compare with the default;
+# "_persistent_up_to": N is not an option but a heuristic of this bench (see
+# wider_persistent_reductions)
 SETTINGS = {
     "default": {},
     "no mix-order": {"triton.mix_order_reduction": False},
     "tiled reductions": {"triton.tile_reductions": True, "triton.prefer_nd_tiling": True},
     "aggressive fusion": {"aggressive_fusion": True},
     "no split reductions": {"split_reductions": False},
+    "multi-kernel": {"triton.multi_kernel": 1},
+    "persistent 4096": {"_persistent_up_to": 4096},
 }
+
+
+def wider_persistent_reductions(up_to: int):
+    """Inductor's choices with rows of up to ``up_to`` elements reduced in one block
+    (a persistent reduction: each row read once) instead of inductor's 1024. At the 1.3B
+    shape (rows of 2048) the layer norms' forward kernels loop over each row twice and the
+    second norm's normalisation runs as a pointwise kernel of its own: 70 µs per layer where
+    one read and one write of the rows would take ~30 (sixth/seventh session profiles)."""
+    from torch._inductor import config
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.runtime.hints import ReductionHint
+    from torch._inductor.virtualized import V
+
+    class WiderPersistentReductions(InductorChoices):
+        @staticmethod
+        def should_use_persistent_reduction(features, cooperative_reduction):
+            if InductorChoices.should_use_persistent_reduction(features, cooperative_reduction):
+                return True
+            return bool(config.triton.persistent_reductions and not cooperative_reduction
+                        and features.get_reduction_hint() == ReductionHint.INNER
+                        and V.graph.sizevars.statically_known_leq(features.reduction_numel,
+                                                                  up_to))
+
+    return WiderPersistentReductions()
 
 
 def settings(names, split_sizes) -> dict:
