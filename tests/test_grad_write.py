@@ -110,6 +110,22 @@ def test_small_gradients_reach_the_buffer_together_at_the_end(writing):
     assert not torch.equal(bias.main_grad, before["bias"])
 
 
+def test_large_gradients_are_copied_at_once(writing, monkeypatch):
+    """Over the size limit a gradient goes into main_grad in its hook, not at the end."""
+    monkeypatch.setattr(writing, "_COPY_LATER_MAX_BYTES", 0)
+    model = _fast_model(torch.bfloat16)
+    _step(model, 0, write=True)
+    bias = model.module.module.decoder.layers[0].self_attention.linear_proj.bias
+    before = bias.main_grad.clone()
+    writing.set_grad_write(True)
+    model.zero_grad_buffer()
+    tokens, positions, labels = _batch(1)
+    model(tokens, positions, None, labels=labels).float().mean().backward()
+    assert not model._megagpt_pending_copies
+    assert not torch.equal(bias.main_grad, before)
+    model.finish_grad_sync()
+
+
 def test_overlapped_reduction_gets_each_gradient_at_once(writing):
     """With --overlap-grad-reduce megatron reduces a bucket as soon as its last gradient
     arrives, so nothing is held back; the gradients still equal megatron's added ones."""

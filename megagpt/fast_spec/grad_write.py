@@ -86,18 +86,19 @@ def _written(ddp) -> set:
     return written
 
 
-# Gradients of at most this many elements (biases, norm weights) are copied together at the
-# end of the backward pass, in a few multi-tensor kernels instead of one copy kernel each:
-# ~200 copies of a few KB per 1.3B step, each a kernel launch and a gap in the graph. The
-# larger ones are copied at once, so that no big gradient outlives its hook.
-_COPY_LATER_MAX_ELEMENTS = 1 << 20
+# Gradients held in at most this many bytes (biases, norm weights) are copied together at
+# the end of the backward pass, in a few multi-tensor kernels instead of one copy kernel
+# each: ~200 copies of a few KB per 1.3B step, each a kernel launch and a gap in the graph.
+# The larger ones are copied at once, so that no big gradient (nor a big tensor a small
+# gradient is a view of) outlives its hook.
+_COPY_LATER_MAX_BYTES = 4 << 20
 
 
-def _copy_later(ddp, param) -> bool:
-    """Whether ``param``'s gradient may wait for ``finish_grad_sync`` to reach ``main_grad``:
-    small, and nothing reads the buffer before then (with overlapped reduction megatron
-    starts a bucket's reduction as soon as its last gradient arrives)."""
-    return (param.numel() <= _COPY_LATER_MAX_ELEMENTS
+def _copy_later(ddp, grad) -> bool:
+    """Whether gradient ``grad`` may wait for ``finish_grad_sync`` to reach ``main_grad``:
+    its storage is small, and nothing reads the buffer before then (with overlapped
+    reduction megatron starts a bucket's reduction as soon as its last gradient arrives)."""
+    return (grad.untyped_storage().nbytes() <= _COPY_LATER_MAX_BYTES
             and not getattr(getattr(ddp, "ddp_config", None), "overlap_grad_reduce", False))
 
 
@@ -179,7 +180,7 @@ def install(log: Optional[Callable[[str], None]] = None) -> None:
                         # added into main_grad by something else: onto last step's values
                         raise _second_gradient(param)
                     return megatron_hook(*unused)
-                if _copy_later(self, param):
+                if _copy_later(self, param.grad):
                     _pending_copies(self).append((param.main_grad, param.grad.data))
                 else:
                     param.main_grad.copy_(param.grad.data)
