@@ -41,7 +41,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # hidden, heads, seq, micro-batch: docs/benchmarks.md's shapes
-SHAPES = {"345M": (1024, 16, 1024, 8), "1.3B": (2048, 16, 2048, 4)}
+SHAPES = {"345M": (1024, 16, 1024, 8), "1.3B": (2048, 16, 2048, 4),
+          "tiny": (128, 4, 128, 2)}  # tiny: for the GPU test of this script
 
 
 def _layer_inputs(hidden: int, heads: int, seq: int, batch: int, dev: str = "cuda"):
@@ -197,7 +198,7 @@ def settings(names, split_sizes) -> dict:
     return out
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="345M,1.3B")
     p.add_argument("--settings", default=",".join(SETTINGS),
@@ -227,8 +228,8 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=1))
-    return 0
+    return results
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

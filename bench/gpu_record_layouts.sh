@@ -13,7 +13,8 @@
 #      bench/profile_entry.py --analyse (GPU busy share, kernel time by kind).
 #
 # Needs: megatron-core (+ omegaconf) importable, two CUDA GPUs, and the corpus: the embedded
-# one (python -m megagpt.data.corpus builds it) or DATA_PREFIX, VOCAB_FILE, MERGE_FILE.
+# one (python -m megagpt.data.corpus builds it; on a machine without network, a copy of a
+# built cache under MEGAGPT_CACHE_DIR) or DATA_PREFIX, VOCAB_FILE, MERGE_FILE.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: gpu_record_layouts.sh OUT_DIR [SECONDS]}

@@ -2,6 +2,8 @@
 
 import sys
 
+import pytest
+
 from helpers import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
@@ -164,3 +166,53 @@ def test_analyse_reports_on_a_trace_megatron_wrote(tmp_path):
         in text
     assert "0.20  matmul (cuBLAS / CUTLASS)" in text  # 0.4 ms over 2 iterations
     assert "0.05  communication (NCCL)" in text
+
+
+def test_bench_layer_settings_and_kernel_summary():
+    from bench_layer import SETTINGS, settings, summarise_kernels
+
+    chosen = settings(["default", "persistent 4096"], [32])
+    assert chosen == {"default": {}, "persistent 4096": {"_persistent_up_to": 4096},
+                      "mix-order 32": {"triton.mix_order_reduction_split_size": 32}}
+    assert set(SETTINGS) >= {"default", "no mix-order", "multi-kernel"}
+    summary = summarise_kernels({
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT": 2.0,
+        "triton_per_fused__unsafe_view_add_native_layer_norm_backward_2": 0.25,
+        "void at::native::reduce_kernel<128, 4>": 0.125,
+        "triton_red_fused_sum_4": 0.5,
+        "triton_poi_fused_gelu_view_2": 1.0,
+    })
+    assert summary == {"kernels_ms": 3.875, "norm_and_sum_kernels_ms": 0.875}
+
+
+@pytest.mark.gpu
+def test_bench_layer_runs_on_a_gpu(monkeypatch):
+    """The script end to end on a tiny layer: every setting compiles, captures and times,
+    and inductor asks the wider persistent-reduction heuristic while compiling."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import bench_layer
+
+    asked = []
+    real = bench_layer.wider_persistent_reductions
+
+    def spying(up_to):
+        choices = real(up_to)
+        decide = choices.should_use_persistent_reduction
+
+        def spy(features, cooperative_reduction):
+            asked.append(up_to)
+            return decide(features, cooperative_reduction)
+
+        choices.should_use_persistent_reduction = spy
+        return choices
+
+    monkeypatch.setattr(bench_layer, "wider_persistent_reductions", spying)
+    results = bench_layer.main(["--shapes", "tiny", "--settings", "default,persistent 4096"])
+    assert asked and set(asked) == {4096}
+    for name in ("default", "persistent 4096"):
+        row = results["tiny"][name]
+        assert row["wall_ms"] > 0 and row["kernels_ms"] > 0
+        assert any("layer_norm" in k for k in row["kernels"]), row["kernels"]
