@@ -172,7 +172,12 @@ def wider_persistent_reductions(up_to: int):
     (a persistent reduction: each row read once) instead of inductor's 1024. At the 1.3B
     shape (rows of 2048) the layer norms' forward kernels loop over each row twice and the
     second norm's normalisation runs as a pointwise kernel of its own: 70 µs per layer where
-    one read and one write of the rows would take ~30 (sixth/seventh session profiles)."""
+    one read and one write of the rows would take ~30 (sixth/seventh session profiles).
+
+    Installed with ``V.set_choices_handler`` around the first steps, it governs what compiles
+    in this thread: the forward graph, where those norms are. The backward graph compiles
+    lazily in autograd's device thread, which keeps inductor's own choices (its norm kernels
+    are persistent already)."""
     from torch._inductor import config
     from torch._inductor.choices import InductorChoices
     from torch._inductor.runtime.hints import ReductionHint
