@@ -621,6 +621,17 @@ def test_graph_stays_off_where_it_does_not_apply(restore_optimizer, argv, attrs,
         assert any(reason in line for line in lines), lines
 
 
+def test_megatrons_own_full_iteration_flag_is_kept_and_said_so(restore_optimizer):
+    """megatron's --cuda-graph-impl full_iteration, given by the user, runs as given (also on
+    several GPUs, where the fast path would not choose it): the log must not call it off."""
+    args, lines = _resolved([], cuda_graph_impl="full_iteration", world_size=2,
+                            check_for_nan_in_loss_and_grad=False)
+    assert args.cuda_graph_impl == "full_iteration" and not args.fast_cuda_graph
+    assert args.fast_spec_compile is True  # compiled, as under the fast path's own graph
+    assert any("full_iteration as given" in line and "2 GPU" in line for line in lines), lines
+    assert not any("graph off" in line for line in lines), lines
+
+
 def test_graph_asked_for_on_several_gpus_is_refused_before_any_work(restore_optimizer):
     from megagpt.errors import UserError
 

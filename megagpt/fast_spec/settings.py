@@ -311,8 +311,16 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
     if args.fast_cuda_graph is None:
         reason = cuda_graph_unsupported_reason(args)
         args.fast_cuda_graph = reason is None
+        given = getattr(args, "cuda_graph_impl", "none")
         if reason is not None and fast_path_selected(args):
-            log(f"fast path: full-iteration CUDA graph off: {reason}")
+            if given == "full_iteration":
+                # megatron's own flag: its graph runs as asked, outside this switch's checks
+                log("fast path: megatron's --cuda-graph-impl full_iteration as given: each "
+                    "iteration's forward and backward are captured as one CUDA graph (on "
+                    f"{_planned_world_size(args)} GPU(s); --fast-cuda-graph's own default "
+                    "is for one GPU)")
+            else:
+                log(f"fast path: full-iteration CUDA graph off: {reason}")
     elif args.fast_cuda_graph:
         if getattr(args, "cpu", False) or not fast_path_selected(args):
             log("fast path: --fast-cuda-graph ignored (CPU mode or the fast spec is not used)")
