@@ -448,7 +448,7 @@ def attach(opt, all_buffer_params=None, compiled: bool = True) -> FlatAdamState:
     # another order than megatron's per-parameter norms, it equals theirs to fp32 rounding,
     # not bit for bit. Where the counted parameters are scattered, megatron's own norm.
     state.norm_spans = norm_spans(entries, lambda main_param: counted_in_norm(opt, main_param))
-    grads_in_megatron_order = [
+    grads_in_megatron_order = None if state.norm_spans is not None else [
         model_param.main_grad
         for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups)
         for model_param, main_param in zip(model_group, main_group)

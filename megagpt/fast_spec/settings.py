@@ -311,9 +311,8 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
     if args.fast_cuda_graph is None:
         reason = cuda_graph_unsupported_reason(args)
         args.fast_cuda_graph = reason is None
-        given = getattr(args, "cuda_graph_impl", "none")
         if reason is not None and fast_path_selected(args):
-            if given == "full_iteration":
+            if getattr(args, "cuda_graph_impl", "none") == "full_iteration":
                 # megatron's own flag: its graph runs as asked, outside this switch's checks
                 log("fast path: megatron's --cuda-graph-impl full_iteration as given: each "
                     "iteration's forward and backward are captured as one CUDA graph (on "
