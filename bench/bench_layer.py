@@ -5,7 +5,8 @@ Times ``megagpt.fast_spec.layer.fused_layer_forward`` (torch.compile'd, bf16, we
 gradients written into ``main_grad`` views as in a training step, no dropout) at the 345M and
 1.3B shapes, once per inductor setting:
 
-  default              what the fast path compiles with
+  default              what the fast path compiles with (norm rows of up to 4096 elements
+                       reduced in one block: megagpt.fast_spec.norm_rows)
   no mix-order         the layer norms' weight/bias gradient sums as reductions of their own
                        (by default inductor's mix-order reduction sums them over 16-row
                        slices inside the norm-backward kernel, then the slices' partial sums
@@ -16,7 +17,8 @@ gradients written into ``main_grad`` views as in a training step, no dropout) at
   aggressive fusion    fuse kernels without common reads
   no split reductions  each reduction in one kernel rather than partial sums + a second pass
   multi-kernel         persistent and looped variants of each reduction, picked by timing
-  persistent 4096      rows of up to 4096 elements reduced in one block (inductor: 1024)
+  looped rows          inductor's own choice: rows longer than 1024 reduced in a loop
+                       (--no-fast-one-block-rows)
 
   python bench/bench_layer.py [--shapes 345M,1.3B] [--settings default,...] [--split-sizes N,...]
                               [--out F.json]
@@ -70,20 +72,17 @@ def capture_layer(shape: str, inductor_options: dict) -> torch.cuda.CUDAGraph:
     """One compiled layer's forward + backward under ``inductor_options``, captured as a
     CUDA graph (as the fast path runs its step: the GPU's time, not the host's launch rate;
     at 345M launching the layer's kernels eagerly takes longer than running them)."""
+    from megagpt.fast_spec import norm_rows
     from megagpt.fast_spec.layer import fused_layer_forward
-
-    import contextlib
-
-    from torch._inductor.virtualized import V
 
     torch._dynamo.reset()
     options = dict(inductor_options)
-    choices = contextlib.nullcontext()
-    if "_persistent_up_to" in options:
-        choices = V.set_choices_handler(wider_persistent_reductions(
-            options.pop("_persistent_up_to")))
-        options["fx_graph_cache"] = False  # the cache key does not see the heuristic
+    one_block = options.pop("_one_block_rows", True)
+    if one_block:  # as the fast path compiles it (megagpt.fast_spec.layer._get_fn)
+        options.update(norm_rows.compile_options())
     fn = torch.compile(fused_layer_forward, dynamic=False, fullgraph=True, options=options)
+    if one_block:
+        fn = norm_rows.run_in_one_block_rows(fn)
     x, weights, main_grads, static = _layer_inputs(*SHAPES[shape])
     grad_out = torch.randn_like(x)
 
@@ -95,7 +94,7 @@ def capture_layer(shape: str, inductor_options: dict) -> torch.cuda.CUDAGraph:
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), choices:  # forward and backward compile in the first step
+    with torch.cuda.stream(side):  # forward and backward compile in the first step
         for _ in range(3):
             step()
     torch.cuda.current_stream().wait_stream(side)
@@ -153,9 +152,9 @@ def summarise_kernels(per_kernel: dict) -> dict:
     return {"kernels_ms": total, "norm_and_sum_kernels_ms": norm}
 
 
-# named inductor settings (torch.compile options) to compare with the default;
-# "_persistent_up_to": N is not an option but a heuristic of this bench (see
-# wider_persistent_reductions)
+# named inductor settings (torch.compile options) to compare with the default; every setting
+# but "looped rows" (inductor's own limit of 1024 for rows reduced in one block) compiles
+# with the fast path's norm_rows choice, as the fast path does
 SETTINGS = {
     "default": {},
     "no mix-order": {"triton.mix_order_reduction": False},
@@ -163,37 +162,8 @@ SETTINGS = {
     "aggressive fusion": {"aggressive_fusion": True},
     "no split reductions": {"split_reductions": False},
     "multi-kernel": {"triton.multi_kernel": 1},
-    "persistent 4096": {"_persistent_up_to": 4096},
+    "looped rows": {"_one_block_rows": False},
 }
-
-
-def wider_persistent_reductions(up_to: int):
-    """Inductor's choices with rows of up to ``up_to`` elements reduced in one block
-    (a persistent reduction: each row read once) instead of inductor's 1024. At the 1.3B
-    shape (rows of 2048) the layer norms' forward kernels loop over each row twice and the
-    second norm's normalisation runs as a pointwise kernel of its own: 70 µs per layer where
-    one read and one write of the rows would take ~30 (sixth/seventh session profiles).
-
-    Installed with ``V.set_choices_handler`` around the first steps, it governs what compiles
-    in this thread: the forward graph, where those norms are. The backward graph compiles
-    lazily in autograd's device thread, which keeps inductor's own choices (its norm kernels
-    are persistent already)."""
-    from torch._inductor import config
-    from torch._inductor.choices import InductorChoices
-    from torch._inductor.runtime.hints import ReductionHint
-    from torch._inductor.virtualized import V
-
-    class WiderPersistentReductions(InductorChoices):
-        @staticmethod
-        def should_use_persistent_reduction(features, cooperative_reduction):
-            if InductorChoices.should_use_persistent_reduction(features, cooperative_reduction):
-                return True
-            return bool(config.triton.persistent_reductions and not cooperative_reduction
-                        and features.get_reduction_hint() == ReductionHint.INNER
-                        and V.graph.sizevars.statically_known_leq(features.reduction_numel,
-                                                                  up_to))
-
-    return WiderPersistentReductions()
 
 
 def settings(names, split_sizes) -> dict:

@@ -62,14 +62,14 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
-from . import grad_write
+from . import grad_write, norm_rows
 from .attention import SDPADotProductAttention
 
 logger = logging.getLogger(__name__)
 
 # Module-wide switch for torch.compile of the fused layer function. The spec sets it
 # from --fast-spec-compile / --no-fast-spec-compile; tests set it directly.
-_COMPILE = {"enabled": True, "options": None}
+_COMPILE = {"enabled": True, "options": None, "one_block_rows": True}
 _compiled_fn: Optional[Callable] = None
 # Gradient-accumulation fusion of the fused layer's weight gradients (--fast-wgrad-fusion).
 _WGRAD_FUSION = {"enabled": False}
@@ -139,11 +139,15 @@ def _linear(x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Optional[Tenso
     return _LinearIntoMainGrad.apply(x, w, b, main_grad, write)
 
 
-def set_layer_compile(enabled: bool, options: Optional[dict] = None) -> None:
-    """Turn torch.compile of the fused layer function on or off (process-wide)."""
+def set_layer_compile(enabled: bool, options: Optional[dict] = None,
+                      one_block_rows: bool = True) -> None:
+    """Turn torch.compile of the fused layer function on or off (process-wide).
+    ``options``: torch.compile's keyword arguments; ``one_block_rows``: inductor reduces the
+    norms' rows of up to 4096 elements in one block (``norm_rows``)."""
     global _compiled_fn
     _COMPILE["enabled"] = bool(enabled)
     _COMPILE["options"] = options
+    _COMPILE["one_block_rows"] = bool(one_block_rows)
     _compiled_fn = None
 
 
@@ -294,7 +298,13 @@ def _get_fn() -> Callable:
         opts = dict(_COMPILE["options"] or {})
         opts.setdefault("dynamic", False)
         opts.setdefault("fullgraph", True)
-        _compiled_fn = torch.compile(fused_layer_forward, **opts)
+        one_block = (_COMPILE["one_block_rows"] and opts.get("backend", "inductor") == "inductor"
+                     and "mode" not in opts  # torch.compile takes a mode or options
+                     and norm_rows.unavailable_reason() is None)
+        if one_block:
+            opts["options"] = {**(opts.get("options") or {}), **norm_rows.compile_options()}
+        compiled = torch.compile(fused_layer_forward, **opts)
+        _compiled_fn = norm_rows.run_in_one_block_rows(compiled) if one_block else compiled
     return _compiled_fn
 
 

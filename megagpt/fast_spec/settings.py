@@ -8,6 +8,9 @@
                                  torch.compile the fused layer and the chunked loss kernels
                                  (default: on exactly when a full-iteration CUDA graph is used;
                                  without the graph the step is CPU-bound and eager is faster)
+  --no-fast-one-block-rows       compiled layer: leave inductor's limit of 1024 elements for
+                                 rows reduced in one block (by default rows of up to 4096,
+                                 the norms at hidden 2048..4096, are read once, not twice)
   --fast-cuda-graph / --no-fast-cuda-graph
                                  capture forward+backward of each iteration as one CUDA graph
                                  (megatron's --cuda-graph-impl full_iteration); default: on for
@@ -79,6 +82,15 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
         help="torch.compile the fast spec's fused layer and the chunked LM loss kernels. "
         "Default: on when a full-iteration CUDA graph is used, else off (without the graph "
         "the step is bound by CPU launch overhead and compiled code launches slower).",
+    )
+    group.add_argument(
+        "--no-fast-one-block-rows",
+        action="store_false",
+        dest="fast_one_block_rows",
+        help="Compiled fused layer: keep inductor's own limit (1024 elements) for rows "
+        "reduced by one block of threads. By default rows of up to 4096 elements are, so "
+        "that the layer norms at hidden sizes 1025..4096 read each row once instead of twice "
+        "(megagpt.fast_spec.norm_rows).",
     )
     group.add_argument(
         "--fast-cuda-graph",
@@ -294,6 +306,7 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
         ("fast_spec", True),
         ("fast_spec_fused_layer", True),
         ("fast_spec_compile", None),
+        ("fast_one_block_rows", True),
         ("fast_cuda_graph", None),
         ("fast_optimizer", True),
         ("fast_lm_loss", True),
@@ -390,8 +403,22 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
     from .layer import set_layer_compile
     from .lm_loss import set_loss_compile
 
-    set_layer_compile(bool(args.fast_spec_compile))
+    set_layer_compile(bool(args.fast_spec_compile), one_block_rows=args.fast_one_block_rows)
     set_loss_compile(bool(args.fast_spec_compile))
+    if args.fast_spec_compile and fast_path_selected(args):
+        from . import norm_rows
+
+        hidden = getattr(args, "hidden_size", 0) or 0
+        if not args.fast_one_block_rows:
+            log("fast spec: compiled layer: inductor's own row reductions "
+                "(--no-fast-one-block-rows)")
+        elif norm_rows.unavailable_reason() is not None:
+            log(f"fast spec: compiled layer: rows reduced as inductor chooses: "
+                f"{norm_rows.unavailable_reason()}")
+        elif norm_rows.INDUCTOR_MAX_ROW < hidden <= norm_rows.MAX_ROW:
+            log(f"fast spec: compiled layer: each norm row of {hidden} reduced in one block "
+                f"(inductor alone loops over rows longer than {norm_rows.INDUCTOR_MAX_ROW}; "
+                "--no-fast-one-block-rows)")
 
 
 def install_fast_path_patches(args, log: Optional[Callable[[str], None]] = None) -> None:

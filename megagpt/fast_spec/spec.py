@@ -112,7 +112,8 @@ def get_fast_gpt_layer_spec(args) -> ModuleSpec:
     compile_ = _get(args, "fast_spec_compile", None)
     if compile_ is None:  # apply_fast_path_defaults normally resolved it already
         compile_ = _get(args, "cuda_graph_impl", "none") == "full_iteration"
-    set_layer_compile(bool(compile_))
+    set_layer_compile(bool(compile_),
+                      one_block_rows=bool(_get(args, "fast_one_block_rows", True)))
     set_loss_compile(bool(compile_))
     set_wgrad_fusion(bool(_get(args, "fast_wgrad_fusion", False)))
     layer_cls = FastTransformerLayer if fused else TransformerLayer
@@ -136,6 +137,8 @@ def describe_fast_spec(args) -> str:
         mode = "eager, on each tensor-parallel rank's shards" if tp > 1 else (
             "torch.compile" if _get(args, "fast_spec_compile", False) else "eager")
         parts.append(f"fused dense layer ({mode}; dense layers, else megatron's layer)")
+        if mode == "torch.compile" and _get(args, "fast_one_block_rows", True):
+            parts.append("norm rows of up to 4096 reduced in one block")
         if _get(args, "fast_wgrad_fusion", False):
             parts.append("weight gradients accumulated into main_grad")
     if _get(args, "fast_lm_loss", True):
