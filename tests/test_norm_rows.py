@@ -144,23 +144,34 @@ def test_switch_is_parsed_applied_and_logged():
             assert len(said) == 1 and expect_log in said[0], lines
 
 
+def _relative_errors(got, want):
+    return [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, want)]
+
+
 @pytest.mark.gpu
 def test_norms_at_hidden_2048_are_one_block_kernels_on_a_gpu():
     """At hidden 2048 the forward's norm kernels are persistent (``triton_per_``) under the
-    choice and looped (``triton_red_``) without it, and the layer's numbers agree."""
+    choice and looped (``triton_red_``) without it; against the layer in fp32, the bf16
+    outputs and gradients are as close with the choice as without it."""
     from torch.profiler import ProfilerActivity, profile
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    outputs, kernels = {}, {}
+    x, tensors, consts = _layer_args(2048, "cuda", torch.bfloat16)
+    x32, tensors32, _ = _layer_args(2048, "cuda", torch.float32)
+    with torch.no_grad():  # the fp32 reference holds the bf16 values exactly
+        for ref, low in zip((x32, *tensors32), (x, *tensors)):
+            if ref is not None:
+                ref.copy_(low.float())
+    want = _grads(layer.fused_layer_forward, x32, tensors32, consts)
+    errors, kernels = {}, {}
     for one_block in (True, False):
         torch._dynamo.reset()
         layer.set_layer_compile(True, one_block_rows=one_block)
         fn = layer._get_fn()
-        x, tensors, consts = _layer_args(2048, "cuda", torch.bfloat16)
         _grads(fn, x, tensors, consts)  # compile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            outputs[one_block] = _grads(fn, x, tensors, consts)
+            errors[one_block] = _relative_errors(_grads(fn, x, tensors, consts), want)
             torch.cuda.synchronize()
         kernels[one_block] = {e.key for e in prof.key_averages()}
     norm_kernels = {k: [n for n in names if "native_layer_norm" in n and "backward" not in n
@@ -169,5 +180,6 @@ def test_norms_at_hidden_2048_are_one_block_kernels_on_a_gpu():
     assert norm_kernels[True] and all(n.startswith("triton_per_") for n in norm_kernels[True]), \
         norm_kernels
     assert any(n.startswith("triton_red_") for n in norm_kernels[False]), norm_kernels
-    for a, b in zip(outputs[True], outputs[False]):
-        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    for one_block, looped in zip(errors[True], errors[False]):
+        assert one_block < 2e-2, errors  # bf16 against fp32
+        assert one_block <= 1.25 * looped + 1e-3, errors
