@@ -22,9 +22,9 @@
 #   5. (not in the default STEPS) kernel profiles of the 1.3B step without dropout, gradients
 #      written and added (--no-fast-grad-write), in one call: where the kernels that writing
 #      removes went in the step time (the sixth session saw 3.0 ms of kernels go, 1.2 ms of step).
-#   6. (not in the default STEPS) bench/bench_layer.py at 1.3B: the compiled layer with the
-#      layer norms' rows reduced in one block (multi-kernel, persistent 4096) against the
-#      default, ~90 s (the seventh session's lead: ~1.3 ms per 1.3B step in the norms' forward).
+#   6. (not in the default STEPS) bench/bench_layer.py at 1.3B: the compiled layer as the fast
+#      path compiles it (norm rows of up to 4096 in one block) against inductor's own looped
+#      rows and multi-kernel, ~90 s (eighth session: 85 -> 48 us per layer in the norms).
 #
 # STEPS (default "0 0b 1 2 3") picks which of them run; PATHS the throughput paths of step 1
 # (default local,fast,nodrop,recompute,reference; noflat, wgrad and nowrite are also defined).
@@ -148,7 +148,7 @@ fi
 if want 6; then
 echo "== 6. the compiled layer's norm kernels, 1.3B ($(left)s left)"
 timeout $(( $(left) - 5 )) $PY bench/bench_layer.py --shapes 1.3B \
-    --settings "default,multi-kernel,persistent 4096" --out "$OUT/layer_1.3b.json" \
+    --settings "default,looped rows,multi-kernel" --out "$OUT/layer_1.3b.json" \
     > "$OUT/layer_1.3b.txt" 2>&1
 grep "^layer" "$OUT/layer_1.3b.txt"
 fi
