@@ -8,7 +8,8 @@ One invocation, one GPU. For each requested path it runs
   fast       pretrain_gpt.py --transformer-impl local   (the project's default without TE)
   reference  bench/reference_gpt.py   (plain PyTorch: SDPA, fused AdamW, torch.compile)
 
-with mock data and upstream Megatron flags (``--mock-data --log-throughput --log-interval
+with mock data (``--corpus``: the embedded corpus; ``--data-args``: any data flags) and
+upstream Megatron flags (``--mock-data --log-throughput --log-interval
 --train-iters --bf16`` and the shape's flags), parses the entry's log, and prints for each:
 tokens/s, TFLOP/s/GPU (megatron's count, ``num_floating_point_operations``), the share of
 the bf16 matmul peak it measures itself (8192^3), peak memory (max allocated) and the
@@ -62,7 +63,23 @@ MEM_RE = re.compile(r"max allocated:\s*([\d.]+)")
 SPEC_RE = re.compile(r"(layer spec:[^\n]*)")
 
 
-def shape_flags(shape: str, train_iters: int, log_interval: int, seed: int) -> list[str]:
+MOCK_DATA = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB)]
+
+
+def corpus_data_flags() -> list[str]:
+    """The entry's flags for the embedded corpus (GPT-2 tokenized Shakespeare; built, or
+    found under ``MEGAGPT_CACHE_DIR``, by ``megagpt.data.corpus``)."""
+    sys.path.insert(0, str(ROOT))
+    from megagpt.data.corpus import ensure_embedded_dataset
+
+    ds = ensure_embedded_dataset()
+    return ["--data-path", ds.prefix, "--tokenizer-type", "GPT2BPETokenizer",
+            "--vocab-file", ds.vocab_file, "--merge-file", ds.merge_file]
+
+
+def shape_flags(shape: str, train_iters: int, log_interval: int, seed: int,
+                data_flags: list[str] | None = None) -> list[str]:
+    """The entry's flags for ``shape``; ``data_flags`` in place of mock data."""
     layers, hidden, heads, seq, mb = SHAPES[shape]
     return [
         "--num-layers", str(layers), "--hidden-size", str(hidden),
@@ -74,7 +91,7 @@ def shape_flags(shape: str, train_iters: int, log_interval: int, seed: int) -> l
         "--lr-warmup-iters", "0", "--weight-decay", "0.1", "--adam-beta1", "0.9",
         "--adam-beta2", "0.95", "--clip-grad", "1.0", "--init-method-std", "0.02",
         "--bf16", "--seed", str(seed),
-        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
+        *(data_flags or MOCK_DATA),
         "--log-throughput", "--log-interval", str(log_interval),
         # the peak, once, at the end (the examples ask for no memory reports)
         "--log-memory-interval", str(train_iters),
@@ -140,7 +157,8 @@ def entry_command(a, path: str, train_iters: int, log_interval: int) -> list[str
                   "--nproc-per-node", "1", entry]
     else:
         launch = [sys.executable, entry]
-    return (launch + shape_flags(a.shape, train_iters, log_interval, a.seed)
+    return (launch + shape_flags(a.shape, train_iters, log_interval, a.seed,
+                                 getattr(a, "data_flags", None))
             + ENTRY_PATH_FLAGS[path] + shlex.split(a.entry_args))
 
 
@@ -262,6 +280,15 @@ def main(argv=None) -> int:
     p.add_argument("--launcher", choices=["torchrun", "python"], default="torchrun")
     p.add_argument("--entry-args", default="", help="extra flags for every entry run")
     p.add_argument("--seed", type=int, default=1234)
+    data = p.add_mutually_exclusive_group()
+    data.add_argument("--corpus", action="store_true",
+                      help="entry runs train on the embedded corpus (real text, GPT-2 "
+                      "tokenizer) instead of mock data: losses from text, whose first "
+                      "iterations do not spike as mock data's do at 1.3B")
+    data.add_argument("--data-args", default="",
+                      help="the entry's data flags instead of mock data, e.g. \"--data-path P "
+                      "--tokenizer-type GPT2BPETokenizer --vocab-file V --merge-file M\" "
+                      f"(the figures count a vocabulary of {VOCAB}, GPT-2's)")
     p.add_argument("--reference-dropout", type=float, default=0.1,
                    help="dropout of the plain-PyTorch reference (megatron's default is 0.1)")
     p.add_argument("--compare-losses", type=int, default=0, metavar="N",
@@ -280,6 +307,16 @@ def main(argv=None) -> int:
         if not sep or not name or name in ("local", "fast", "reference"):
             p.error(f"--variant wants NAME=FLAGS with a new name, got {spec!r}")
         ENTRY_PATH_FLAGS[name] = shlex.split(flags)
+    if a.corpus:
+        from megagpt.data.cache import FetchError
+
+        try:
+            a.data_flags = corpus_data_flags()
+        except FetchError as e:
+            p.error(f"--corpus: the embedded corpus is not cached here and cannot be "
+                    f"fetched ({e}); set MEGAGPT_CACHE_DIR to a copied cache")
+    else:
+        a.data_flags = shlex.split(a.data_args) or None
     paths = [x for x in a.paths.split(",") if x]
     compare_paths = [x for x in a.compare_paths.split(",") if x]
     if len(compare_paths) != 2:

@@ -1,6 +1,7 @@
 """Pieces of the benchmark scripts that run without a GPU."""
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -217,3 +218,35 @@ def test_bench_layer_runs_on_a_gpu(monkeypatch):
         row = results[name]
         assert row["wall_ms"] > 0 and row["kernels_ms"] > 0
         assert any("layer_norm" in k for k in row["kernels"]), row["kernels"]
+
+
+def test_throughput_runs_train_on_mock_data_or_the_given_data(embedded_corpus_flags):
+    """Mock data by default; ``--corpus`` / ``--data-args`` put real data flags in its place."""
+    from bench_throughput import MOCK_DATA, shape_flags
+
+    mock = shape_flags("345M", 20, 10, 1234)
+    assert mock[mock.index("--mock-data"):][:len(MOCK_DATA)] == MOCK_DATA
+    real = shape_flags("345M", 20, 10, 1234, embedded_corpus_flags)
+    assert "--mock-data" not in real and "NullTokenizer" not in real
+    prefix = real[real.index("--data-path") + 1]
+    assert Path(prefix + ".bin").is_file() and Path(prefix + ".idx").is_file()
+    assert real[real.index("--tokenizer-type") + 1] == "GPT2BPETokenizer"
+    # the rest of the run is the same
+    strip = lambda flags, data: [f for f in flags if f not in data]  # noqa: E731
+    assert strip(real, embedded_corpus_flags) == strip(mock, MOCK_DATA)
+
+
+@pytest.fixture()
+def embedded_corpus_flags():
+    import os
+
+    from bench_throughput import corpus_data_flags
+
+    from megagpt.data.cache import FetchError
+
+    try:
+        return corpus_data_flags()
+    except FetchError as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"embedded corpus not cached and not fetchable here: {e}")
