@@ -95,7 +95,8 @@ def _cache_marker():
 
 
 def compile_options() -> dict:
-    """``torch.compile(options=...)`` entries for a function run by ``run_in_one_block_rows``."""
+    """``torch.compile(options=...)`` entries for a function run by ``run_in_one_block_rows``
+    (for that compile they take the place of a post-grad pass set in inductor's config)."""
     return {"post_grad_custom_post_pass": _cache_marker()}
 
 
