@@ -128,12 +128,14 @@ def test_switch_is_parsed_applied_and_logged():
     parser = add_fast_path_arguments(argparse.ArgumentParser())
     assert parser.parse_args([]).fast_one_block_rows is True
     assert parser.parse_args(["--no-fast-one-block-rows"]).fast_one_block_rows is False
-    for flags, hidden, expect_on, expect_log in (
-            ([], 2048, True, "each norm row of 2048 reduced in one block"),
-            ([], 1024, True, None),  # persistent anyway: nothing to say
-            (["--no-fast-one-block-rows"], 2048, False, "--no-fast-one-block-rows")):
+    for flags, hidden, tp, expect_on, expect_log in (
+            ([], 2048, 1, True, "each norm row of 2048 reduced in one block"),
+            ([], 1024, 1, True, None),  # persistent anyway: nothing to say
+            ([], 2048, 2, True, None),  # tensor parallelism: the layer runs eagerly
+            (["--no-fast-one-block-rows"], 2048, 1, False, "--no-fast-one-block-rows")):
         args = parser.parse_args(flags + ["--fast-spec-compile"])
         args.hidden_size, args.num_layers, args.bf16 = hidden, 2, True
+        args.tensor_model_parallel_size = tp
         lines = []
         apply_fast_path_defaults(args, lines.append)
         assert layer._COMPILE["one_block_rows"] is expect_on

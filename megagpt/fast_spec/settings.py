@@ -405,7 +405,9 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
 
     set_layer_compile(bool(args.fast_spec_compile), one_block_rows=args.fast_one_block_rows)
     set_loss_compile(bool(args.fast_spec_compile))
-    if args.fast_spec_compile and fast_path_selected(args):
+    # the compiled layer runs on one tensor-parallel rank only (eager on several)
+    if (args.fast_spec_compile and fast_path_selected(args)
+            and (getattr(args, "tensor_model_parallel_size", 1) or 1) == 1):
         from . import norm_rows
 
         hidden = getattr(args, "hidden_size", 0) or 0

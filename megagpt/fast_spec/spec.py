@@ -29,6 +29,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from . import norm_rows
 from .attention import SDPADotProductAttention
 from .layer import FastTransformerLayer, set_layer_compile, set_wgrad_fusion
 from .lm_loss import lm_grad_in_forward_unsupported_reason, set_loss_compile
@@ -137,7 +138,8 @@ def describe_fast_spec(args) -> str:
         mode = "eager, on each tensor-parallel rank's shards" if tp > 1 else (
             "torch.compile" if _get(args, "fast_spec_compile", False) else "eager")
         parts.append(f"fused dense layer ({mode}; dense layers, else megatron's layer)")
-        if mode == "torch.compile" and _get(args, "fast_one_block_rows", True):
+        if (mode == "torch.compile" and _get(args, "fast_one_block_rows", True)
+                and norm_rows.unavailable_reason() is None):
             parts.append("norm rows of up to 4096 reduced in one block")
         if _get(args, "fast_wgrad_fusion", False):
             parts.append("weight gradients accumulated into main_grad")
