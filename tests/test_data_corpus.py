@@ -11,18 +11,14 @@ import time
 
 import pytest
 
+from helpers import fetched_or_skip
 from megagpt.data import corpus
-from megagpt.data.cache import FetchError, cache_root
+from megagpt.data.cache import cache_root
 
 
 @pytest.fixture(scope="module")
 def embedded():
-    try:
-        return corpus.ensure_embedded_dataset()
-    except FetchError as e:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"embedded corpus not cached and not fetchable here: {e}")
+    return fetched_or_skip(corpus.ensure_embedded_dataset, "embedded corpus")
 
 
 def test_documents_are_whole_paragraphs():

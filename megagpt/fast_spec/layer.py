@@ -301,10 +301,8 @@ def _get_fn() -> Callable:
         one_block = (_COMPILE["one_block_rows"] and opts.get("backend", "inductor") == "inductor"
                      and "mode" not in opts  # torch.compile takes a mode or options
                      and norm_rows.unavailable_reason() is None)
-        if one_block:
-            opts["options"] = {**(opts.get("options") or {}), **norm_rows.compile_options()}
-        compiled = torch.compile(fused_layer_forward, **opts)
-        _compiled_fn = norm_rows.run_in_one_block_rows(compiled) if one_block else compiled
+        compile_ = norm_rows.compile_with_one_block_rows if one_block else torch.compile
+        _compiled_fn = compile_(fused_layer_forward, **opts)
     return _compiled_fn
 
 

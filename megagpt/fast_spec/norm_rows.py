@@ -9,10 +9,10 @@ kernels took 85 µs per layer looped and 48 µs in one block (``bench/bench_laye
 docs/benchmarks.md, eighth session), ~0.9 ms of a 1.3B step. Rows of 1024 or fewer (the 345M
 shape) are persistent either way.
 
-``run_in_one_block_rows(fn)`` wraps a ``torch.compile``'d function so that inductor compiles
-it with rows of up to ``MAX_ROW`` elements in one block; ``compile_options()`` are the
-options that compile needs, so that inductor's FX graph cache keeps its kernels apart from
-those compiled without the choice. Only the forward graph is compiled under the choice: the
+``compile_with_one_block_rows(fn, **torch_compile_kwargs)`` is ``torch.compile`` with rows of
+up to ``MAX_ROW`` elements in one block: its calls run inside ``one_block_rows()``, where
+inductor compiles with the choice, and its options carry a marker that keeps inductor's FX
+graph cache from mixing its kernels with those compiled without the choice. Only the forward graph is compiled under the choice: the
 backward graph compiles lazily in autograd's device thread, where inductor's own choice
 stands (the norms' backward kernels are persistent there already).
 """
@@ -94,10 +94,16 @@ def _cache_marker():
     return OneBlockRowsMarker()
 
 
-def compile_options() -> dict:
-    """``torch.compile(options=...)`` entries for a function run by ``run_in_one_block_rows``
-    (for that compile they take the place of a post-grad pass set in inductor's config)."""
-    return {"post_grad_custom_post_pass": _cache_marker()}
+def compile_with_one_block_rows(fn: Callable, **torch_compile_kwargs) -> Callable:
+    """``torch.compile(fn, **torch_compile_kwargs)`` (inductor, no ``mode``) under the choice.
+    The cache marker takes the place of a post-grad pass set in inductor's config for this
+    compile."""
+    import torch
+
+    kwargs = dict(torch_compile_kwargs)
+    kwargs["options"] = {**(kwargs.get("options") or {}),
+                         "post_grad_custom_post_pass": _cache_marker()}
+    return run_in_one_block_rows(torch.compile(fn, **kwargs))
 
 
 def one_block_rows():

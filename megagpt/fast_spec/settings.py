@@ -411,12 +411,12 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
         from . import norm_rows
 
         hidden = getattr(args, "hidden_size", 0) or 0
+        unavailable = norm_rows.unavailable_reason()
         if not args.fast_one_block_rows:
             log("fast spec: compiled layer: inductor's own row reductions "
                 "(--no-fast-one-block-rows)")
-        elif norm_rows.unavailable_reason() is not None:
-            log(f"fast spec: compiled layer: rows reduced as inductor chooses: "
-                f"{norm_rows.unavailable_reason()}")
+        elif unavailable is not None:
+            log(f"fast spec: compiled layer: rows reduced as inductor chooses: {unavailable}")
         elif norm_rows.INDUCTOR_MAX_ROW < hidden <= norm_rows.MAX_ROW:
             log(f"fast spec: compiled layer: each norm row of {hidden} reduced in one block "
                 f"(inductor alone loops over rows longer than {norm_rows.INDUCTOR_MAX_ROW}; "
