@@ -77,15 +77,26 @@ def corpus_data_flags() -> list[str]:
             "--vocab-file", ds.vocab_file, "--merge-file", ds.merge_file]
 
 
+def batch_of(shape: str, micro_batch: int | None = None, micro_batches: int = 1
+             ) -> tuple[int, int]:
+    """(micro-batch size, global batch size) of a run: the shape's micro-batch unless
+    ``micro_batch`` is given, ``micro_batches`` of them per step on one GPU."""
+    mb = micro_batch or SHAPES[shape][4]
+    return mb, mb * micro_batches
+
+
 def shape_flags(shape: str, train_iters: int, log_interval: int, seed: int,
-                data_flags: list[str] | None = None) -> list[str]:
-    """The entry's flags for ``shape``; ``data_flags`` in place of mock data."""
-    layers, hidden, heads, seq, mb = SHAPES[shape]
+                data_flags: list[str] | None = None, micro_batch: int | None = None,
+                micro_batches: int = 1) -> list[str]:
+    """The entry's flags for ``shape``; ``data_flags`` in place of mock data;
+    ``micro_batch`` / ``micro_batches``: see ``batch_of``."""
+    layers, hidden, heads, seq, _ = SHAPES[shape]
+    mb, gbs = batch_of(shape, micro_batch, micro_batches)
     return [
         "--num-layers", str(layers), "--hidden-size", str(hidden),
         "--num-attention-heads", str(heads), "--seq-length", str(seq),
         "--max-position-embeddings", str(seq),
-        "--micro-batch-size", str(mb), "--global-batch-size", str(mb),
+        "--micro-batch-size", str(mb), "--global-batch-size", str(gbs),
         "--train-iters", str(train_iters),
         "--lr", "1.5e-4", "--min-lr", "1.0e-5", "--lr-decay-style", "cosine",
         "--lr-warmup-iters", "0", "--weight-decay", "0.1", "--adam-beta1", "0.9",
@@ -158,7 +169,8 @@ def entry_command(a, path: str, train_iters: int, log_interval: int) -> list[str
     else:
         launch = [sys.executable, entry]
     return (launch + shape_flags(a.shape, train_iters, log_interval, a.seed,
-                                 getattr(a, "data_flags", None))
+                                 getattr(a, "data_flags", None), a.micro_batch,
+                                 a.micro_batches)
             + ENTRY_PATH_FLAGS[path] + shlex.split(a.entry_args))
 
 
@@ -276,6 +288,11 @@ def main(argv=None) -> int:
     p.add_argument("--log-interval", type=int, default=10,
                    help="megatron's --log-interval for the timed runs (10, as the 345M and "
                         "175B examples log)")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="micro-batch size (default: the shape's, 8 at 345M, 4 at 1.3B)")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="micro-batches per step (the global batch on one GPU is their "
+                   "product; the figures count every one)")
     p.add_argument("--entry", default="pretrain_gpt.py")
     p.add_argument("--launcher", choices=["torchrun", "python"], default="torchrun")
     p.add_argument("--entry-args", default="", help="extra flags for every entry run")
@@ -300,6 +317,10 @@ def main(argv=None) -> int:
                    "in --paths or --compare-paths")
     p.add_argument("--compare-paths", default="local,fast",
                    help="the two entry paths --compare-losses runs (default local,fast)")
+    p.add_argument("--baseline", default="reference",
+                   help="the path the last column divides by (default: the plain-PyTorch "
+                   "reference; e.g. fast, the single-GPU default, for the several-GPU path "
+                   "on one GPU)")
     p.add_argument("--out", default=str(ROOT / "runs" / "bench"))
     a = p.parse_args(argv)
     for spec in a.variant:
@@ -324,6 +345,10 @@ def main(argv=None) -> int:
     for x in paths + compare_paths:
         if x not in ENTRY_PATH_FLAGS and x != "reference":
             p.error(f"unknown path {x!r}")
+    if "reference" in paths and (a.micro_batches != 1 or a.micro_batch not in (
+            None, SHAPES[a.shape][4])):
+        p.error("the reference runs one micro-batch of the shape's size per step: leave "
+                "--micro-batch / --micro-batches out, or 'reference' out of --paths")
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -348,13 +373,15 @@ def main(argv=None) -> int:
     info["bf16_matmul_peak_tflops"] = peak
     print(f"[bench] {info}", flush=True)
 
-    layers, hidden, heads, seq, mb = SHAPES[a.shape]
-    flops = megatron_flops(layers, hidden, heads, seq, mb, pad_vocab(VOCAB))
+    layers, hidden, heads, seq, _ = SHAPES[a.shape]
+    mb, gbs = batch_of(a.shape, a.micro_batch, a.micro_batches)
+    info.update(micro_batch=mb, global_batch=gbs)
+    flops = megatron_flops(layers, hidden, heads, seq, gbs, pad_vocab(VOCAB))
     try:  # cross-check the written-out count against megatron's own function
         sys.path.insert(0, str(ROOT))
         from megagpt.fast_spec.flops import megatron_flops as mflops
 
-        m = mflops(layers, hidden, heads, seq, mb, pad_vocab(VOCAB))
+        m = mflops(layers, hidden, heads, seq, gbs, pad_vocab(VOCAB))
         if abs(m - flops) > 1e-6 * flops:
             print(f"[bench] warning: FLOP count {flops:.4e} != megatron's {m:.4e}; using megatron's")
             flops = m
@@ -369,7 +396,7 @@ def main(argv=None) -> int:
             results[path] = run_entry(a, path, out_dir, a.train_iters, a.log_interval)
         r = results[path]
         if r.get("ms_per_iter"):
-            r["tokens_per_s"] = mb * seq / (r["ms_per_iter"] / 1e3)
+            r["tokens_per_s"] = gbs * seq / (r["ms_per_iter"] / 1e3)
             r["tflops_per_gpu"] = flops / (r["ms_per_iter"] / 1e3) / 1e12
             r["peak_share"] = r["tflops_per_gpu"] / peak
 
@@ -380,14 +407,15 @@ def main(argv=None) -> int:
         loss_cmp = compare_losses(runs[compare_paths[0]], runs[compare_paths[1]])
         loss_cmp["paths"] = compare_paths
 
-    ref = results.get("reference", {}).get("tflops_per_gpu")
+    ref = results.get(a.baseline, {}).get("tflops_per_gpu")
     print()
     print(f"shape {a.shape}: {layers} layers x {hidden} hidden x {heads} heads, seq {seq}, "
-          f"micro-batch {mb}; {flops/1e12:.2f} TFLOP per iteration (megatron's count)")
+          f"micro-batch {mb} x {gbs // mb}; {flops/1e12:.2f} TFLOP per iteration "
+          "(megatron's count)")
     print(f"{info['gpu']}, torch {info['torch']}, megatron-core {info['megatron_core']}, "
           f"bf16 matmul peak {peak:.0f} TFLOP/s (8192^3, measured)")
     hdr = f"{'path':10s} {'ms/iter':>8s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'logged':>7s} " \
-          f"{'%peak':>6s} {'peak GB':>8s} {'vs ref':>7s}"
+          f"{'%peak':>6s} {'peak GB':>8s} {'vs ' + a.baseline[:6]:>10s}"
     print(hdr)
     for path, r in results.items():
         if not r.get("ms_per_iter"):
@@ -398,7 +426,7 @@ def main(argv=None) -> int:
               f"{r['tflops_per_gpu']:8.1f} {logged if logged is not None else '-':>7} "
               f"{100 * r['peak_share']:5.1f}% "
               f"{r['peak_mem_gb'] if r.get('peak_mem_gb') is not None else float('nan'):8.2f} "
-              f"{(r['tflops_per_gpu'] / ref) if ref else float('nan'):7.2f}")
+              f"{(r['tflops_per_gpu'] / ref) if ref else float('nan'):10.3f}")
     for path, r in results.items():
         if r.get("layer_spec"):
             print(f"  {path}: {r['layer_spec']}")
@@ -408,7 +436,8 @@ def main(argv=None) -> int:
               f"max |diff| {loss_cmp['max_abs_diff']:.4f} (max rel {loss_cmp['max_rel_diff']:.2%}),"
               f" mean |diff| {loss_cmp['mean_abs_diff']:.4f}, {loss_cmp['identical']} identical;"
               f" last {loss_cmp['last']}")
-    summary = dict(info=info, flops_per_iter=flops, results=results, loss_comparison=loss_cmp)
+    summary = dict(info=info, flops_per_iter=flops, results=results, loss_comparison=loss_cmp,
+                   baseline=a.baseline)
     (out_dir / f"bench_{a.shape}.json").write_text(json.dumps(summary, indent=1, default=str))
     ok = all(r.get("ms_per_iter") for r in results.values())
     return 0 if ok else 1

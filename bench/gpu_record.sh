@@ -28,6 +28,12 @@
 #   7. (not in the default STEPS) the fast path's first 50 losses against the local spec's
 #      on real text (the corpus), 345M and 1.3B, dropout 0: at 1.3B mock data's loss spikes
 #      part any two runs whose rounding differs (eighth session), text should not spike.
+#   8. (not in the default STEPS) the path every several-GPU launch takes, forced onto one
+#      GPU (--fast-multi-gpu-path with the distributed optimizer and the overlapped gradient
+#      reduce), against the single-GPU default in the same invocation: 345M with 8
+#      micro-batches of 8 and of 4, 1.3B with 8 micro-batches of 4 (MG_SHAPES picks;
+#      MG_PATHS the paths, default fast,mgpu; mgpu_eager is the same path without
+#      per-layer graphs).
 #
 # STEPS (default "0 0b 1 2 3") picks which of them run; PATHS the throughput paths of step 1
 # (default local,fast,nodrop,recompute,reference; noflat, wgrad and nowrite are also defined).
@@ -170,6 +176,20 @@ for shape in 345M 1.3B; do
         --entry-args "--hidden-dropout 0 --attention-dropout 0 --lr-warmup-iters 10" \
         > "$OUT/losses_text_$shape.txt" 2>&1
     grep "^losses" "$OUT/losses_text_$shape.txt"
+done
+fi
+if want 8; then
+echo "== 8. the several-GPU path on one GPU against the single-GPU default ($(left)s left)"
+MG="--fast-multi-gpu-path --use-distributed-optimizer --overlap-grad-reduce"
+for spec in ${MG_SHAPES:-345M:8:8 345M:4:8 1.3B:4:8}; do
+    IFS=: read -r shape mb n <<< "$spec"
+    [ "$(left)" -gt 60 ] || break
+    timeout $(( $(left) - 5 )) $PY bench/bench_throughput.py --shape "$shape" \
+        --micro-batch "$mb" --micro-batches "$n" --paths "${MG_PATHS:-fast,mgpu}" \
+        --variant "mgpu=$MG" --variant "mgpu_eager=$MG --no-fast-layer-graphs" \
+        --baseline fast --train-iters "${MG_ITERS:-30}" --warmup-iters 10 \
+        --out "$OUT/mgpu_${shape}_mb${mb}x${n}" > "$OUT/mgpu_${shape}_mb${mb}x${n}.txt" 2>&1
+    grep -A6 "^shape" "$OUT/mgpu_${shape}_mb${mb}x${n}.txt"
 done
 fi
 echo "== done in $((SECONDS - START))s"

@@ -236,6 +236,20 @@ def test_throughput_runs_train_on_mock_data_or_the_given_data(embedded_corpus_fl
     assert strip(real, embedded_corpus_flags) == strip(mock, MOCK_DATA)
 
 
+def test_throughput_micro_batches_set_the_global_batch_and_the_flops():
+    """``--micro-batch`` / ``--micro-batches``: the entry's batch flags, and the FLOPs the
+    figures divide by count every micro-batch of the step."""
+    from bench_throughput import batch_of, shape_flags
+    from reference_gpt import megatron_flops
+
+    flags = shape_flags("345M", 20, 10, 1234, micro_batch=4, micro_batches=8)
+    assert flags[flags.index("--micro-batch-size") + 1] == "4"
+    assert flags[flags.index("--global-batch-size") + 1] == "32"
+    assert batch_of("1.3B") == (4, 4) and batch_of("1.3B", None, 8) == (4, 32)
+    one = megatron_flops(24, 1024, 16, 1024, 4, 50304)
+    assert megatron_flops(24, 1024, 16, 1024, 32, 50304) == pytest.approx(8 * one)
+
+
 @pytest.fixture()
 def embedded_corpus_flags():
     from bench_throughput import corpus_data_flags

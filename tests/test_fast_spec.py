@@ -600,23 +600,28 @@ def test_defaults_single_gpu_fast_path_uses_graph_and_compile(restore_optimizer)
 
 
 @pytest.mark.parametrize(
-    "argv,attrs,reason",
+    "argv,attrs,reason,impl",
     [
-        (["--no-fast-cuda-graph"], {}, None),
-        ([], {"world_size": 8}, "more than one GPU"),
-        ([], {"check_for_spiky_loss": True}, "spiky"),
-        ([], {"cuda_graph_impl": "local"}, "--cuda-graph-impl local"),
-        (["--no-fast-spec"], {}, None),
-        ([], {"context_parallel_size": 2}, None),
-        ([], {"transformer_impl": "transformer_engine"}, None),
+        # where the fast spec runs without the full-iteration graph, per-layer graphs hold
+        # the compiled layer
+        (["--no-fast-cuda-graph"], {}, None, "local"),
+        ([], {"world_size": 8}, "more than one GPU", "local"),
+        ([], {"check_for_spiky_loss": True}, "spiky", "local"),
+        ([], {"cuda_graph_impl": "local"}, "--cuda-graph-impl local", "local"),
+        (["--no-fast-cuda-graph", "--no-fast-layer-graphs"], {}, None, "none"),
+        (["--no-fast-spec"], {}, None, "none"),
+        ([], {"context_parallel_size": 2}, None, "none"),
+        ([], {"transformer_impl": "transformer_engine"}, None, "none"),
     ],
 )
-def test_graph_stays_off_where_it_does_not_apply(restore_optimizer, argv, attrs, reason):
+def test_graph_stays_off_where_it_does_not_apply(restore_optimizer, argv, attrs, reason, impl):
     args, lines = _resolved(argv, **attrs)
     assert not args.fast_cuda_graph
-    assert args.cuda_graph_impl == attrs.get("cuda_graph_impl", "none")
+    assert args.cuda_graph_impl == impl
+    assert args.fast_layer_graphs is (impl == "local")
     assert args.check_for_nan_in_loss_and_grad is True
-    assert args.fast_spec_compile is False  # eager without the graph (CPU-bound step)
+    # compiled inside graphs; eager without any (a CPU-bound step)
+    assert args.fast_spec_compile is (impl == "local")
     if reason:
         assert any(reason in line for line in lines), lines
 
@@ -632,11 +637,34 @@ def test_megatrons_own_full_iteration_flag_is_kept_and_said_so(restore_optimizer
     assert not any("graph off" in line for line in lines), lines
 
 
-def test_graph_asked_for_on_several_gpus_is_refused_before_any_work(restore_optimizer):
+def test_graph_asked_for_on_several_gpus(restore_optimizer, monkeypatch):
+    """Asked for on several GPUs, the full-iteration graph captures the data-parallel
+    collectives (NCCL told to connect every peer up front); under pipeline parallelism, and
+    with --overlap-param-gather, it is refused before any work."""
     from megagpt.errors import UserError
 
-    with pytest.raises(UserError, match="--fast-cuda-graph on 2 GPUs.*for one GPU"):
-        _resolved(["--fast-cuda-graph"], world_size=2)
+    monkeypatch.delenv("NCCL_RUNTIME_CONNECT", raising=False)
+    args, lines = _resolved(["--fast-cuda-graph"], world_size=2)
+    assert args.cuda_graph_impl == "full_iteration" and not args.fast_layer_graphs
+    assert any("on 2 GPUs, asked for" in line for line in lines), lines
+    import os
+
+    assert os.environ["NCCL_RUNTIME_CONNECT"] == "0"
+    monkeypatch.setenv("NCCL_RUNTIME_CONNECT", "1")  # the user's own setting is kept
+    _resolved(["--fast-cuda-graph"], world_size=2)
+    assert os.environ["NCCL_RUNTIME_CONNECT"] == "1"
+    with pytest.raises(UserError, match="--fast-cuda-graph with pipeline parallelism"):
+        _resolved(["--fast-cuda-graph"], world_size=2, pipeline_model_parallel_size=2)
+    with pytest.raises(UserError, match="--overlap-param-gather with the full-iteration"):
+        _resolved(["--fast-cuda-graph"], world_size=2, overlap_param_gather=True)
+    with pytest.raises(UserError, match="--overlap-param-gather with the full-iteration"):
+        _resolved([], cuda_graph_impl="full_iteration", overlap_param_gather=True,
+                  check_for_nan_in_loss_and_grad=False)
+    # by default on one GPU the graph gives way to --overlap-param-gather (layer graphs hold
+    # the layers instead)
+    args, lines = _resolved([], overlap_param_gather=True, use_distributed_optimizer=True)
+    assert not args.fast_cuda_graph and args.cuda_graph_impl == "local"
+    assert any("--overlap-param-gather" in line for line in lines), lines
     args, _ = _resolved(["--fast-cuda-graph"], world_size=1)
     assert args.cuda_graph_impl == "full_iteration"
 

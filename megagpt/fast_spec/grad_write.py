@@ -64,6 +64,10 @@ def unsupported_reason(args) -> Optional[str]:
         return "the distributed optimizer"
     if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
         return "FSDP"
+    if getattr(args, "cuda_graph_impl", "none") == "local":
+        # the captured backward adds each gradient into main_grad itself, not through the
+        # DDP hook that writes instead
+        return "per-layer CUDA graphs (megatron's --cuda-graph-impl local)"
     return None
 
 

@@ -415,8 +415,11 @@ class FastTransformerLayer(TransformerLayer):
             return "fp8/fp4"
         if getattr(cfg, "no_rope_freq", None):
             return "no_rope_freq"
-        # per-layer graphs replace this module's call; a full-iteration graph just records it
-        if getattr(cfg, "cuda_graph_impl", "none") not in ("none", None, "full_iteration"):
+        # megatron's per-layer graphs (local) capture this module's forward, the fused
+        # function included; a full-iteration graph records it; TE's graphs replace the
+        # module's call with TE's own capture
+        if getattr(cfg, "cuda_graph_impl", "none") not in ("none", None, "full_iteration",
+                                                            "local"):
             return f"cuda_graph_impl={cfg.cuda_graph_impl}"
         if getattr(cfg, "softmax_type", "vanilla") != "vanilla":
             return "softmax type"
@@ -430,6 +433,16 @@ class FastTransformerLayer(TransformerLayer):
             isinstance(rotary_pos_emb, Tensor)
             and rotary_pos_emb.size(-1) > 0
         )
+
+    # ---- megatron's per-layer CUDA graphs -----------------------------------------------
+    def _should_call_local_cudagraph(self, *args, **kwargs):
+        """Training calls go through megatron's per-layer graphs; evaluation and other
+        calls without gradients run the layer itself. megatron's graph manager would
+        replay the graph captured in training for them too: dropout on, and activations
+        saved for a backward pass that never comes."""
+        if not (self.training and torch.is_grad_enabled()):
+            return False
+        return super()._should_call_local_cudagraph(*args, **kwargs)
 
     # ---- forward -----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -513,6 +526,10 @@ class FastTransformerLayer(TransformerLayer):
         add to), ``"accumulate"`` into it (``--fast-wgrad-fusion``), or None (autograd and
         megatron's DDP hook)."""
         weights = list(weights)
+        if getattr(self.config, "cuda_graph_impl", "none") == "local":
+            # megatron's captured backward adds each weight's gradient into main_grad
+            # itself (decided when it captures), so the GEMMs must hand theirs to autograd
+            return None
         if not (self.training and torch.is_grad_enabled()
                 and self.self_attention.pg_collection.tp.size() == 1
                 and all(w.requires_grad and getattr(w, "main_grad", None) is not None

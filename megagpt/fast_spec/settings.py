@@ -6,8 +6,8 @@
   --no-fast-spec-fused-layer     keep megatron's TransformerLayer (only SDPA attention changes)
   --fast-spec-compile / --no-fast-spec-compile
                                  torch.compile the fused layer and the chunked loss kernels
-                                 (default: on exactly when a full-iteration CUDA graph is used;
-                                 without the graph the step is CPU-bound and eager is faster)
+                                 (default: on exactly when CUDA graphs hold the layers;
+                                 without a graph the step is CPU-bound and eager is as fast)
   --no-fast-one-block-rows       compiled layer: leave inductor's limit of 1024 elements for
                                  rows reduced in one block (by default rows of up to 4096,
                                  the norms at hidden 2048..4096, are read once, not twice)
@@ -15,6 +15,13 @@
                                  capture forward+backward of each iteration as one CUDA graph
                                  (megatron's --cuda-graph-impl full_iteration); default: on for
                                  single-GPU runs of the fast spec, off otherwise
+  --fast-layer-graphs / --no-fast-layer-graphs
+                                 capture each layer's forward and backward as CUDA graphs
+                                 (megatron's --cuda-graph-impl local) holding the compiled
+                                 fused layer, where the full-iteration graph is off; default:
+                                 on for launches without tensor or pipeline parallelism
+  --fast-multi-gpu-path          on one GPU, take the path a launch on several GPUs takes
+                                 (for measuring it where one GPU is all there is)
   --no-fast-optimizer            keep megatron's no-TE/no-apex optimizer fallbacks
                                  (foreach AdamW, per-tensor norm with one sync per tensor)
   --no-fast-lm-loss              megatron's LM head + cross entropy instead of the chunked one
@@ -80,8 +87,9 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
         dest="fast_spec_compile",
         default=None,
         help="torch.compile the fast spec's fused layer and the chunked LM loss kernels. "
-        "Default: on when a full-iteration CUDA graph is used, else off (without the graph "
-        "the step is bound by CPU launch overhead and compiled code launches slower).",
+        "Default: on when CUDA graphs hold the layers (the full-iteration graph or per-layer "
+        "graphs), else off (without a graph the step is bound by CPU launch overhead and "
+        "compiled code launches no faster).",
     )
     group.add_argument(
         "--no-fast-one-block-rows",
@@ -100,6 +108,39 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
         help="Capture each iteration's forward and backward as one CUDA graph (sets "
         "megatron's --cuda-graph-impl full_iteration and --no-check-for-nan-in-loss-and-grad; "
         "losses are still logged). Default: on for single-GPU runs of the fast spec.",
+    )
+    group.add_argument(
+        "--fast-cuda-graph-capture-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        dest="fast_cuda_graph_capture_timeout",
+        help="The full-iteration CUDA graph's capture (with its barriers and first replay) "
+        "must finish within this many seconds, or the run stops with a line naming the "
+        "rank whose capture did not finish, rather than hang (default 300).",
+    )
+    group.add_argument(
+        "--fast-layer-graphs",
+        action=argparse.BooleanOptionalAction,
+        dest="fast_layer_graphs",
+        default=None,
+        help="Capture each transformer layer's forward and backward as CUDA graphs "
+        "(megatron's --cuda-graph-impl local), holding the compiled fused layer, where the "
+        "full-iteration graph is off (launches on several GPUs): the host then launches "
+        "two graphs per layer instead of its ~100 kernels. Default: on without tensor and "
+        "pipeline parallelism; asked for under them it runs, with their collectives inside "
+        "the graphs (tensor parallelism) or one set of graphs per micro-batch in flight "
+        "(pipeline parallelism).",
+    )
+    group.add_argument(
+        "--fast-multi-gpu-path",
+        action="store_true",
+        dest="fast_multi_gpu_path",
+        help="A measuring switch: on one GPU, resolve the fast path's defaults as for a "
+        "launch on two data-parallel ranks (no full-iteration graph, fp32 gradient "
+        "accumulation, gradients added rather than written), so that the path every "
+        "several-GPU launch takes can be timed where one GPU is all there is. Add the "
+        "launch's own flags (--use-distributed-optimizer --overlap-grad-reduce) as it would.",
     )
     group.add_argument(
         "--no-fast-optimizer",
@@ -207,18 +248,27 @@ def fast_path_selected(args) -> bool:
 
 
 def _planned_world_size(args) -> int:
-    """The world size the run is for: a dry run's ``--dry-run-world-size`` when given."""
+    """The world size the run is for: a dry run's ``--dry-run-world-size`` when given; with
+    ``--fast-multi-gpu-path`` at least two data-parallel ranks' worth."""
     if getattr(args, "dry_run", False) and getattr(args, "dry_run_world_size", None):
-        return int(args.dry_run_world_size)
-    return int(getattr(args, "world_size", 1) or 1)
+        world = int(args.dry_run_world_size)
+    else:
+        world = int(getattr(args, "world_size", 1) or 1)
+    if getattr(args, "fast_multi_gpu_path", False):
+        world = max(world, 2 * _model_parallel_size(args))
+    return world
+
+
+def _model_parallel_size(args) -> int:
+    size = 1
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "context_parallel_size"):
+        size *= getattr(args, name, 1) or 1
+    return size
 
 
 def _planned_data_parallel_size(args) -> int:
-    model_parallel = 1
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                 "context_parallel_size"):
-        model_parallel *= getattr(args, name, 1) or 1
-    return max(1, _planned_world_size(args) // model_parallel)
+    return max(1, _planned_world_size(args) // _model_parallel_size(args))
 
 
 def _one_micro_batch_per_step(args) -> bool:
@@ -240,10 +290,57 @@ def cuda_graph_unsupported_reason(args) -> Optional[str]:
         return "more than one GPU (full-iteration graphs are validated on one GPU only)"
     if getattr(args, "check_for_spiky_loss", False):
         return "--check-for-spiky-loss needs a host sync inside the step"
+    if getattr(args, "overlap_param_gather", False):
+        return ("--overlap-param-gather (megatron starts the all-gather in one step and "
+                "finishes it in the next)")
     if (getattr(args, "tensor_model_parallel_size", 1) or 1) != 1 or (
         getattr(args, "pipeline_model_parallel_size", 1) or 1
     ) != 1:
         return "model parallelism"
+    return None
+
+
+def layer_graphs_unsupported_reason(args) -> Optional[str]:
+    """Why per-layer CUDA graphs cannot hold this run's layers (None: they can).
+
+    Checked after the full-iteration graph is decided. These are the runs where megatron's
+    per-layer graphs (``--cuda-graph-impl local``) would not run or would not hold the fused
+    layer; ``layer_graphs_default_off_reason`` adds the layouts where they run but stay off
+    unless asked for.
+    """
+    if getattr(args, "cpu", False):
+        return "CPU mode"
+    if not fast_path_selected(args):
+        return "the fast spec is not used"
+    if not getattr(args, "fast_spec_fused_layer", True):
+        return "the fused layer is off (--no-fast-spec-fused-layer)"
+    impl = getattr(args, "cuda_graph_impl", "none") or "none"
+    if impl == "full_iteration":
+        return "the full-iteration CUDA graph holds the whole step"
+    if impl not in ("none", "local"):
+        return f"--cuda-graph-impl {impl} was given"
+    if getattr(args, "recompute_granularity", None):
+        # megatron: full recompute only with the full-iteration graph; the fused layer does
+        # not recompute (selective recompute keeps megatron's layer) either way
+        return f"--recompute-granularity {args.recompute_granularity}"
+    if getattr(args, "cpu_offloading", False) or (
+            getattr(args, "cpu_offloading_num_layers", 0) or 0) > 0:
+        return "CPU offloading"
+    if getattr(args, "fine_grained_activation_offloading", False):
+        return "fine-grained activation offloading"
+    if getattr(args, "reset_attention_mask", False):
+        return "--reset-attention-mask (the fused layer needs causal attention)"
+    return None
+
+
+def layer_graphs_default_off_reason(args) -> Optional[str]:
+    """Why per-layer graphs, which could run here, are not switched on by default."""
+    if (getattr(args, "tensor_model_parallel_size", 1) or 1) != 1:
+        return ("tensor parallelism (its collectives would run inside the graphs; not yet "
+                "measured on several GPUs: --fast-layer-graphs asks for them)")
+    if (getattr(args, "pipeline_model_parallel_size", 1) or 1) != 1:
+        return ("pipeline parallelism (one set of graphs and buffers per micro-batch in "
+                "flight: --fast-layer-graphs asks for them)")
     return None
 
 
@@ -308,6 +405,9 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
         ("fast_spec_compile", None),
         ("fast_one_block_rows", True),
         ("fast_cuda_graph", None),
+        ("fast_layer_graphs", None),
+        ("fast_cuda_graph_capture_timeout", 300.0),
+        ("fast_multi_gpu_path", False),
         ("fast_optimizer", True),
         ("fast_lm_loss", True),
         ("fast_lm_grad_in_forward", True),
@@ -340,17 +440,34 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
         elif getattr(args, "cuda_graph_impl", "none") not in ("none", None, "full_iteration"):
             log(f"fast path: --fast-cuda-graph ignored: --cuda-graph-impl {args.cuda_graph_impl}")
             args.fast_cuda_graph = False
-        elif _planned_world_size(args) != 1:
+        elif (getattr(args, "pipeline_model_parallel_size", 1) or 1) != 1:
             from megagpt.errors import UserError
 
-            # seen on two H200s (docs/benchmarks.md, fifth session): the capture hung under
-            # DP=2 until the launcher's timeout, and under PP=2 megatron's pipeline
-            # synchronises the device inside the step, which a capture forbids
+            # megatron's pipeline schedule waits on the host for its exchanges inside the
+            # step, which a capture forbids (seen on two H200s: the PP=2 capture failed)
             raise UserError(
-                f"--fast-cuda-graph on {_planned_world_size(args)} GPUs: the full-iteration "
-                "CUDA graph is for one GPU; on two H200s its capture hung under data "
-                "parallelism and failed under pipeline parallelism. Leave the flag out "
-                "(several GPUs run without the graph).")
+                "--fast-cuda-graph with pipeline parallelism: megatron's pipeline schedule "
+                "synchronises with the host inside the step, which a CUDA graph capture "
+                "forbids. Leave the flag out (per-layer graphs: --fast-layer-graphs).")
+        elif _planned_world_size(args) != 1:
+            log(f"fast path: full-iteration CUDA graph on {_planned_world_size(args)} GPUs, "
+                "asked for: the data- and tensor-parallel collectives are captured inside it "
+                "(not yet measured on several GPUs; NCCL connects every peer when its "
+                "communicator is made, and a capture that does not finish within "
+                "--fast-cuda-graph-capture-timeout stops the run naming its rank)")
+    full_iteration = args.fast_cuda_graph or getattr(args, "cuda_graph_impl", "none") == \
+        "full_iteration"
+    if full_iteration and getattr(args, "overlap_param_gather", False):
+        from megagpt.errors import UserError
+
+        # megatron launches the all-gather of the updated parameters in one step and waits
+        # for it in the next forward pass: a graph captured per step holds only half of it
+        # (megatron stops at the second iteration, in start_param_sync)
+        raise UserError(
+            "--overlap-param-gather with the full-iteration CUDA graph: megatron starts the "
+            "parameter all-gather in one step and finishes it in the next, which a graph "
+            "captured per step cannot hold. Leave out --overlap-param-gather, or the graph "
+            "(--no-fast-cuda-graph)")
     if args.fast_cuda_graph:
         args.cuda_graph_impl = "full_iteration"
         if getattr(args, "check_for_nan_in_loss_and_grad", False):
@@ -359,6 +476,20 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
                 "losses are still logged)")
         log("fast path: forward+backward captured as one CUDA graph per iteration "
             "(--cuda-graph-impl full_iteration; --no-fast-cuda-graph turns it off)")
+    if full_iteration and _planned_world_size(args) != 1:
+        import os
+
+        # NCCL (2.22+) connects peers lazily, on a collective's first use of them; inside
+        # a capture that cannot happen (a DP=2 capture on two H200s hung). 0 connects them
+        # when each communicator is made. Read by NCCL when the communicators are created,
+        # after this point.
+        if os.environ.get("NCCL_RUNTIME_CONNECT") is None:
+            os.environ["NCCL_RUNTIME_CONNECT"] = "0"
+            log("fast path: NCCL_RUNTIME_CONNECT=0 (every NCCL peer connected up front, as "
+                "a captured collective cannot connect one)")
+
+    # --- per-layer CUDA graphs ---------------------------------------------------------
+    _resolve_layer_graphs(args, log)
 
     # --- bf16 gradient buffer -----------------------------------------------------------
     if args.fast_bf16_grad_buffer is None:
@@ -399,7 +530,10 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
             log("fast spec: CPU mode: the fused layer runs eagerly (no torch.compile)")
         args.fast_spec_compile = False
     elif args.fast_spec_compile is None:
-        args.fast_spec_compile = getattr(args, "cuda_graph_impl", "none") == "full_iteration"
+        # inside a graph launch cost disappears and compiled kernels win; outside one the
+        # step is bound by launches, where the compiled layer is no faster than eager
+        args.fast_spec_compile = getattr(args, "cuda_graph_impl", "none") in (
+            "full_iteration", "local")
     from .layer import set_layer_compile
     from .lm_loss import set_loss_compile
 
@@ -423,11 +557,41 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
                 "--no-fast-one-block-rows)")
 
 
+def _resolve_layer_graphs(args, log: Callable[[str], None]) -> None:
+    """``fast_layer_graphs``: default, refusal, and megatron's ``cuda_graph_impl``."""
+    given_local = (getattr(args, "cuda_graph_impl", "none") == "local"
+                   and args.fast_layer_graphs is None)
+    reason = layer_graphs_unsupported_reason(args)
+    if args.fast_layer_graphs is None:
+        off = reason or (None if given_local else layer_graphs_default_off_reason(args))
+        args.fast_layer_graphs = off is None
+        if off is not None and fast_path_selected(args) and not getattr(args, "cpu", False) \
+                and getattr(args, "cuda_graph_impl", "none") != "full_iteration":
+            log(f"fast path: per-layer CUDA graphs off: {off}")
+    elif args.fast_layer_graphs and reason is not None:
+        from megagpt.errors import UserError
+
+        raise UserError(f"--fast-layer-graphs: {reason}; leave the flag out")
+    if not args.fast_layer_graphs:
+        return
+    args.cuda_graph_impl = "local"
+    log("fast path: each layer's forward and backward captured as CUDA graphs, holding the "
+        "compiled fused layer (megatron's --cuda-graph-impl local; --no-fast-layer-graphs "
+        "turns them off)")
+    default_off = layer_graphs_default_off_reason(args)
+    if default_off is not None:
+        log(f"fast path: per-layer CUDA graphs under {default_off.split(' (')[0]}: asked "
+            "for; not yet measured on several GPUs")
+
+
 def install_fast_path_patches(args, log: Optional[Callable[[str], None]] = None) -> None:
     """Install the fast path's replacements inside megatron's modules (this process).
 
     Called by ``pretrain_gpt.run`` before ``megatron.training.pretrain`` builds the optimizer,
     not at parse time, so that ``--help`` and ``--dry-run`` leave megatron untouched:
+
+    - the full-iteration graph's capture under a deadline (``capture_watchdog``): a capture
+      that does not finish stops the run naming its rank, rather than hang;
 
     - gradients written (``fast_grad_write``): megatron's DDP hook copies, its buffer is not
       zeroed, parameters without a gradient are zeroed at ``finish_grad_sync``
@@ -447,6 +611,12 @@ def install_fast_path_patches(args, log: Optional[Callable[[str], None]] = None)
       identities (``megagpt.fast_spec.async_step``).
     """
     log = log or (lambda s: None)
+    if getattr(args, "cuda_graph_impl", "none") == "full_iteration" and not getattr(
+            args, "cpu", False):
+        from . import capture_watchdog
+
+        capture_watchdog.install(float(getattr(args, "fast_cuda_graph_capture_timeout", 300)),
+                                 log)
     if getattr(args, "fast_grad_write", False):
         from . import grad_write
 

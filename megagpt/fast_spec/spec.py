@@ -112,7 +112,7 @@ def get_fast_gpt_layer_spec(args) -> ModuleSpec:
     fused = bool(_get(args, "fast_spec_fused_layer", True))
     compile_ = _get(args, "fast_spec_compile", None)
     if compile_ is None:  # apply_fast_path_defaults normally resolved it already
-        compile_ = _get(args, "cuda_graph_impl", "none") == "full_iteration"
+        compile_ = _get(args, "cuda_graph_impl", "none") in ("full_iteration", "local")
     set_layer_compile(bool(compile_),
                       one_block_rows=bool(_get(args, "fast_one_block_rows", True)))
     set_loss_compile(bool(compile_))
@@ -149,6 +149,8 @@ def describe_fast_spec(args) -> str:
         parts.append(f"chunked LM-head cross entropy (TP=1{grad})")
     if _get(args, "cuda_graph_impl", "none") == "full_iteration":
         parts.append("full-iteration CUDA graph")
+    elif _get(args, "cuda_graph_impl", "none") == "local":
+        parts.append("per-layer CUDA graphs")
     if _get(args, "fast_optimizer", True):
         parts.append("fused AdamW + foreach optimizer kernels")
         if _get(args, "fast_async_step", True):

@@ -1,0 +1,85 @@
+"""A deadline on the full-iteration CUDA graph's capture: a stuck capture stops the run.
+
+A capture whose collectives wait for a peer that never joins (NCCL connecting a peer lazily,
+a rank that took another branch) blocks its process for good: the launcher sees a hung
+job, not an error. ``install(timeout_s, log)`` wraps megatron's
+``FullCudaGraphWrapper.__call__``: the iteration that captures (megatron's barrier, the
+capture, the barrier after it and the first replay) runs under ``run_with_deadline``. If it
+has not returned after ``timeout_s`` seconds, this rank prints one line naming itself and
+exits with status 3; torchrun then stops the other ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Callable, Optional, TextIO
+
+EXIT_STATUS = 3
+_ORIGINALS: dict = {}
+
+
+def run_with_deadline(call: Callable, timeout_s: float, what: str, rank: int,
+                      exit_fn: Callable[[int], None] = os._exit,
+                      stream: Optional[TextIO] = None):
+    """``call()``; if it has not returned within ``timeout_s``, print an ``error:`` line
+    naming ``rank`` and ``what`` and call ``exit_fn(EXIT_STATUS)`` from a watcher thread
+    (``os._exit``: the stuck main thread cannot be interrupted from Python)."""
+    done = threading.Event()
+
+    def watch():
+        if not done.wait(timeout_s):
+            out = stream or sys.stderr
+            print(f"error: rank {rank}: {what} did not finish within {timeout_s:g} s; "
+                  "stopping rather than hanging (--fast-cuda-graph-capture-timeout sets the "
+                  "limit; --no-fast-cuda-graph runs without the graph)", file=out, flush=True)
+            exit_fn(EXIT_STATUS)
+
+    watcher = threading.Thread(target=watch, name="megagpt-capture-watchdog", daemon=True)
+    watcher.start()
+    try:
+        return call()
+    finally:
+        done.set()
+        watcher.join(timeout=5)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def install(timeout_s: float, log: Optional[Callable[[str], None]] = None) -> None:
+    """Put the capture iteration of megatron's full-iteration graph under the deadline."""
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+
+    if "__call__" in _ORIGINALS:
+        _ORIGINALS["timeout_s"] = timeout_s
+        return
+    original = FullCudaGraphWrapper.__call__
+    _ORIGINALS.update(__call__=original, timeout_s=timeout_s)
+
+    def __call__(self, *args, **kwargs):
+        inner = _ORIGINALS["__call__"]
+        stage = "validation" if kwargs.get("forward_only") else "training"
+        if FullCudaGraphWrapper.curr_iteration[stage] != self.cuda_graph_warmup_steps:
+            return inner(self, *args, **kwargs)
+        return run_with_deadline(lambda: inner(self, *args, **kwargs),
+                                 _ORIGINALS["timeout_s"],
+                                 f"the full-iteration CUDA graph capture ({stage})", _rank())
+
+    FullCudaGraphWrapper.__call__ = __call__
+    if log:
+        log(f"fast path: the full-iteration graph's capture must finish within "
+            f"{timeout_s:g} s (--fast-cuda-graph-capture-timeout)")
+
+
+def uninstall() -> None:
+    if "__call__" not in _ORIGINALS:
+        return
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+
+    FullCudaGraphWrapper.__call__ = _ORIGINALS.pop("__call__")
+    _ORIGINALS.clear()
