@@ -619,7 +619,8 @@ def test_graph_stays_off_where_it_does_not_apply(restore_optimizer, argv, attrs,
     assert not args.fast_cuda_graph
     assert args.cuda_graph_impl == impl
     assert args.fast_layer_graphs is (impl == "local")
-    assert args.check_for_nan_in_loss_and_grad is True
+    # megatron's in-step checks wait for the GPU: off under per-layer graphs too
+    assert args.check_for_nan_in_loss_and_grad is (impl == "none")
     # compiled inside graphs; eager without any (a CPU-bound step)
     assert args.fast_spec_compile is (impl == "local")
     if reason:

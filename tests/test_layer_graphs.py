@@ -45,6 +45,16 @@ def test_data_parallel_launches_take_layer_graphs_with_the_compiled_layer():
                for line in lines), lines
 
 
+def test_in_step_nan_checks_give_way_to_the_norm_check_unless_kept():
+    args, lines = _resolved(world_size=8)
+    assert args.cuda_graph_impl == "local" and not args.check_for_nan_in_loss_and_grad
+    assert any("in-step NaN/Inf checks off" in line for line in lines), lines
+    args, _ = _resolved(["--fast-step-nan-checks"], world_size=8)
+    assert args.cuda_graph_impl == "local" and args.check_for_nan_in_loss_and_grad
+    args, _ = _resolved(["--no-fast-layer-graphs"], world_size=8)
+    assert args.check_for_nan_in_loss_and_grad  # megatron's default without graphs
+
+
 def test_one_gpu_keeps_the_full_iteration_graph():
     args, _ = _resolved()
     assert args.cuda_graph_impl == "full_iteration" and not args.fast_layer_graphs
