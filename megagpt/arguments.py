@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Callable
 
-from megagpt import compat, cpu_mode
+from megagpt import compat, cpu_mode, megatron_wrappers
 from megagpt.config_file import ConfigFileError, expand_config_file, load_config_mapping, flag_name
 from megagpt.errors import UserError
 from megagpt.log import log
@@ -161,12 +161,9 @@ def _device_arch_for_validation(arch: int | None):
     if torch.cuda.is_available() and arch is None:
         yield
         return
-    saved = margs.get_device_arch_version
-    margs.get_device_arch_version = lambda: arch or 0
-    try:
+    answer = [("get_device_arch_version", __name__, lambda _: lambda: arch or 0)]
+    with megatron_wrappers.wrapped(margs, answer):
         yield
-    finally:
-        margs.get_device_arch_version = saved
 
 
 def validate_arguments(args, device_arch: int | None = None) -> None:
