@@ -210,7 +210,7 @@ def test_the_real_launch_runs_the_same_checks_before_megatron(monkeypatch, capsy
 
 
 def test_gpu_types_set_memory_and_arch():
-    from megagpt.preflight.gpus import resolve_gpu
+    from megagpt.gpus import resolve_gpu
 
     assert (resolve_gpu("A100-40GB", None).memory_gib, resolve_gpu("A100-40GB", None).arch) == (40, 8)
     h100 = resolve_gpu("H100", 70)

@@ -18,27 +18,12 @@ import yaml
 
 from megagpt.preflight import estimate as est
 from megagpt.preflight.checks import LayoutError, check_layout, model_parallel_size
-from megagpt.preflight.gpus import KNOWN_GPUS, Gpu, resolve_gpu
+from megagpt.arguments import build_tokenizer, validate_arguments
+from megagpt.gpus import Gpu, resolve_gpu
 
 
 class MemoryBudgetError(LayoutError):
     """The memory estimate per GPU is above the GPU's memory."""
-
-
-def add_preflight_arguments(group) -> None:
-    """The dry run's options, added to the entry's argument group."""
-    group.add_argument("--dry-run-world-size", type=int, default=None, metavar="N",
-                       help="GPUs the dry run plans for (default: WORLD_SIZE as torchrun "
-                            "sets it, else 1).")
-    group.add_argument("--gpu-type", choices=sorted(KNOWN_GPUS), default=None,
-                       help="GPU the dry run plans for: memory and arch (default: this "
-                            "machine's GPU, else A100-80GB).")
-    group.add_argument("--gpu-memory-gb", type=float, default=None, metavar="GIB",
-                       help="GPU memory in GiB for the dry run's memory check (overrides "
-                            "--gpu-type's).")
-    group.add_argument("--dry-run-yaml", type=str, default=None, metavar="FILE",
-                       help="Write the dry run's resolved configuration to FILE instead "
-                            "of printing it.")
 
 
 def dry_run_world_size(args) -> int:
@@ -49,8 +34,6 @@ def dry_run_world_size(args) -> int:
 
 def _validate(args, gpu: Gpu) -> None:
     """megatron's validate_args at the planned size; its argument table is kept quiet."""
-    from megagpt.arguments import validate_arguments
-
     captured = io.StringIO()
     try:
         with contextlib.redirect_stdout(captured):
@@ -63,8 +46,6 @@ def _validate(args, gpu: Gpu) -> None:
 
 def _vocab_size(args) -> int:
     """The tokenizer's vocabulary size (the tokenizer is built, as the run will build it)."""
-    from megagpt.arguments import build_tokenizer
-
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             return build_tokenizer(args).vocab_size
