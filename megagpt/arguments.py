@@ -52,8 +52,8 @@ def add_entry_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 def _add_dry_run_arguments(group) -> None:
     """``--dry-run`` and what it plans for (``megagpt.preflight`` reads them)."""
     group.add_argument("--dry-run", action="store_true",
-                       help="Check the launch and print the plan (parameters, memory, FLOPs, "
-                            "layout); start nothing.")
+                       help="Check the launch and print the plan (layout, batch, parameters, "
+                            "memory, FLOPs); start nothing.")
     group.add_argument("--dry-run-world-size", type=int, default=None, metavar="N",
                        help="GPUs the dry run plans for (default: WORLD_SIZE as torchrun "
                             "sets it, else 1).")
@@ -64,8 +64,8 @@ def _add_dry_run_arguments(group) -> None:
                        help="GPU memory in GiB for the dry run's memory check (overrides "
                             "--gpu-type's).")
     group.add_argument("--dry-run-yaml", type=str, default=None, metavar="FILE",
-                       help="Write the dry run's resolved configuration to FILE instead "
-                            "of printing it.")
+                       help="Also write the resolved configuration (every megatron argument "
+                            "after validation) to FILE as YAML; '-' prints it after the plan.")
 
 
 def _escape_stray_percent_signs(parser: argparse.ArgumentParser) -> None:
