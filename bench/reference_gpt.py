@@ -154,6 +154,7 @@ def run(shape="345M", iters=40, warmup=10, vocab=50257, dropout=0.1, compile_mod
         "tflops_per_gpu": flops / (ms / 1e3) / 1e12,
         "flops_per_iter": flops,
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
+        "peak_mem_mib": torch.cuda.max_memory_allocated() / 2**20,
         "losses": losses,
         "dropout": dropout,
         "compile": compile_model,
