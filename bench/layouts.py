@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Megatron's parallel layouts through the entry, against one process: losses, throughput per
-GPU, and a checkpoint resumed under another layout (issue 7).
+GPU, and a checkpoint resumed under another layout.
 
 Each layout runs ``pretrain_gpt.py`` under torchrun with the same model, data, seed and global
 batch; its per-iteration losses are compared with the one-process run's, and megatron's

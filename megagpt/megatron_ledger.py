@@ -46,8 +46,8 @@ FAST_LAUNCH = ("at launch (pretrain_gpt.run -> fast_spec.settings.install_fast_p
                "for the rest of the process")
 PRETRAIN = "around megatron.training.pretrain (resilience.active), undone after"
 CPU_PRETRAIN = "with --cpu, around megatron.training.pretrain (cpu_mode.active), undone after"
-VALIDATION = ("around megatron's validate_args where no GPU answers (arguments.validate_arguments), "
-              "undone after")
+VALIDATION = ("around megatron's validate_args where no GPU answers "
+              "(arguments.validate_arguments), undone after")
 MODEL = "when the fast spec builds the model (gpt_builders -> fast_spec.spec)"
 LAUNCH = "at launch, before pretrain (pretrain_gpt.run)"
 GLOBALS = "at launch, after megatron's globals are set (arguments.set_megatron_globals)"

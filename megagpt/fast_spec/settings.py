@@ -343,7 +343,7 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
         elif _planned_world_size(args) != 1:
             from megagpt.errors import UserError
 
-            # seen on two H200s (docs/benchmarks.md, fifth session): the capture hung under
+            # seen on two H200s (2026-11-29, 4c58365; speed.md): the capture hung under
             # DP=2 until the launcher's timeout, and under PP=2 megatron's pipeline
             # synchronises the device inside the step, which a capture forbids
             raise UserError(
