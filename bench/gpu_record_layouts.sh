@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The recorded runs on one host with two GPUs (docs/benchmarks.md, the layouts sections).
+# The recorded runs on one host with two GPUs (docs/benchmarks.md, several GPUs; the layouts'
+# layouts.json becomes its rows through `python bench/records.py add`).
 #
 #   bash bench/gpu_record_layouts.sh OUT_DIR [SECONDS]
 #
