@@ -21,8 +21,10 @@ A record is one measured row of one table:
 ``date``) is the table's current figure and the others go to the dated log below the tables.
 A record with ``"current": false`` (an outlier, a run cut short) is only ever in the log,
 with its ``why``. ``commit`` is the commit whose code ran (``+changes``: with uncommitted
-changes); records converted from the benchmark notes kept before this format carry the
-commit that recorded the figure, whose code is the code measured or its predecessor.
+changes). Records converted from the benchmark notes kept before this format (2026-11-29)
+carry the commit those notes name for the code measured, else the commit that recorded the
+figure (``git log docs/benchmarks.md``): the code measured is that commit's, or the one
+before it with the changes that commit brought.
 
 Adding a row is adding one file. Bench scripts write ``info`` (``bench/run_info.py``) into
 their JSON output, and
