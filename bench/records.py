@@ -4,7 +4,7 @@
 A record is one measured row of one table:
 
     {
-      "table":    "train-1gpu",                  # a table of docs/benchmarks.md (bench/tables.py)
+      "table":    "train-1gpu",            # a table of docs/benchmarks.md (bench/table_specs.py)
       "row":      {"shape": "345M", "path": "fast", "dropout": 0},   # what was measured
       "figures":  {"ms_per_iter": 44.8, "tflops_per_gpu": 415.5, ...},  # what came out
       "date":     "2026-11-29 23:43 UTC",
@@ -25,6 +25,25 @@ changes). Records converted from the benchmark notes kept before this format (20
 carry the commit those notes name for the code measured, else the commit that recorded the
 figure (``git log docs/benchmarks.md``): the code measured is that commit's, or the one
 before it with the changes that commit brought.
+
+The tables and their keys (``bench/table_specs.py`` renders them; a table it does not know
+is shown with its keys as headers):
+
+    train-1gpu      row: shape, path (local | fast | reference), dropout
+                    figures: ms_per_iter, tokens_per_s, tflops_per_gpu, peak_mib (or peak_gb),
+                    bf16_matmul_peak_tflops
+    switches        row: shape, switch (the flags), dropout
+                    figures: default_ms, switch_ms, default_mib, switch_mib
+    layouts         row: shape, processes, layout (tp2, pp2, dp2, ...; flags after a space:
+                    "dp2 --fast-cuda-graph")
+                    figures: ms_per_iter, tflops_per_gpu, per_gpu_vs_one, max_rel_loss_diff,
+                    max_abs_loss_diff, iterations; or not_run / failed: the reason
+    loss-agreement  row: shape, data, compared, flags
+                    figures: iterations, max_abs_diff, max_rel_diff, mean_abs_diff, identical
+    resume          row: shape, saved_under, resumed_under
+                    figures: saved_at, iterations, identical, max_abs_diff
+    preprocess      row: tool (baseline | megagpt), workers
+                    figures: wall_s, documents_per_s, tokens_per_s, mb_per_s, cpu_s
 
 Adding a row is adding one file. Bench scripts write ``info`` (``bench/run_info.py``) into
 their JSON output, and
