@@ -138,7 +138,7 @@ LEDGER: tuple[Change, ...] = (
            "initialize_megatron runs make on megatron/core/datasets, which the wheel ships "
            "without a Makefile (its helpers_cpp is prebuilt): make fails and the run exits; "
            "skipped only where helpers_cpp imports", LAUNCH, "02c160f0fa9c"),
-    Change("megatron.training.arguments.get_device_arch_version", WRAPS, "megagpt.arguments",
+    Change("megatron.training.arguments.get_device_arch_version", REPLACES, "megagpt.arguments",
            "validate_args asks the GPU for its architecture when TP or CP > 1; a dry run or a "
            "CPU run answers with the planned GPU's (or 0)", VALIDATION, "076b134d5b1f"),
     # --- the optimizer without TE or apex (megagpt.fast_spec.optim) ----------------------------
@@ -210,7 +210,7 @@ LEDGER: tuple[Change, ...] = (
            "megagpt.fast_spec.norm",
            "it refuses --sequence-parallel; TorchNorm builds the same torch module with the "
            "flag cleared and marks its parameters for megatron's sequence-parallel sum", MODEL,
-           "88f52fb285c2", needle="sequence_parallel"),
+           "88f52fb285c2", needle="assert not config.sequence_parallel"),
     Change("megatron.core.models.gpt.gpt_model.GPTModel._postprocess", STANDS_IN,
            "megagpt.fast_spec.lm_loss",
            "the chunked LM-head loss is GPTModel's output_processor, called here with the "
