@@ -176,4 +176,9 @@ for shape in 345M 1.3B; do
     grep "^losses" "$OUT/losses_text_$shape.txt"
 done
 fi
+# the rows of docs/benchmarks.md these runs measured: copy OUT/records/*.json into
+# docs/figures/runs/ and run `make tables`
+for f in "$OUT"/*/bench_*.json "$OUT"/*/resume_fidelity.json; do
+    [ -f "$f" ] && $PY bench/records.py add "$f" --dir "$OUT/records"
+done
 echo "== done in $((SECONDS - START))s"
