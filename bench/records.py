@@ -141,6 +141,9 @@ def write(record: dict, directory: Path = RUNS) -> Path:
     if bad:
         raise ValueError("; ".join(bad))
     directory.mkdir(parents=True, exist_ok=True)
+    order = ["table", "row", "figures", "date", "commit", "machine", "versions", "command",
+             *OPTIONAL]
+    record = {k: record[k] for k in order if k in record}
     text = json.dumps(record, indent=1, ensure_ascii=False) + "\n"
     base = file_name(record)[:-5]
     path, n = directory / f"{base}.json", 2
