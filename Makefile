@@ -3,7 +3,7 @@
 #   make test   - the test suite (CPU; GPU tests skip without CUDA)
 PY := .venv/bin/python
 
-.PHONY: venv demo test test-fast clean
+.PHONY: venv demo test test-fast tables clean
 
 venv:
 	bash scripts/setup_venv.sh
@@ -17,6 +17,10 @@ test: venv
 # Unit tests only: skips the multi-second end-to-end runs.
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow"
+
+# docs/benchmarks.md and the README's figures, from the records in docs/figures/runs/
+tables: venv
+	$(PY) bench/tables.py
 
 clean:
 	rm -rf runs/ .pytest_cache

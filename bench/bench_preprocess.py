@@ -141,6 +141,9 @@ def main(argv=None) -> int:
     p.add_argument("--mb", type=float, default=20.0, help="corpus size in MB (>= 10 for the report)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--workdir", default=None, help="where to put the corpus and outputs (default: temp)")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="also write the figures with the run's date, commit, machine, versions "
+                        "and command (bench/records.py add FILE makes table rows of them)")
     a = p.parse_args(argv)
 
     import megatron.core
@@ -187,6 +190,15 @@ def main(argv=None) -> int:
           f"{megatron.core.__version__}, transformers {transformers.__version__}, tokenizers "
           f"{tokenizers.__version__}, tiktoken {tiktoken.__version__}")
     print(f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    if a.json:
+        from run_info import run_info
+
+        Path(a.json).write_text(json.dumps(dict(
+            info=run_info("transformers", "tokenizers", "tiktoken"), workers=a.workers,
+            repeat=a.repeat, identical_outputs=same, load_average_before=load_before,
+            corpus=dict(documents=n_docs, tokens=tokens_b, bytes=n_bytes),
+            rows=[dict(tool=tool, wall_s=t, cpu_s=c)
+                  for tool, (_, t, c) in zip(("baseline", "megagpt"), rows)]), indent=1) + "\n")
     return 0 if same else 1
 
 

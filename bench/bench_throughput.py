@@ -14,7 +14,9 @@ upstream Megatron flags (``--mock-data --log-throughput --log-interval
 tokens/s, TFLOP/s/GPU (megatron's count, ``num_floating_point_operations``), the share of
 the bf16 matmul peak it measures itself (8192^3), peak memory (max allocated) and the
 ratio to the reference. Iterations inside the first ``--warmup-iters`` (compilation,
-allocator warm-up) are left out of the figures.
+allocator warm-up) are left out of the figures. ``OUT/bench_<shape>.json`` holds them with the
+run's date, commit, machine, versions and command; ``python bench/records.py add`` makes the
+rows of docs/benchmarks.md from it.
 
   python bench/bench_throughput.py --shape 345M --paths local,fast,reference --out runs/bench
 
@@ -38,7 +40,6 @@ import statistics
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -46,6 +47,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from reference_gpt import SHAPES, megatron_flops, pad_vocab  # noqa: E402
+from run_info import run_info  # noqa: E402
 
 VOCAB = 50257
 
@@ -131,6 +133,7 @@ def parse_entry_log(text: str, warmup_iters: int) -> dict:
         intervals=len(rows),
         losses=[(r["iteration"], r["loss"]) for r in rows],
         peak_mem_gb=(max(mems) * 2**20 / 1e9) if mems else None,
+        peak_mem_mib=max(mems) if mems else None,  # megatron's "max allocated", MiB
         layer_spec=spec[-1] if spec else None,
     )
     if steady:
@@ -357,18 +360,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_throughput needs a CUDA GPU", file=sys.stderr)
         return 2
-    info = dict(
-        date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        gpu=torch.cuda.get_device_name(0),
-        torch=torch.__version__,
-        shape=a.shape,
-    )
-    try:
-        from importlib.metadata import version
-
-        info["megatron_core"] = version("megatron-core")
-    except Exception:  # noqa: BLE001 - carried wheel without metadata
-        info["megatron_core"] = "unknown"
+    # date, commit, machine, versions, command: what bench/records.py makes a row of
+    info = dict(run_info(), gpu=torch.cuda.get_device_name(0), torch=torch.__version__,
+                shape=a.shape)
+    info["megatron_core"] = info["versions"].get("megatron-core", "unknown")
     peak = measure_matmul_peak()
     info["bf16_matmul_peak_tflops"] = peak
     print(f"[bench] {info}", flush=True)
@@ -437,7 +432,11 @@ def main(argv=None) -> int:
               f" mean |diff| {loss_cmp['mean_abs_diff']:.4f}, {loss_cmp['identical']} identical;"
               f" last {loss_cmp['last']}")
     summary = dict(info=info, flops_per_iter=flops, results=results, loss_comparison=loss_cmp,
-                   baseline=a.baseline)
+                   baseline=a.baseline,
+                   path_flags={x: ENTRY_PATH_FLAGS[x] for x in paths + compare_paths
+                               if x in ENTRY_PATH_FLAGS},
+                   entry_args=a.entry_args,
+                   data="text" if a.data_flags else "mock")
     (out_dir / f"bench_{a.shape}.json").write_text(json.dumps(summary, indent=1, default=str))
     ok = all(r.get("ms_per_iter") for r in results.values())
     return 0 if ok else 1

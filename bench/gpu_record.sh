@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# The recorded runs on one GPU, in one go (the figures in docs/benchmarks.md come from here).
+# The recorded runs on one GPU, in one go. Each bench script writes its JSON with the run's
+# date, commit, machine, versions and command; `python bench/records.py add OUT/.../*.json`
+# makes rows of docs/benchmarks.md of them (then `make tables`). A copy without git history
+# names its commit through MEGAGPT_COMMIT.
 #
 #   bash bench/gpu_record.sh OUT_DIR [SECONDS]
 #
@@ -18,16 +21,17 @@
 #   3. throughput, 1.3B shape (24 x 2048 x 16, seq 2048, mb 4): fast path (with and without
 #      dropout) and reference;
 #   4. (experiment, not in the default STEPS) 345M with inductor's coordinate-descent tuning
-#      (at 1.3B it changed nothing in the sixth session and tripled the compile time);
+#      (at 1.3B on 2026-11-29 it changed nothing and tripled the compile time);
 #   5. (not in the default STEPS) kernel profiles of the 1.3B step without dropout, gradients
-#      written and added (--no-fast-grad-write), in one call: where the kernels that writing
-#      removes went in the step time (the sixth session saw 3.0 ms of kernels go, 1.2 ms of step).
+#      written and added (--no-fast-grad-write), in one invocation: where the kernels that writing
+#      removes went in the step time (2026-11-29, 47d94b0: 3.0 ms of kernels gone, 1.2 ms of
+#      step).
 #   6. (not in the default STEPS) bench/bench_layer.py at 1.3B: the compiled layer as the fast
 #      path compiles it (norm rows of up to 4096 in one block) against inductor's own looped
-#      rows and multi-kernel, ~90 s (eighth session: 85 -> 48 us per layer in the norms).
+#      rows and multi-kernel, ~90 s (2026-11-29, a2f32a9: 85 -> 48 us per layer in the norms).
 #   7. (not in the default STEPS) the fast path's first 50 losses against the local spec's
 #      on real text (the corpus), 345M and 1.3B, dropout 0: at 1.3B mock data's loss spikes
-#      part any two runs whose rounding differs (eighth session), text should not spike.
+#      part any two runs whose rounding differs (docs/benchmarks.md), text should not spike.
 #   8. (not in the default STEPS) the path every several-GPU launch takes, forced onto one
 #      GPU (--fast-multi-gpu-path with the distributed optimizer and the overlapped gradient
 #      reduce), against the single-GPU default in the same invocation: 345M with 8
@@ -192,4 +196,9 @@ for spec in ${MG_SHAPES:-345M:8:8 345M:4:8 1.3B:4:8}; do
     grep -A6 "^shape" "$OUT/mgpu_${shape}_mb${mb}x${n}.txt"
 done
 fi
+# the rows of docs/benchmarks.md these runs measured: copy OUT/records/*.json into
+# docs/figures/runs/ and run `make tables`
+for f in "$OUT"/*/bench_*.json "$OUT"/*/resume_fidelity.json; do
+    [ -f "$f" ] && $PY bench/records.py add "$f" --dir "$OUT/records"
+done
 echo "== done in $((SECONDS - START))s"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The recorded runs on one host with two GPUs (docs/benchmarks.md, the layouts sections).
+# The recorded runs on one host with two GPUs (docs/benchmarks.md, several GPUs; the layouts'
+# layouts.json becomes its rows through `python bench/records.py add`).
 #
 #   bash bench/gpu_record_layouts.sh OUT_DIR [SECONDS]
 #
@@ -56,4 +57,9 @@ if [ "$(left)" -gt 70 ]; then
     head -1 "$OUT/profile_tp2_report.txt"
 fi
 date -u >> "$OUT/gpu.txt"
+# the rows of docs/benchmarks.md these runs measured: copy OUT/records/*.json into
+# docs/figures/runs/ and run `make tables`
+for f in "$OUT"/layouts/layouts.json; do
+    [ -f "$f" ] && $PY bench/records.py add "$f" --dir "$OUT/records"
+done
 echo "== done in $((SECONDS - START))s"

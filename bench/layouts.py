@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Megatron's parallel layouts through the entry, against one process: losses, throughput per
-GPU, and a checkpoint resumed under another layout (issue 7).
+GPU, and a checkpoint resumed under another layout.
 
 Each layout runs ``pretrain_gpt.py`` under torchrun with the same model, data, seed and global
 batch; its per-iteration losses are compared with the one-process run's, and megatron's
@@ -36,6 +36,7 @@ from pathlib import Path
 
 # same folder: run as ``python bench/layouts.py``
 from bench_throughput import compare_losses, parse_entry_log, run_logged
+from run_info import run_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from megagpt import vocab_padding  # noqa: E402
@@ -245,7 +246,8 @@ def main(argv=None) -> int:
         if name != "cp2":  # a longer sequence: not the same losses
             res["against_one"] = compare(base, res)
         results[name] = res
-    report = dict(shape=a.shape, cpu=a.cpu, gpus=a.gpus, iterations=a.iters,
+    # date, commit, machine, versions, command: what bench/records.py makes rows of
+    report = dict(info=run_info(), shape=a.shape, cpu=a.cpu, gpus=a.gpus, iterations=a.iters,
                   tolerance=a.tolerance, layouts=results)
     if a.resume_check:
         src, dst = a.resume_check.split(",")

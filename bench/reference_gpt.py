@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Plain-PyTorch GPT of the same shape and FLOP count as megatron's GPT, for comparison.
 
-The yardstick of issue 5: what one GPU does without megatron — torch SDPA (flash/cuDNN),
+The yardstick of the fast path: what one GPU does without megatron — torch SDPA (flash/cuDNN),
 fp32 master parameters under bf16 autocast, fused AdamW, ``torch.compile`` of the model.
 Same architecture as megatron's default GPT: learned absolute positions, pre-LayerNorm,
 fused QKV with biases, GeLU (tanh approximation, as megatron's bias-GeLU fusion), 4h MLP,
@@ -154,6 +154,7 @@ def run(shape="345M", iters=40, warmup=10, vocab=50257, dropout=0.1, compile_mod
         "tflops_per_gpu": flops / (ms / 1e3) / 1e12,
         "flops_per_iter": flops,
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
+        "peak_mem_mib": torch.cuda.max_memory_allocated() / 2**20,
         "losses": losses,
         "dropout": dropout,
         "compile": compile_model,

@@ -47,6 +47,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
 from helpers import TINY_MODEL, parse_losses  # noqa: E402
+from run_info import run_info  # noqa: E402
 
 TINY_CPU = [*TINY_MODEL, "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
@@ -73,6 +74,7 @@ def compare(reference: dict[int, float], resumed: dict[int, float], tolerance: f
         "iterations_compared": len(common),
         "missing_iterations": missing,
         "max_abs_diff": max(diffs.values(), default=None),
+        "identical": sum(d == 0 for d in diffs.values()),
         "first_differing_iteration": bad[0] if bad else None,
         "agree": not bad and not missing,
     }
@@ -136,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             writer.writerow([i, reference.get(i), joined.get(i),
                              "resumed" if i in resumed else "first"])
     result = {
+        "info": run_info(),  # date, commit, machine, versions, command (bench/records.py)
         "iterations": n, "stopped_at": half, "tolerance": opts.tolerance,
         "deterministic_mode": not opts.no_deterministic, "flags": flags,
         "seconds": {k: round(v, 1) for k, v in seconds.items()},

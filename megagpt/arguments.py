@@ -19,9 +19,10 @@ import os
 import sys
 from typing import Callable
 
-from megagpt import compat, cpu_mode
+from megagpt import compat, cpu_mode, megatron_wrappers
 from megagpt.config_file import ConfigFileError, expand_config_file, load_config_mapping, flag_name
 from megagpt.errors import UserError
+from megagpt.gpus import KNOWN_GPUS
 from megagpt.log import log
 
 # A vocabulary for --mock-data runs that name no tokenizer: GPT-2's size.
@@ -41,20 +42,30 @@ def add_entry_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--cpu", action="store_true",
                        help="CPU development mode: gloo, fp32, no GPU needed. For tests, CI "
                             "and laptops, not for speed.")
-    group.add_argument("--dry-run", action="store_true",
-                       help="Check the launch and print the plan (parameters, memory, FLOPs, "
-                            "layout); start nothing.")
-    _add_package_arguments(group)
+    _add_dry_run_arguments(group)
+    from megagpt.fast_spec.settings import add_fast_path_arguments
+
+    add_fast_path_arguments(group)
     return parser
 
 
-def _add_package_arguments(group) -> None:
-    """Options owned by other modules of the package (fast path, preflight)."""
-    from megagpt.fast_spec.settings import add_fast_path_arguments
-    from megagpt.preflight import add_preflight_arguments
-
-    add_fast_path_arguments(group)
-    add_preflight_arguments(group)
+def _add_dry_run_arguments(group) -> None:
+    """``--dry-run`` and what it plans for (``megagpt.preflight`` reads them)."""
+    group.add_argument("--dry-run", action="store_true",
+                       help="Check the launch and print the plan (layout, batch, parameters, "
+                            "memory, FLOPs); start nothing.")
+    group.add_argument("--dry-run-world-size", type=int, default=None, metavar="N",
+                       help="GPUs the dry run plans for (default: WORLD_SIZE as torchrun "
+                            "sets it, else 1).")
+    group.add_argument("--gpu-type", choices=sorted(KNOWN_GPUS), default=None,
+                       help="GPU the dry run plans for: memory and arch (default: this "
+                            "machine's GPU, else A100-80GB).")
+    group.add_argument("--gpu-memory-gb", type=float, default=None, metavar="GIB",
+                       help="GPU memory in GiB for the dry run's memory check (overrides "
+                            "--gpu-type's).")
+    group.add_argument("--dry-run-yaml", type=str, default=None, metavar="FILE",
+                       help="Also write the resolved configuration (every megatron argument "
+                            "after validation) to FILE as YAML; '-' prints it after the plan.")
 
 
 def _escape_stray_percent_signs(parser: argparse.ArgumentParser) -> None:
@@ -161,12 +172,9 @@ def _device_arch_for_validation(arch: int | None):
     if torch.cuda.is_available() and arch is None:
         yield
         return
-    saved = margs.get_device_arch_version
-    margs.get_device_arch_version = lambda: arch or 0
-    try:
+    answer = [("get_device_arch_version", __name__, lambda _: lambda: arch or 0)]
+    with megatron_wrappers.wrapped(margs, answer):
         yield
-    finally:
-        margs.get_device_arch_version = saved
 
 
 def validate_arguments(args, device_arch: int | None = None) -> None:

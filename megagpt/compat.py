@@ -171,18 +171,21 @@ def skip_dataset_helper_compilation() -> None:
     """
     import megatron.core.datasets.utils as dataset_utils
 
-    if getattr(dataset_utils.compile_helpers, "_megagpt_skipped", False):
+    from megagpt import megatron_wrappers
+
+    if __name__ in megatron_wrappers.installed(dataset_utils, "compile_helpers"):
         return
     try:
         from megatron.core.datasets import helpers_cpp  # noqa: F401
     except ImportError:
         return
 
-    def compile_helpers():
-        """helpers_cpp is already built (megatron-core wheel); nothing to compile."""
+    def already_built(_):
+        def compile_helpers():
+            """helpers_cpp is already built (megatron-core wheel); nothing to compile."""
+        return compile_helpers
 
-    compile_helpers._megagpt_skipped = True
-    dataset_utils.compile_helpers = compile_helpers
+    megatron_wrappers.install(dataset_utils, "compile_helpers", __name__, already_built)
 
 
 def quiet_fallback_warnings() -> None:

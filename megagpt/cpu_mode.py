@@ -11,73 +11,24 @@ RNG state is read from the CUDA generator. Rather than patch each of those call 
    statistics become CPU-safe stand-ins while CPU mode is active.
 3. A few argument settings (gloo, fp32, no-op CUDA RNG tracker) chosen in ``adapt_args``.
 
-Every megatron-core site this covers is listed in ``COVERED_SITES`` with the text it
-depends on; ``tests/test_cpu_mode.py`` fails when an upgrade removes one, so a stale
-workaround is noticed. Nothing here is for speed: it exists so the same entry, hooks
-and ``pretrain`` run on a laptop, in tests and in CI.
+Every megatron-core site this covers or changes is listed in ``megagpt.megatron_ledger``
+(owner ``megagpt.cpu_mode``) with the text it depends on; ``tests/test_megatron_ledger.py``
+fails when an upgrade changes or removes one, so a stale workaround is noticed. Nothing here
+is for speed: it exists so the same entry, hooks and ``pretrain`` run on a laptop, in tests
+and in CI.
 """
 
 from __future__ import annotations
 
 import contextlib
 import types
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megagpt import megatron_wrappers
 from megagpt.errors import UserError
-
-
-@dataclass(frozen=True)
-class CoveredSite:
-    """A megatron-core function that CPU mode makes work, and the CUDA use it relies on."""
-
-    module: str
-    function: str
-    needle: str  # text in the function's source that the workaround exists for
-    workaround: str
-
-
-COVERED_SITES: tuple[CoveredSite, ...] = (
-    CoveredSite("megatron.training.initialize", "initialize_megatron",
-                'assert torch.cuda.is_available(), "Megatron requires CUDA."',
-                "pretrain's initialize_megatron is called with allow_no_cuda=True"),
-    CoveredSite("megatron.training.initialize", "_initialize_distributed",
-                "if device_count > 0 and not skip_model_parallel_init:",
-                "torch.cuda.device_count() reports one device so model-parallel groups are built"),
-    CoveredSite("megatron.training.initialize", "_set_random_seed",
-                "if torch.cuda.device_count() > 0:",
-                "the CUDA RNG tracker is CpuRngTracker, which forks CPU generator states"),
-    CoveredSite("megatron.core.tensor_parallel.random.CudaRNGStatesTracker", "add",
-                "torch.cuda.get_rng_state()", "CpuRngTracker.add keeps a CPU generator state"),
-    CoveredSite("megatron.training.checkpointing", "load_checkpoint",
-                "if not rng_state['rng_tracker_states']:",
-                "CpuRngTracker has real states, so a checkpoint's RNG state loads"),
-    CoveredSite("megatron.training.training", "pretrain",
-                "device='cuda'", "CudaToCpu rewrites the device of the start-time all-reduce"),
-    CoveredSite("megatron.training.training", "pretrain",
-                "set_jit_fusion_options(tp_size=args.tensor_model_parallel_size)",
-                "skipped: it warms up GPU fusion kernels; torch.compile is off in CPU mode"),
-    CoveredSite("megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining",
-                'device="cuda"', "CudaToCpu rewrites the device of the token counter"),
-    CoveredSite("megatron.core.utils.GlobalMemoryBuffer", "get_tensor",
-                "torch.cuda.current_device()", "CudaToCpu maps the current device (0) to the CPU"),
-    CoveredSite("megatron.core.distributed.param_and_grad_buffer._ParamAndGradBuffer", "__init__",
-                "torch.cuda.current_device()", "CudaToCpu places the gradient buffers on the CPU"),
-    CoveredSite("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32",
-                "device='cuda'", "CudaToCpu rewrites the device of the norm reduction"),
-    CoveredSite("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32",
-                "assert param.grad.type() == 'torch.cuda.FloatTensor'",
-                "Tensor.type() of a CPU float tensor reports the CUDA type name"),
-    CoveredSite("megatron.core.tensor_parallel.layers."
-                "LinearWithGradAccumulationAndAsyncCommunication",
-                "backward", "device=torch.cuda.current_device()",
-                "in backward (run with the mode off) torch.cuda.current_device() names the CPU"),
-    CoveredSite("megatron.training.checkpointing", "get_rng_state",
-                "torch.cuda.get_rng_state()", "torch.cuda.get_rng_state returns the CPU-mode stand-in"),
-)
 
 
 # ---------------------------------------------------------------------------
@@ -347,30 +298,29 @@ def active():
     import torch._dynamo
 
     saved_cuda = {name: getattr(torch.cuda, name) for name in _cuda_stand_ins()}
-    saved_init = mtraining.initialize_megatron
-    original_init = saved_init
-    saved_jit_options = mtraining.set_jit_fusion_options
     saved_dynamo_disable = torch._dynamo.config.disable
     saved_tracker = _install_rng_tracker()
 
-    def initialize_megatron_without_cuda(*args, **kwargs):
-        kwargs["allow_no_cuda"] = True
-        return original_init(*args, **kwargs)
+    def allowing_no_cuda(initialize_megatron):
+        def initialize_megatron_without_cuda(*args, **kwargs):
+            kwargs["allow_no_cuda"] = True
+            return initialize_megatron(*args, **kwargs)
+        return initialize_megatron_without_cuda
 
+    megatron_changes = [
+        ("initialize_megatron", __name__, allowing_no_cuda),
+        ("set_jit_fusion_options", __name__, lambda _: lambda *a, **k: None),
+    ]
     try:
         for name, stand_in in _cuda_stand_ins().items():
             setattr(torch.cuda, name, stand_in)
-        mtraining.initialize_megatron = initialize_megatron_without_cuda
-        mtraining.set_jit_fusion_options = lambda *a, **k: None
         # torch.compile on a CPU needs a C++ toolchain and minutes of compiling, for no gain
         # in a development run; megatron's jit_fuser and the fast spec then run eagerly.
         torch._dynamo.config.disable = True
-        with CudaToCpu():
+        with megatron_wrappers.wrapped(mtraining, megatron_changes), CudaToCpu():
             yield
     finally:
         for name, original in saved_cuda.items():
             setattr(torch.cuda, name, original)
-        mtraining.initialize_megatron = saved_init
-        mtraining.set_jit_fusion_options = saved_jit_options
         torch._dynamo.config.disable = saved_dynamo_disable
         _restore_rng_tracker(saved_tracker)

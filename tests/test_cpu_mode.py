@@ -1,37 +1,10 @@
-"""CPU mode: each workaround still covers live megatron code, and each stand-in behaves."""
-
-import importlib
-import inspect
+"""CPU mode: each stand-in behaves (the megatron sites it covers are checked with the rest of
+the ledger, tests/test_megatron_ledger.py)."""
 
 import pytest
 import torch
 
 from megagpt import cpu_mode
-
-
-def _resolve(dotted: str, function: str):
-    """``package.module[.Class]`` + function name -> the function object."""
-    parts = dotted.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for attr in parts[cut:]:
-            obj = getattr(obj, attr)
-        return getattr(obj, function)
-    raise ImportError(dotted)
-
-
-@pytest.mark.parametrize("site", cpu_mode.COVERED_SITES,
-                         ids=lambda s: f"{s.module.rsplit('.', 1)[-1]}.{s.function}")
-def test_covered_site_still_needs_its_workaround(site):
-    """Fails when a megatron-core upgrade removes the CUDA use a workaround exists for:
-    then the workaround is stale and should go (or move to the new site)."""
-    source = inspect.getsource(_resolve(site.module, site.function))
-    assert site.needle in source, (
-        f"{site.module}.{site.function} no longer contains {site.needle!r}; "
-        f"the CPU-mode workaround ({site.workaround}) may be stale")
 
 
 def test_cuda_device_arguments_land_on_the_cpu():

@@ -1,6 +1,6 @@
-"""bench/layouts.py, the multi-GPU layout benchmark of issue 7, run on two CPU processes: it
-must launch the layouts, compare their losses with one process's, and resume a checkpoint
-saved under tensor parallelism under pipeline parallelism."""
+"""bench/layouts.py, the multi-GPU layout benchmark, run on two CPU processes: it must launch
+the layouts, compare their losses with one process's, resume a checkpoint saved under tensor
+parallelism under pipeline parallelism, and write what bench/records.py makes table rows of."""
 
 import json
 import subprocess
@@ -36,6 +36,22 @@ def test_layouts_bench_runs_compares_and_resumes_across_layouts(tmp_path):
     assert resume["against_uninterrupted"]["max_rel_diff"] < 1e-3
     assert not list(out.glob("ckpt_*")), "checkpoints are removed after the check"
     assert "resumed under pp2" in p.stdout
+
+    # the report becomes rows of docs/benchmarks.md (bench/records.py)
+    sys.path.insert(0, str(REPO / "bench"))
+    import records
+
+    made = records.from_output(report)
+    assert all(not records.problems(r) for r in made)
+    rows = {r["row"]["layout"]: r for r in made if r["table"] == "layouts"}
+    assert set(rows) == {"one", "tp2", "dp2", "cp2"}  # tp2pp2dp2 was skipped: no row
+    tp2 = rows["tp2"]["figures"]
+    assert tp2["max_rel_loss_diff"] < 1e-3 and tp2["ms_per_iter"] > 0
+    assert "Transformer Engine" in rows["cp2"]["figures"]["not_run"]
+    assert rows["one"]["command"].startswith("python bench/layouts.py --cpu --shape tiny")
+    (resume,) = [r for r in made if r["table"] == "resume"]
+    assert (resume["row"]["saved_under"], resume["row"]["resumed_under"]) == ("tp2", "pp2")
+    assert resume["figures"]["iterations"] == 2
 
     # a later invocation compares with that one-process log instead of running it again
     again = tmp_path / "again"

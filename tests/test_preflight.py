@@ -9,6 +9,7 @@ import yaml
 
 import pretrain_gpt
 from gloo_ranks import single_gloo_rank
+from helpers import REPO
 from megagpt.arguments import ArgumentError, parse_arguments
 from megagpt.errors import UserError
 from megagpt.preflight import LayoutError, MemoryBudgetError, make_plan
@@ -166,19 +167,49 @@ def test_flops_are_megatrons_count_for_the_global_batch():
 # The command line: --dry-run output and exit codes, and the real launch
 # ---------------------------------------------------------------------------
 
-def test_dry_run_prints_the_resolved_yaml_and_the_plan(capsys):
+def test_dry_run_prints_the_plan_alone(capsys):
     code = pretrain_gpt.main([*TINY, "--global-batch-size", "8", "--dry-run-world-size", "2",
                               "--gpu-type", "H200"])
     out = capsys.readouterr().out
     assert code == 0
-    resolved = yaml.safe_load(out.split("# resolved configuration\n", 1)[1].split("\nlayout:")[0])
-    assert resolved["num_layers"] == 2 and resolved["data_parallel_size"] == 2
-    assert resolved["world_size"] == 2
+    plan = [line for line in out.splitlines() if not line.startswith("[megagpt]")]
+    assert plan[0] == "layout:" and plan[-1].startswith("dry run OK: 2 GPUs")
     for line in ("GPUs            2 = TP 1 × PP 1 × CP 1 × DP 2",
                  "micro-batches   2 per step = global batch 8 / (micro-batch 2 × DP 2)",
                  "tokens/step     512 = 8 sequences × 64 tokens",
-                 "H200 140.4 GiB", "model FLOPs", "dry run OK: 2 GPUs"):
+                 "H200 140.4 GiB", "model FLOPs"):
         assert line in out
+    assert "resolved configuration" not in out and "num_layers" not in out
+
+
+def test_dry_run_yaml_writes_the_resolved_configuration_or_prints_it_after_the_plan(
+        tmp_path, capsys):
+    path = tmp_path / "resolved.yaml"
+    flags = [*TINY, "--global-batch-size", "8", "--dry-run-world-size", "2"]
+    assert pretrain_gpt.main([*flags, "--dry-run-yaml", str(path)]) == 0
+    assert f"resolved configuration: {path}" in capsys.readouterr().out
+    resolved = yaml.safe_load(path.read_text())
+    assert resolved["num_layers"] == 2 and resolved["data_parallel_size"] == 2
+    assert resolved["world_size"] == 2
+
+    assert pretrain_gpt.main([*flags, "--dry-run-yaml", "-"]) == 0
+    out = capsys.readouterr().out
+    plan, printed = out.split("# resolved configuration\n", 1)
+    assert "dry run OK: 2 GPUs" in plan
+    shown = yaml.safe_load(printed)
+    differ = {k for k in resolved if shown[k] != resolved[k]}
+    assert differ == {"dry_run_yaml", "entry_argv"}  # the flag itself is the one change
+
+
+def test_dry_run_at_345m_prints_the_plan_in_at_most_80_lines(capfd):
+    """What a user sees (both streams, megatron's logging included) for a real config."""
+    code = pretrain_gpt.main(["--config", str(REPO / "configs" / "gpt2_345m.yaml"),
+                              "--dry-run", "--gpu-type", "H200"])
+    out, err = capfd.readouterr()
+    lines = (out + err).splitlines()
+    assert code == 0
+    assert len(lines) <= 80, "\n".join(lines)
+    assert "layout:" in lines and "total           354,871,296 (354.87M)" in out
 
 
 def test_dry_run_world_size_comes_from_the_environment(monkeypatch):
@@ -210,7 +241,7 @@ def test_the_real_launch_runs_the_same_checks_before_megatron(monkeypatch, capsy
 
 
 def test_gpu_types_set_memory_and_arch():
-    from megagpt.preflight.gpus import resolve_gpu
+    from megagpt.gpus import resolve_gpu
 
     assert (resolve_gpu("A100-40GB", None).memory_gib, resolve_gpu("A100-40GB", None).arch) == (40, 8)
     h100 = resolve_gpu("H100", 70)

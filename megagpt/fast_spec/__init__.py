@@ -1,4 +1,4 @@
-"""Training speed without Transformer Engine (issue 5); see docs/speed.md.
+"""Training speed without Transformer Engine; see docs/speed.md.
 
 Entry points used by the entry (pretrain_gpt.py / gpt_builders.py):
 - settings.add_fast_path_arguments(parser) / settings.apply_fast_path_defaults(args, log)

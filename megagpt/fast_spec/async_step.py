@@ -177,6 +177,8 @@ def install(log: Optional[Callable[[str], None]] = None) -> list[str]:
     import megatron.training.dist_signal_handler as msignal
     import megatron.training.training as mtraining
 
+    from megagpt import megatron_wrappers
+
     changed = []
     patches = {
         (mtraining, "reduce_max_stat_across_model_parallel_group"): single_rank_reduce_max_stat,
@@ -190,7 +192,8 @@ def install(log: Optional[Callable[[str], None]] = None) -> list[str]:
         if key in _ORIGINALS:
             continue
         _ORIGINALS[key] = (module, getattr(module, name))
-        setattr(module, name, wrap(getattr(module, name)))
+        # composed with the other concerns' wrappers in megagpt.megatron_ledger's order
+        megatron_wrappers.install(module, name, __name__, wrap)
         changed.append(name)
     if changed and log:
         log("fast path: no host synchronisation inside a step (single-rank reductions are "
@@ -201,6 +204,8 @@ def install(log: Optional[Callable[[str], None]] = None) -> list[str]:
 
 def uninstall() -> None:
     """Undo ``install`` (tests, benchmarks comparing both)."""
-    for (_, name), (module, original) in _ORIGINALS.items():
-        setattr(module, name, original)
+    from megagpt import megatron_wrappers
+
+    for (_, name), (module, _original) in _ORIGINALS.items():
+        megatron_wrappers.remove(module, name, __name__)
     _ORIGINALS.clear()

@@ -543,10 +543,13 @@ def install(log: Optional[Callable[[str], None]] = None, compiled: Optional[bool
         return False
     if compiled is None:
         compiled = torch.cuda.is_available()
-    original = mtraining.setup_model_and_optimizer
-    _ORIGINALS["setup_model_and_optimizer"] = original
-    mtraining.setup_model_and_optimizer = attach_after_setup(original, log or (lambda s: None),
-                                                             compiled)
+    from megagpt import megatron_wrappers
+
+    _ORIGINALS["setup_model_and_optimizer"] = mtraining.setup_model_and_optimizer
+    # composed with the other concerns' wrappers in megagpt.megatron_ledger's order
+    megatron_wrappers.install(
+        mtraining, "setup_model_and_optimizer", __name__,
+        lambda setup: attach_after_setup(setup, log or (lambda s: None), compiled))
     return True
 
 
@@ -554,5 +557,7 @@ def uninstall() -> None:
     """Undo ``install`` (tests, benchmarks comparing both)."""
     import megatron.training.training as mtraining
 
-    if "setup_model_and_optimizer" in _ORIGINALS:
-        mtraining.setup_model_and_optimizer = _ORIGINALS.pop("setup_model_and_optimizer")
+    from megagpt import megatron_wrappers
+
+    if _ORIGINALS.pop("setup_model_and_optimizer", None) is not None:
+        megatron_wrappers.remove(mtraining, "setup_model_and_optimizer", __name__)

@@ -135,11 +135,12 @@ def fused_fp32_accumulation_works(device: torch.device) -> bool:
     products into an fp32 ``acc`` on this device: checked once per process on a small case
     (two calls onto a non-zero accumulator must give three times one product).
 
-    A session-2 run blamed this form for a loss disagreement; ``bench/bench_kernels.py`` then
-    showed it accumulating correctly on torch 2.11 / H200 (relative error 6e-6 against fp32,
-    where the bf16 product + fp32 add has 1.1e-3), so the disagreement had another cause. The
-    check stays so that a torch build where it does not hold falls back instead of training
-    on a wrong gradient. Never checked during CUDA graph capture (it reads a value back).
+    A loss comparison on 2026-11-29 (4e7d1f4) blamed this form for a disagreement;
+    ``bench/bench_kernels.py`` then showed it accumulating correctly on torch 2.11 / H200
+    (relative error 6e-6 against fp32, where the bf16 product + fp32 add has 1.1e-3), so the
+    disagreement had another cause. The check stays so that a torch build where it does not
+    hold falls back instead of training on a wrong gradient. Never checked during CUDA graph
+    capture (it reads a value back).
     """
     key = str(device)
     if key in _FUSED_FP32_ACCUMULATION:

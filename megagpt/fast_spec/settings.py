@@ -455,7 +455,8 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
             from megagpt.errors import UserError
 
             # megatron's pipeline schedule waits on the host for its exchanges inside the
-            # step, which a capture forbids (seen on two H200s: the PP=2 capture failed)
+            # step, which a capture forbids (two H200s, 2026-11-29, 4c58365: the PP=2 capture
+            # failed; speed.md)
             raise UserError(
                 "--fast-cuda-graph with pipeline parallelism: megatron's pipeline schedule "
                 "synchronises with the host inside the step, which a CUDA graph capture "

@@ -2,12 +2,13 @@
 
 ``check_layout(args, world_size)`` runs first on every launch (the entry calls it before
 megatron's validate_args); ``run_dry_run(args)`` is ``--dry-run``: the same checks at the
-intended GPU count, then parameters, memory per GPU, FLOPs and the resolved configuration.
+intended GPU count, then the plan: layout, batch, parameters, memory per GPU and FLOPs (the
+resolved configuration only to ``--dry-run-yaml``). Its options are the entry's
+(``megagpt.arguments``): the preflight sits above the arguments and imports them, never the
+other way round.
 """
 
 from megagpt.preflight.checks import LayoutError, check_layout
-from megagpt.preflight.dry_run import (MemoryBudgetError, Plan, add_preflight_arguments, make_plan,
-                                       run_dry_run)
+from megagpt.preflight.dry_run import MemoryBudgetError, Plan, make_plan, run_dry_run
 
-__all__ = ["LayoutError", "MemoryBudgetError", "Plan", "add_preflight_arguments", "check_layout",
-           "make_plan", "run_dry_run"]
+__all__ = ["LayoutError", "MemoryBudgetError", "Plan", "check_layout", "make_plan", "run_dry_run"]

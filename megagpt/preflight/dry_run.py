@@ -1,15 +1,17 @@
 """``--dry-run``: check a launch and print its plan without a GPU or a process group.
 
 Order: our layout checks (clear numbers) → megatron's validate_args (at the intended world
-size, with the GPU's arch given rather than asked of CUDA) → parameters, memory, FLOPs →
-the resolved configuration as YAML. A layout that cannot run, or whose memory estimate
-exceeds the GPU, exits non-zero with a message that names the numbers.
+size, with the GPU's arch given rather than asked of CUDA) → the plan: layout, batch,
+parameters, memory, FLOPs. A layout that cannot run, or whose memory estimate exceeds the
+GPU, exits non-zero with a message that names the numbers. The resolved configuration as
+YAML goes to ``--dry-run-yaml FILE`` (``-``: printed after the plan), never in its way.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -18,27 +20,12 @@ import yaml
 
 from megagpt.preflight import estimate as est
 from megagpt.preflight.checks import LayoutError, check_layout, model_parallel_size
-from megagpt.preflight.gpus import KNOWN_GPUS, Gpu, resolve_gpu
+from megagpt.arguments import build_tokenizer, validate_arguments
+from megagpt.gpus import Gpu, resolve_gpu
 
 
 class MemoryBudgetError(LayoutError):
     """The memory estimate per GPU is above the GPU's memory."""
-
-
-def add_preflight_arguments(group) -> None:
-    """The dry run's options, added to the entry's argument group."""
-    group.add_argument("--dry-run-world-size", type=int, default=None, metavar="N",
-                       help="GPUs the dry run plans for (default: WORLD_SIZE as torchrun "
-                            "sets it, else 1).")
-    group.add_argument("--gpu-type", choices=sorted(KNOWN_GPUS), default=None,
-                       help="GPU the dry run plans for: memory and arch (default: this "
-                            "machine's GPU, else A100-80GB).")
-    group.add_argument("--gpu-memory-gb", type=float, default=None, metavar="GIB",
-                       help="GPU memory in GiB for the dry run's memory check (overrides "
-                            "--gpu-type's).")
-    group.add_argument("--dry-run-yaml", type=str, default=None, metavar="FILE",
-                       help="Write the dry run's resolved configuration to FILE instead "
-                            "of printing it.")
 
 
 def dry_run_world_size(args) -> int:
@@ -49,8 +36,6 @@ def dry_run_world_size(args) -> int:
 
 def _validate(args, gpu: Gpu) -> None:
     """megatron's validate_args at the planned size; its argument table is kept quiet."""
-    from megagpt.arguments import validate_arguments
-
     captured = io.StringIO()
     try:
         with contextlib.redirect_stdout(captured):
@@ -61,12 +46,19 @@ def _validate(args, gpu: Gpu) -> None:
         raise LayoutError(f"invalid arguments: {exc}") from None
 
 
+@contextlib.contextmanager
+def _quiet_logging():
+    logging.disable(logging.INFO)
+    try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
 def _vocab_size(args) -> int:
     """The tokenizer's vocabulary size (the tokenizer is built, as the run will build it)."""
-    from megagpt.arguments import build_tokenizer
-
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
+    try:  # megatron's tokenizer reports its padding at INFO: not part of the plan
+        with contextlib.redirect_stdout(io.StringIO()), _quiet_logging():
             return build_tokenizer(args).vocab_size
     except Exception as exc:  # noqa: BLE001 - any failure to load is about the user's files
         if args.vocab_size is not None:
@@ -203,20 +195,24 @@ def make_plan(args) -> Plan:
 
 
 def run_dry_run(args) -> int:
-    """Check the launch at its intended size and print the plan; 0 when it can run."""
+    """Check the launch at its intended size and print the plan; 0 when it can run.
+
+    The plan comes alone (a few dozen lines); the resolved configuration (every megatron
+    argument, ~800 lines at 345M) only where ``--dry-run-yaml`` asks for it: written to the
+    file it names, or printed after the plan with ``--dry-run-yaml -``.
+    """
     plan = make_plan(args)
-    text = resolved_yaml(plan.args)
-    if args.dry_run_yaml:
-        with open(args.dry_run_yaml, "w", encoding="utf-8") as f:
-            f.write(text)
-        print(f"resolved configuration written to {args.dry_run_yaml}")
-    else:
-        print("# resolved configuration")
-        print(text)
     print("\n".join(plan_lines(plan.args, plan.gpu, plan.params, plan.memory)))
     sys.stdout.flush()
     if not plan.fits:
         raise plan.memory_error()
     print(f"dry run OK: {gpus(args.world_size)}, {est.human(plan.params.total)} parameters, "
           f"{est.gib(plan.memory.total)} per GPU")
+    if args.dry_run_yaml == "-":
+        print("# resolved configuration")
+        print(resolved_yaml(plan.args), end="")
+    elif args.dry_run_yaml:
+        with open(args.dry_run_yaml, "w", encoding="utf-8") as f:
+            f.write(resolved_yaml(plan.args))
+        print(f"resolved configuration: {args.dry_run_yaml}")
     return 0

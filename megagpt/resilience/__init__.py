@@ -11,8 +11,10 @@ Two entry points for ``pretrain_gpt``:
     a context manager around ``megatron.training.pretrain`` that installs the contained
     adaptations of megatron's training loop: resume fidelity (``fidelity``), the resolved
     configuration beside every checkpoint (``config_snapshot``), load errors as one-line
-    messages (``checkpoint_guard``). Each wraps one module-level function of
-    ``megatron.training.training`` and is undone on exit.
+    messages (``checkpoint_guard``), and with the gradient-norm guard the divergence checks
+    (``divergence``). Each wraps one module-level function of ``megatron.training.training``
+    through ``megagpt.megatron_wrappers`` (in the order of ``megagpt.megatron_ledger``) and is
+    undone on exit.
 
 docs/resilience.md describes the behaviour and the rules.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 
+from megagpt import megatron_wrappers
 from megagpt.log import log
 from megagpt.resilience import checkpoint_guard, config_snapshot, divergence, fidelity, preemption
 
@@ -38,32 +41,29 @@ def active(args, container=None):
     """Install the training-loop adaptations for the duration of ``pretrain``."""
     import megatron.training.training as mtraining
 
-    wrappers = {
-        "training_log": fidelity.first_log_boundary_resets,
-        "build_train_valid_test_data_iterators": fidelity.without_drawing_random_numbers,
-        "save_checkpoint": lambda fn: config_snapshot.writing_snapshot(fn, args, container),
-        "load_checkpoint": lambda fn: checkpoint_guard.one_line_load_errors(fn, args),
-    }
+    wrappers = [  # (megatron function, owner, wrapper); composed in the ledger's order
+        ("training_log", fidelity.__name__, fidelity.first_log_boundary_resets),
+        ("build_train_valid_test_data_iterators", fidelity.__name__,
+         fidelity.without_drawing_random_numbers),
+        ("save_checkpoint", config_snapshot.__name__,
+         lambda fn: config_snapshot.writing_snapshot(fn, args, container)),
+        ("load_checkpoint", checkpoint_guard.__name__,
+         lambda fn: checkpoint_guard.one_line_load_errors(fn, args)),
+    ]
     if divergence.needs_grad_norm_guard(args, getattr(args, "entry_argv", None)):
         guard = divergence.GradNormGuard(lambda: checkpoint_guard.resume_hint(args),
                                          final_iteration=getattr(args, "train_iters", None))
-        wrappers["train_step"] = guard.train_step
-        save_with_snapshot = wrappers["save_checkpoint"]
-        wrappers["save_checkpoint"] = lambda fn: guard.save_checkpoint(save_with_snapshot(fn))
-    saved = {name: getattr(mtraining, name) for name in wrappers}
+        wrappers += [("train_step", divergence.__name__, guard.train_step),
+                     ("save_checkpoint", divergence.__name__, guard.save_checkpoint)]
     try:
-        for name, wrap in wrappers.items():
-            setattr(mtraining, name, wrap(saved[name]))
-        yield
+        with megatron_wrappers.wrapped(mtraining, wrappers):
+            yield
     except BaseException as exc:
         _stop_data_workers()
         error = divergence.divergence_error(exc, args, checkpoint_guard.resume_hint(args))
         if error is None:
             raise
         raise error from None
-    finally:
-        for name, original in saved.items():
-            setattr(mtraining, name, original)
 
 
 def _stop_data_workers() -> None:

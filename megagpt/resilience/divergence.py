@@ -106,7 +106,7 @@ class NormInFlight:
     memory right behind the step that computes it, and an event recorded after that copy is
     what the read waits for: that step, not what follows it. (On an H200 the gain measured
     within run-to-run noise, 52.9 -> 51.9 ms at 345M: megatron's step itself keeps the host
-    close behind the GPU; docs/benchmarks.md, fourth session.)
+    close behind the GPU; measured 2026-11-29 at f489333, docs/benchmarks.md.)
     """
 
     def __init__(self, norm):

@@ -1,4 +1,7 @@
-"""GPUs the preflight knows by name: memory (GiB, as nvidia-smi reports it) and compute arch."""
+"""GPUs known by name: memory (GiB, as nvidia-smi reports it) and compute arch.
+
+``--gpu-type`` (the entry's option) takes these names; the preflight plans for the chosen GPU.
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,82 @@
+"""What every benchmark records about its own run: date, commit, machine, versions, command.
+
+``run_info()`` is written into each bench script's JSON output (``info``), from which
+``bench/records.py add`` makes the rows of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def commit() -> str | None:
+    """The checkout's commit (short), ``+changes`` when tracked files differ from it;
+    ``MEGAGPT_COMMIT`` where the code was copied without its git history (a device
+    machine); None when neither says."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        head = None
+    if head is not None and head.returncode == 0 and head.stdout.strip():
+        return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+    return os.environ.get("MEGAGPT_COMMIT") or None
+
+
+def _version(package: str) -> str | None:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def machine() -> str:
+    """``NVIDIA H200``, ``2× NVIDIA H200``, or the CPU when no GPU is seen."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            n = torch.cuda.device_count()
+            name = torch.cuda.get_device_name(0)
+            return name if n == 1 else f"{n}× {name}"
+    except ImportError:
+        pass
+    return f"{os.cpu_count()}-core {platform.machine()} CPU"
+
+
+def versions(*extra: str) -> dict[str, str]:
+    """Python, torch, megatron-core and any ``extra`` packages that are installed."""
+    found = {"python": platform.python_version()}
+    for package in ("torch", "megatron-core", *extra):
+        v = _version(package)
+        if v is not None:
+            found[package] = v
+    return found
+
+
+def run_info(*extra_packages: str, argv: list[str] | None = None) -> dict:
+    """date, commit, machine, versions and the command line of this process."""
+    argv = sys.argv if argv is None else argv
+    script = Path(argv[0])
+    try:
+        script = script.resolve().relative_to(ROOT)
+    except ValueError:
+        pass
+    return dict(date=utc_now(), commit=commit(), machine=machine(),
+                versions=versions(*extra_packages),
+                command=shlex.join(["python", str(script), *argv[1:]]))

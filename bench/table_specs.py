@@ -1,0 +1,256 @@
+"""The tables of docs/benchmarks.md: one ``Table`` per concern, its columns and its rows.
+
+``TABLES`` (in the order of the document) says, for each ``table`` a record names
+(``bench/records.py``): its title and introduction (what was measured and how it is
+counted), its columns (each a header and a function of the record giving the cell), how rows
+sort, the one-line form of an older record in the log, and the rows it expects (shown as not
+measured, with their command, until a record has them). ``bench/tables.py`` renders them.
+A new concern is a new ``Table`` here; a new row of a known concern needs nothing here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+MIB_PER_GB = 1e9 / 2**20
+
+
+# ---------------------------------------------------------------------------------------
+# cells
+# ---------------------------------------------------------------------------------------
+def number(value, decimals: int = 1) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    return f"{value:,.{decimals}f}"
+
+
+def peak_memory(figures: dict) -> str:
+    """megatron's "max allocated" in MiB; from the bench's GB (10^9 bytes) where only that
+    was recorded (marked ≈)."""
+    if figures.get("peak_mib") is not None:
+        return f"{figures['peak_mib']:,.0f}"
+    if figures.get("peak_gb") is not None:
+        return f"≈{figures['peak_gb'] * MIB_PER_GB:,.0f}"
+    return ""
+
+
+def fig(key: str, decimals: int = 1) -> Callable[[dict], str]:
+    return lambda r: number(r["figures"].get(key), decimals)
+
+
+def rowval(key: str, names: dict | None = None) -> Callable[[dict], str]:
+    def cell(r):
+        value = r["row"].get(key, "")
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        return (names or {}).get(value, str(value))
+    return cell
+
+
+def values_link(record: dict) -> str:
+    """A link from docs/benchmarks.md to the record's per-iteration values, if it has them."""
+    return f"[csv]({record['data'].removeprefix('docs/')})" if record.get("data") else ""
+
+
+def code(text: str) -> str:
+    return f"`{text}`" if text else ""
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    title: str
+    intro: str
+    columns: tuple[tuple[str, Callable[[dict], str]], ...]
+    sort: Callable[[dict], tuple]
+    summary: Callable[[dict], str]  # the log's one-line form of a record
+    expected: tuple[tuple[dict, str], ...] = ()  # (row, command that measures it)
+    text_columns: int = 3  # the leading columns that are text (left-aligned); the rest numbers
+
+
+PATHS = {"local": "megatron's local spec", "fast": "fast path",
+         "reference": "plain PyTorch"}
+PATH_ORDER = {"local": 0, "fast": 1, "reference": 2}
+SHAPE_ORDER = {"tiny": 0, "345M": 1, "1.3B": 2}
+
+
+def _train_summary(r: dict) -> str:
+    f = r["figures"]
+    return (f"{r['row']['shape']} {PATHS[r['row']['path']]}, dropout {rowval('dropout')(r)}: "
+            f"{number(f.get('ms_per_iter'))} ms/iter, {number(f.get('tflops_per_gpu'))} "
+            f"TFLOP/s/GPU" + (f", {peak_memory(f)} MiB" if peak_memory(f) else ""))
+
+
+def _switch_delta(r: dict) -> str:
+    f = r["figures"]
+    if f.get("default_ms") is None or f.get("switch_ms") is None:
+        return ""
+    return f"{f['switch_ms'] - f['default_ms']:+.1f}"
+
+
+def _memory_delta(r: dict) -> str:
+    f = r["figures"]
+    if f.get("default_mib") is None or f.get("switch_mib") is None:
+        return ""
+    return f"{f['switch_mib'] - f['default_mib']:+,.0f}"
+
+
+def _layout_cell(r: dict) -> str:
+    f = r["figures"]
+    if "not_run" in f:
+        return f"not run: {f['not_run']}"
+    if "failed" in f:
+        return f"failed: {f['failed']}"
+    return number(f.get("ms_per_iter"))
+
+
+def throughput_command(shape: str, path: str, dropout: float) -> str:
+    """The bench_throughput.py command that measures one row of the training table."""
+    command = f"python bench/bench_throughput.py --shape {shape}"
+    if path == "reference":
+        command += " --paths reference" + ("" if dropout else " --reference-dropout 0")
+    elif dropout:
+        command += f" --paths {path}"
+    else:
+        command += ' --paths nodrop --variant "nodrop=--hidden-dropout 0 --attention-dropout 0"'
+    return command + " --train-iters 30 --warmup-iters 10"
+
+
+EXPECTED_TRAINING = tuple(
+    (dict(shape=shape, path=path, dropout=dropout), throughput_command(shape, path, dropout))
+    for shape in ("345M", "1.3B")
+    for path, dropout in (("local", 0.1), ("fast", 0.1), ("fast", 0.0), ("reference", 0.1),
+                          ("reference", 0.0)))
+EXPECTED_LAYOUTS = (
+    (dict(shape="345M", saved_under="tp2", resumed_under="pp2"),
+     "bash bench/gpu_record_layouts.sh OUT (bench/layouts.py --resume-check tp2,pp2)"),)
+
+
+TABLES = (
+    Table(
+        "train-1gpu", "Training throughput and memory, one GPU",
+        "GPT pretraining through `pretrain_gpt.py` (megatron's local spec and the fast path, "
+        "the default without Transformer Engine) and a plain-PyTorch GPT of the same shape "
+        "(`bench/reference_gpt.py`: SDPA, fused AdamW, `torch.compile`). 345M: 24 layers × "
+        "1024 hidden × 16 heads, sequence 1024, micro-batch 8; 1.3B: 24 × 2048 × 16, sequence "
+        "2048, micro-batch 4; global batch = micro-batch, bf16, mock data. ms/iter is the "
+        "median of megatron's logged intervals after the warm-up iterations; TFLOP/s is "
+        "megatron's count (`num_floating_point_operations`, causal attention halved: 18.61 "
+        "TFLOP per iteration at 345M, 69.39 at 1.3B); peak memory is "
+        "`torch.cuda.max_memory_allocated` in MiB (megatron's \"max allocated\"). Dropout "
+        "0.1 is megatron's default. The same code measured in two invocations differs by up to "
+        "~1.5 %; what a change is worth is measured against the default in one invocation "
+        "(the next table).",
+        columns=(("shape", rowval("shape")), ("path", rowval("path", PATHS)),
+                 ("dropout", rowval("dropout")), ("ms/iter", fig("ms_per_iter")),
+                 ("tokens/s", fig("tokens_per_s", 0)), ("TFLOP/s/GPU", fig("tflops_per_gpu")),
+                 ("peak MiB", lambda r: peak_memory(r["figures"]))),
+        sort=lambda r: (SHAPE_ORDER.get(r["shape"], 9), PATH_ORDER.get(r["path"], 9),
+                        -float(r["dropout"])),
+        summary=_train_summary,
+        expected=EXPECTED_TRAINING,
+    ),
+    Table(
+        "switches", "The fast path's pieces, each against the default in one invocation",
+        "What each switch of the fast path costs or saves: the default run and the run with "
+        "the switch, one after the other in one invocation of `bench/bench_throughput.py` "
+        "(Δ = with the switch − default; positive: the switch is slower or takes more "
+        "memory). Shapes and counting as in the table above. What each piece does: "
+        "[speed.md](speed.md).",
+        columns=(("shape", rowval("shape")), ("switch", lambda r: code(r["row"]["switch"])),
+                 ("dropout", rowval("dropout")), ("default ms/iter", fig("default_ms")),
+                 ("with switch", fig("switch_ms")), ("Δ ms", _switch_delta),
+                 ("Δ peak MiB", _memory_delta)),
+        sort=lambda r: (r["switch"], SHAPE_ORDER.get(r["shape"], 9)),
+        summary=lambda r: (f"{r['row']['shape']} `{r['row']['switch']}`: "
+                           f"{_switch_delta(r) or '?'} ms/iter against the default"),
+    ),
+    Table(
+        "layouts", "Several GPUs: megatron's parallel layouts through the entry",
+        "`bench/layouts.py`: the 345M shape at micro-batch 4 and a global batch of 16 "
+        "(4 micro-batches of the one-GPU run), bf16, dropout 0, the embedded corpus (GPT-2 BPE "
+        "text), one seed for every layout; ms/iter and TFLOP/s per GPU are megatron's logged "
+        "figures, medians after iteration 10; the loss difference is the largest relative "
+        "one against the one-GPU run over all iterations. On several GPUs the fast path runs "
+        "without its full-iteration CUDA graph (one GPU only) and is bound by the host.",
+        columns=(("shape", rowval("shape")), ("processes", rowval("processes")),
+                 ("layout", rowval("layout")), ("ms/iter", _layout_cell),
+                 ("TFLOP/s/GPU", fig("tflops_per_gpu")),
+                 ("per GPU vs one", fig("per_gpu_vs_one", 2)),
+                 ("max rel. Δloss", lambda r: number(
+                     None if r["figures"].get("max_rel_loss_diff") is None
+                     else 100 * r["figures"]["max_rel_loss_diff"], 2)
+                  + (" %" if r["figures"].get("max_rel_loss_diff") is not None else ""))),
+        sort=lambda r: (SHAPE_ORDER.get(r["shape"], 9), r["processes"], r["layout"] != "one",
+                        r["layout"]),
+        summary=lambda r: (f"{r['row']['shape']} {r['row']['layout']} on "
+                           f"{r['row']['processes']}: {_layout_cell(r)} ms/iter"
+                           + (f", {number(r['figures'].get('tflops_per_gpu'))} TFLOP/s/GPU"
+                              if r["figures"].get("tflops_per_gpu") else "")),
+    ),
+    Table(
+        "loss-agreement", "Losses against megatron's local spec",
+        "The fast path and megatron's local spec on the same data and seed, every iteration "
+        "logged (`bench/bench_throughput.py --compare-losses N`); bf16 runs whose rounding "
+        "differs drift apart within noise, and after a loss spike (mock data at 1.3B) any two "
+        "such runs part, the local spec against itself with exact GeLU included.",
+        columns=(("shape", rowval("shape")), ("data", rowval("data")),
+                 ("compared", rowval("compared")), ("flags", lambda r: code(r["row"]["flags"])),
+                 ("iterations", fig("iterations", 0)), ("max \\|Δ\\|", fig("max_abs_diff", 3)),
+                 ("max rel.", lambda r: number(100 * r["figures"]["max_rel_diff"], 2) + " %"
+                  if r["figures"].get("max_rel_diff") is not None else ""),
+                 ("mean \\|Δ\\|", fig("mean_abs_diff", 4)),
+                 ("values", values_link)),
+        sort=lambda r: (SHAPE_ORDER.get(r["shape"], 9), r["data"], r["compared"]),
+        text_columns=4,
+        summary=lambda r: (f"{r['row']['shape']} {r['row']['compared']}: max |Δ| "
+                           f"{number(r['figures'].get('max_abs_diff'), 3)} over "
+                           f"{r['figures'].get('iterations')} iterations"),
+    ),
+    Table(
+        "resume", "Stopped and resumed: the same losses",
+        "A run stopped half-way (`--save`, `--exit-interval`) and launched again with the "
+        "same command against the same run uninterrupted: `bench/resume_fidelity.py` "
+        "(deterministic mode, one process) and `bench/layouts.py --resume-check FROM,TO` "
+        "(saved under one layout, resumed under another; megatron's torch_dist format "
+        "reshards). Details: [resilience.md](resilience.md).",
+        columns=(("shape", rowval("shape")), ("saved under", rowval("saved_under")),
+                 ("resumed under", rowval("resumed_under")), ("saved at", fig("saved_at", 0)),
+                 ("iterations compared", fig("iterations", 0)),
+                 ("identical", fig("identical", 0)), ("max \\|Δloss\\|", fig("max_abs_diff", 4)),
+                 ("values", values_link)),
+        sort=lambda r: (SHAPE_ORDER.get(r["shape"], 9), r["saved_under"], r["resumed_under"]),
+        expected=EXPECTED_LAYOUTS,
+        summary=lambda r: (f"{r['row']['shape']} saved under {r['row']['saved_under']}, resumed "
+                           f"under {r['row']['resumed_under']}: max |Δloss| "
+                           f"{number(r['figures'].get('max_abs_diff'), 4)}"),
+    ),
+    Table(
+        "preprocess", "Preprocessing throughput",
+        "`tools/preprocess_data.py` against a baseline doing what upstream Megatron-LM's "
+        "`tools/preprocess_data.py` does (`bench/bench_preprocess.py`: a `multiprocessing.Pool` "
+        "whose initializer builds megatron's tokenizer in every worker, `imap(encode, lines, "
+        "chunksize=32)`, one document at a time into megatron's `IndexedDatasetBuilder`). "
+        "The embedded Shakespeare jsonl repeated to 20 MB (8,547 documents, 5,851,846 GPT-2 "
+        "tokens with EOD), `--append-eod`; the two outputs are byte-identical. Best wall time "
+        "of 3 runs in turn, tokenizer set-up included, Python imports (~5–8 s, mostly "
+        "`megatron.core`) not; CPU time of all processes of that run, the figure to compare "
+        "when the machine is shared.",
+        columns=(("tool", rowval("tool", {"baseline": "upstream-style baseline",
+                                          "megagpt": "megagpt"})),
+                 ("workers", rowval("workers")), ("wall s", fig("wall_s", 2)),
+                 ("documents/s", fig("documents_per_s", 0)),
+                 ("tokens/s", lambda r: number(r["figures"]["tokens_per_s"] / 1e6, 2) + "M"),
+                 ("MB/s", fig("mb_per_s", 2)), ("CPU s", fig("cpu_s", 2))),
+        sort=lambda r: (r["tool"] != "baseline", r["workers"]),
+        summary=lambda r: (f"{r['row']['tool']}, {r['row']['workers']} workers: "
+                           f"{number(r['figures'].get('mb_per_s'), 2)} MB/s"),
+    ),
+)
+
+
+LAYOUT_NAMES = {"dp2": "DP=2", "tp2": "TP=2", "tp2sp": "TP=2 with sequence parallelism",
+                "pp2": "PP=2", "vpp2": "interleaved PP=2"}

@@ -1,0 +1,335 @@
+"""Everything in megatron-core that the project wraps, replaces, stands in for or relies on.
+
+One entry per megatron name: what is done to it (``how``), which megagpt module does it
+(``owner``), why, when it is in place, and a fingerprint of megatron's source of it at the
+version it was checked against (``megagpt.megatron_source``). ``tests/test_megatron_ledger.py``
+fails when an installed megatron's source of any entry differs from its fingerprint (a new
+signature, a changed body, a renamed or removed name) and when a needle the entry depends on
+is gone: that entry's workaround must then be re-read against the new code, and either
+updated (new fingerprint, ``checked`` raised) or removed. It also fails when the project's
+installers change a megatron attribute that no entry lists.
+
+How (``how``):
+
+``wraps``
+    the module attribute becomes a function that calls megatron's. Where several owners
+    wrap one function, ``megagpt.megatron_wrappers`` composes them in the order of their
+    entries here, the first innermost (next to megatron's function), whatever the order in
+    which they are installed.
+``replaces``
+    the attribute is set to the project's own object; megatron's is not called.
+``stands in for``
+    a class or function of the project takes the place of megatron's with the same interface
+    (through the layer spec, or handed to megatron); nothing inside megatron is changed, but
+    the project's version must keep computing what megatron's does.
+``covers``
+    megatron code that CPU mode makes run on a CPU; ``needle`` is the CUDA use the
+    workaround exists for.
+``relies on``
+    a private megatron name the project calls or sets.
+
+``python -m megagpt.megatron_ledger`` prints the ledger with each entry's state against the
+installed megatron (and the fingerprint to record after re-checking an entry).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CHECKED_AGAINST = "0.19.2"
+
+WRAPS, REPLACES, STANDS_IN, COVERS, RELIES_ON = (
+    "wraps", "replaces", "stands in for", "covers", "relies on")
+
+# When each change is in place.
+FAST_LAUNCH = ("at launch (pretrain_gpt.run -> fast_spec.settings.install_fast_path_patches), "
+               "for the rest of the process")
+PRETRAIN = "around megatron.training.pretrain (resilience.active), undone after"
+CPU_PRETRAIN = "with --cpu, around megatron.training.pretrain (cpu_mode.active), undone after"
+VALIDATION = ("around megatron's validate_args where no GPU answers "
+              "(arguments.validate_arguments), undone after")
+MODEL = "when the fast spec builds the model (gpt_builders -> fast_spec.spec)"
+LAUNCH = "at launch, before pretrain (pretrain_gpt.run)"
+GLOBALS = "at launch, after megatron's globals are set (arguments.set_megatron_globals)"
+TOKENIZER = "whenever a tokenizer is built (data.tokenizers.build_tokenizer)"
+PARSE = "at parse time (data.tokenizers, megagpt.data.preprocess's parser)"
+
+
+@dataclass(frozen=True)
+class Change:
+    """One megatron name the project changes or depends on (see the module docstring)."""
+
+    target: str  # package.module[.Class].name, where the project reaches it
+    how: str
+    owner: str  # the megagpt module that does it
+    why: str
+    when: str
+    fingerprint: str  # megatron_source.fingerprint(target) at ``checked``
+    needle: str = ""  # text in megatron's source the change exists for
+    checked: str = CHECKED_AGAINST
+
+
+T = "megatron.training.training."
+DDP = "megatron.core.distributed.distributed_data_parallel.DistributedDataParallel."
+
+LEDGER: tuple[Change, ...] = (
+    # --- megatron's training loop (module-level functions of megatron.training.training) ------
+    Change(T + "training_log", WRAPS, "megagpt.fast_spec.async_step",
+           "it builds torch.tensor([0.0], device='cuda') per loss key each iteration, a copy "
+           "from pageable memory that waits for the GPU; built in pinned memory it does not",
+           FAST_LAUNCH + ", with the asynchronous step", "7e7ebec01bcf",
+           needle="torch.tensor([0.0], dtype=torch.float, device='cuda')"),
+    Change(T + "training_log", WRAPS, "megagpt.resilience.fidelity",
+           "a first iteration after a (re)start that falls on a log boundary does not reset "
+           "the loss accumulators, so the next logged loss is the mean of two iterations "
+           "(upstream Megatron-LM#6237); outside the asynchronous step's wrapper, so that it "
+           "rebinds the arguments megatron's function receives", PRETRAIN, "7e7ebec01bcf",
+           needle="should_reset = not is_first_iteration"),
+    Change(T + "setup_model_and_optimizer", WRAPS, "megagpt.fast_spec.flat_adam",
+           "the optimizer it returns gets the flat AdamW step where it applies (one pass over "
+           "flat buffers instead of megatron's five)", FAST_LAUNCH + ", with fused AdamW",
+           "e564c0eccd76"),
+    Change(T + "setup_model_and_optimizer", WRAPS, "megagpt.fast_spec.async_step",
+           "a bf16 optimizer's constant loss scale of one becomes a host tensor, so the "
+           "loop's optimizer.get_loss_scale().item() does not wait for the GPU; outside the "
+           "flat step's wrapper (it reads the optimizer that one has finished)",
+           FAST_LAUNCH + ", with the asynchronous step", "e564c0eccd76"),
+    Change(T + "reduce_max_stat_across_model_parallel_group", WRAPS,
+           "megagpt.fast_spec.async_step",
+           "an all-reduce followed by .item() each iteration; over a model-parallel group of "
+           "one rank it is the identity, and the gradient norm stays on the GPU",
+           FAST_LAUNCH + ", with the asynchronous step", "7189f9a94723"),
+    Change(T + "logical_and_across_model_parallel_group", WRAPS, "megagpt.fast_spec.async_step",
+           "an all-reduce followed by .item() after every step; the identity over one rank",
+           FAST_LAUNCH + ", with the asynchronous step", "aaa17a1cbd04"),
+    Change("megatron.training.dist_signal_handler.all_gather_item", WRAPS,
+           "megagpt.fast_spec.async_step",
+           "with --exit-signal-handler it all-gathers a flag every iteration; over one "
+           "process that is the local flag", FAST_LAUNCH + ", with the asynchronous step",
+           "6554fa85bd11"),
+    Change(T + "build_train_valid_test_data_iterators", WRAPS, "megagpt.resilience.fidelity",
+           "DataLoader draws its worker seed from torch's CPU generator after the checkpoint "
+           "is loaded, so a resumed CPU run's dropout masks differ; the wrapper leaves the "
+           "host generators as it found them", PRETRAIN, "bd84366cbf26"),
+    Change(T + "save_checkpoint", WRAPS, "megagpt.resilience.config_snapshot",
+           "each persistent save gets the resolved configuration beside it", PRETRAIN,
+           "42e813b3aa30"),
+    Change(T + "save_checkpoint", WRAPS, "megagpt.resilience.divergence",
+           "every gradient norm still on its way from the GPU is checked before a save, so a "
+           "diverged model is never saved; outside the snapshot's wrapper (no snapshot of a "
+           "save that is refused)", PRETRAIN + ", when the gradient-norm guard is on",
+           "42e813b3aa30"),
+    Change(T + "load_checkpoint", WRAPS, "megagpt.resilience.checkpoint_guard",
+           "megatron reports a bad checkpoint with a stack trace from torch.distributed or a "
+           "bare sys.exit(); the wrapper makes it one line naming the checkpoint", PRETRAIN,
+           "ee0f61114e6f"),
+    Change(T + "train_step", WRAPS, "megagpt.resilience.divergence",
+           "with megatron's in-step NaN checks off (the CUDA graph) a NaN or Inf gradient "
+           "norm stops the run, read one iteration late so the check never idles the GPU",
+           PRETRAIN + ", when the gradient-norm guard is on", "1823abf71532"),
+    Change(T + "initialize_megatron", WRAPS, "megagpt.cpu_mode",
+           "it asserts CUDA unless allow_no_cuda=True, which pretrain does not pass",
+           CPU_PRETRAIN, "1894d53ca729",
+           needle='assert torch.cuda.is_available(), "Megatron requires CUDA."'),
+    Change(T + "set_jit_fusion_options", REPLACES, "megagpt.cpu_mode",
+           "it warms up GPU fusion kernels; on a CPU it is skipped (torch.compile is off in "
+           "CPU mode)", CPU_PRETRAIN, "c1be95915ed4"),
+    Change("megatron.core.datasets.utils.compile_helpers", REPLACES, "megagpt.compat",
+           "initialize_megatron runs make on megatron/core/datasets, which the wheel ships "
+           "without a Makefile (its helpers_cpp is prebuilt): make fails and the run exits; "
+           "skipped only where helpers_cpp imports", LAUNCH, "02c160f0fa9c"),
+    Change("megatron.training.arguments.get_device_arch_version", REPLACES, "megagpt.arguments",
+           "validate_args asks the GPU for its architecture when TP or CP > 1; a dry run or a "
+           "CPU run answers with the planned GPU's (or 0)", VALIDATION, "076b134d5b1f"),
+    # --- the optimizer without TE or apex (megagpt.fast_spec.optim) ----------------------------
+    Change("megatron.core.optimizer.Adam", REPLACES, "megagpt.fast_spec.optim",
+           "without TE/apex megatron takes torch's AdamW in its multi-pass foreach form; "
+           "torch's fused=True AdamW is one kernel", FAST_LAUNCH + ", with the fast optimizer",
+           "8a40ef85203f"),
+    Change("megatron.core.optimizer.USING_PYTORCH_OPTIMIZER", REPLACES, "megagpt.fast_spec.optim",
+           "set False with fused AdamW, so megatron passes it the fused optimizer's arguments",
+           FAST_LAUNCH + ", with the fast optimizer", "e901a03a490f"),
+    Change("megatron.core.optimizer.clip_grads.l2_norm_impl", REPLACES, "megagpt.fast_spec.optim",
+           "megatron's local fallback reads one norm per tensor back to the host (hundreds of "
+           "waits a step); torch._foreach_norm needs one",
+           FAST_LAUNCH + ", with the fast optimizer", "27093e9af287"),
+    Change("megatron.core.optimizer.clip_grads.multi_tensor_scale_impl", REPLACES,
+           "megagpt.fast_spec.optim", "the local fallback scales tensor by tensor; "
+           "torch._foreach_mul_ in a few kernels", FAST_LAUNCH + ", with the fast optimizer",
+           "19c4e8618112"),
+    Change("megatron.core.optimizer.clip_grads.multi_tensor_scale_tensor_impl", REPLACES,
+           "megagpt.fast_spec.optim",
+           "None without TE, so megatron brings the norm to the host to clip; TE's "
+           "tensor-scale kernel in torch._foreach form keeps it on the GPU",
+           FAST_LAUNCH + ", with the asynchronous step", "f2ef0c158231"),
+    Change("megatron.core.optimizer.optimizer.multi_tensor_scale_impl", REPLACES,
+           "megagpt.fast_spec.optim", "as clip_grads' (the optimizer module's own binding)",
+           FAST_LAUNCH + ", with the fast optimizer", "19c4e8618112"),
+    Change("megatron.core.optimizer.optimizer._multi_tensor_copy_this_to_that", REPLACES,
+           "megagpt.fast_spec.optim",
+           "for bf16 a Python loop of per-tensor copies of the master weights into the model "
+           "weights; torch._foreach_copy_", FAST_LAUNCH + ", with the fast optimizer",
+           "1c15b8061ac0"),
+    Change("megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params."
+           "_copy_model_grads_to_main_grads", REPLACES, "megagpt.fast_spec.optim",
+           "one fp32 cast per parameter tensor (~300 kernels); one cast per gradient buffer",
+           FAST_LAUNCH + ", with the fast optimizer", "fe8017bd890f"),
+    # --- megatron's DDP (megagpt.fast_spec.grad_write) -----------------------------------------
+    Change(DDP + "_make_backward_post_hook", WRAPS, "megagpt.fast_spec.grad_write",
+           "its hook adds each gradient into the buffer megatron zeroed; with one micro-batch "
+           "per step and one data-parallel rank the hook copies instead",
+           FAST_LAUNCH + ", with --fast-grad-write (the default where it applies)",
+           "01aa652d523b"),
+    Change(DDP + "zero_grad_buffer", WRAPS, "megagpt.fast_spec.grad_write",
+           "it fills the whole gradient buffer with zeros every step (2.6 GB at 1.3B); where "
+           "gradients are written it resets megatron's bookkeeping only",
+           FAST_LAUNCH + ", with --fast-grad-write", "3e76d9a34a92"),
+    Change(DDP + "finish_grad_sync", WRAPS, "megagpt.fast_spec.grad_write",
+           "before any reduction, parameters that got no gradient this step are zeroed and "
+           "the small gradients held back are copied together",
+           FAST_LAUNCH + ", with --fast-grad-write", "2081a02efcfb"),
+    # --- the fast layer spec: the project's modules in megatron's places -----------------------
+    Change("megatron.core.transformer.transformer_layer.TransformerLayer.forward", STANDS_IN,
+           "megagpt.fast_spec.layer",
+           "FastTransformerLayer overrides it: a dense pre-norm layer runs as one fused "
+           "function, anything else through megatron's forward", MODEL, "5ad3ff5e567a"),
+    Change("megatron.core.transformer.transformer_layer.TransformerLayer._forward_attention",
+           STANDS_IN, "megagpt.fast_spec.layer",
+           "the fused function computes what it computes (norm, QKV, attention, projection, "
+           "bias-dropout-add) for the layers it takes", MODEL, "3440a7d507a5"),
+    Change("megatron.core.transformer.transformer_layer.TransformerLayer._forward_mlp",
+           STANDS_IN, "megagpt.fast_spec.layer",
+           "the fused function computes what it computes (norm, fc1, activation, fc2, "
+           "bias-dropout-add) for the layers it takes", MODEL, "58ffada488fd"),
+    Change("megatron.core.transformer.dot_product_attention.DotProductAttention", STANDS_IN,
+           "megagpt.fast_spec.attention",
+           "SDPADotProductAttention takes its place in the spec with the same constructor and "
+           "forward signature (torch's SDPA kernels: no [b, heads, s, s] scores)", MODEL,
+           "ec3200d0b962"),
+    Change("megatron.core.transformer.torch_norm.WrappedTorchNorm", STANDS_IN,
+           "megagpt.fast_spec.norm",
+           "it refuses --sequence-parallel; TorchNorm builds the same torch module with the "
+           "flag cleared and marks its parameters for megatron's sequence-parallel sum", MODEL,
+           "88f52fb285c2", needle="assert not config.sequence_parallel"),
+    Change("megatron.core.models.gpt.gpt_model.GPTModel._postprocess", STANDS_IN,
+           "megagpt.fast_spec.lm_loss",
+           "the chunked LM-head loss is GPTModel's output_processor, called here with the "
+           "keyword arguments it reads", "every forward step (pretrain_gpt.forward_step)",
+           "c37e8b2b23e1", needle="return output_processor("),
+    # --- CPU mode ------------------------------------------------------------------------------
+    Change("megatron.core.tensor_parallel.random._CUDA_RNG_STATE_TRACKER", REPLACES,
+           "megagpt.cpu_mode", "megatron's tracker forks CUDA generator states; CpuRngTracker "
+           "forks the CPU generator's, saved and loaded with checkpoints as megatron's are",
+           CPU_PRETRAIN, "94e958de6074"),
+    Change("megatron.core.tensor_parallel.random._CUDA_RNG_STATE_TRACKER_INITIALIZED", REPLACES,
+           "megagpt.cpu_mode", "set with the CPU tracker, so megatron does not build its own",
+           CPU_PRETRAIN, "95ac81d57dc3"),
+    Change("megatron.core.tensor_parallel.random.CudaRNGStatesTracker", STANDS_IN,
+           "megagpt.cpu_mode", "CpuRngTracker has its interface (reset, get_states, "
+           "set_states, add, fork)", CPU_PRETRAIN, "d30430fec1ac"),
+    Change("megatron.training.initialize._initialize_distributed", COVERS, "megagpt.cpu_mode",
+           "torch.cuda.device_count() reports one device, so model-parallel groups are built",
+           CPU_PRETRAIN, "e01f2e4468d6",
+           needle="if device_count > 0 and not skip_model_parallel_init:"),
+    Change("megatron.training.initialize._set_random_seed", COVERS, "megagpt.cpu_mode",
+           "the CUDA RNG tracker is CpuRngTracker, which forks CPU generator states",
+           CPU_PRETRAIN, "75b21960887c", needle="if torch.cuda.device_count() > 0:"),
+    Change("megatron.core.tensor_parallel.random.CudaRNGStatesTracker.add", COVERS,
+           "megagpt.cpu_mode", "CpuRngTracker.add keeps a CPU generator state", CPU_PRETRAIN,
+           "024f740e9cbf", needle="torch.cuda.get_rng_state()"),
+    Change("megatron.training.checkpointing.load_checkpoint", COVERS, "megagpt.cpu_mode",
+           "CpuRngTracker has real states, so a checkpoint's RNG state loads", CPU_PRETRAIN,
+           "ee0f61114e6f", needle="if not rng_state['rng_tracker_states']:"),
+    Change(T + "pretrain", COVERS, "megagpt.cpu_mode",
+           "CudaToCpu rewrites the device of the start-time all-reduce; set_jit_fusion_options "
+           "is skipped", CPU_PRETRAIN, "7b60d7fc0dd9", needle="device='cuda'"),
+    Change("megatron.core.pipeline_parallel.schedules.forward_backward_no_pipelining", COVERS,
+           "megagpt.cpu_mode", "CudaToCpu rewrites the device of the token counter",
+           CPU_PRETRAIN, "06a0bda080db", needle='device="cuda"'),
+    Change("megatron.core.utils.GlobalMemoryBuffer.get_tensor", COVERS, "megagpt.cpu_mode",
+           "CudaToCpu maps the current device (0) to the CPU", CPU_PRETRAIN, "56723e8ca2fc",
+           needle="torch.cuda.current_device()"),
+    Change("megatron.core.distributed.param_and_grad_buffer._ParamAndGradBuffer.__init__",
+           COVERS, "megagpt.cpu_mode", "CudaToCpu places the gradient buffers on the CPU",
+           CPU_PRETRAIN, "0701b0e6dbdf", needle="torch.cuda.current_device()"),
+    Change("megatron.core.optimizer.clip_grads.get_grad_norm_fp32", COVERS, "megagpt.cpu_mode",
+           "CudaToCpu rewrites the device of the norm reduction", CPU_PRETRAIN, "c086cd323174",
+           needle="device='cuda'"),
+    Change("megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32", COVERS,
+           "megagpt.cpu_mode", "Tensor.type() of a CPU float tensor reports the CUDA type name",
+           CPU_PRETRAIN, "19d15a603c4a",
+           needle="assert param.grad.type() == 'torch.cuda.FloatTensor'"),
+    Change("megatron.core.tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication"
+           ".backward", COVERS, "megagpt.cpu_mode",
+           "in backward (run with the mode off) torch.cuda.current_device() names the CPU",
+           CPU_PRETRAIN, "39c28cf2be6c", needle="device=torch.cuda.current_device()"),
+    Change("megatron.training.checkpointing.get_rng_state", COVERS, "megagpt.cpu_mode",
+           "torch.cuda.get_rng_state returns the CPU-mode stand-in", CPU_PRETRAIN,
+           "2ba966939c46", needle="torch.cuda.get_rng_state()"),
+    # --- tokenizers, globals, signals ----------------------------------------------------------
+    Change("megatron.training.global_vars._GLOBAL_TOKENIZER", REPLACES, "megagpt.arguments",
+           "megatron's GPT2BPETokenizer asks the HuggingFace hub for 'gpt2' even with local "
+           "files; the global tokenizer is the project's, which loads them offline", GLOBALS,
+           "eb0327eb5368"),
+    Change("megatron.core.tokenizers.utils.build_tokenizer.build_tokenizer", STANDS_IN,
+           "megagpt.data.tokenizers",
+           "GPT2BPETokenizer is built from a local HuggingFace folder made of the vocab and "
+           "merge files; every other type goes to megatron's function unchanged", TOKENIZER,
+           "1a31134d3294"),
+    Change("megatron.core.tokenizers.utils.build_tokenizer._set_padded_vocab_size", RELIES_ON,
+           "megagpt.data.tokenizers", "pads the vocabulary exactly as megatron does",
+           TOKENIZER, "15e18791be99"),
+    Change("megatron.training.arguments._add_tokenizer_args", RELIES_ON,
+           "megagpt.data.tokenizers", "the preprocessing tool takes megatron's own tokenizer "
+           "flags", PARSE, "f63941a6c5da"),
+    Change("megatron.training.global_vars._set_signal_handler", RELIES_ON,
+           "megagpt.resilience.preemption",
+           "installs the exit-signal handler megatron would have installed, when --save turns "
+           "--exit-signal-handler on after megatron's globals are set", LAUNCH, "96f1b2f597c3"),
+)
+
+
+def entries_for(target: str) -> list[Change]:
+    """The ledger's entries for ``target``, in ledger order."""
+    return [c for c in LEDGER if c.target == target]
+
+
+def wrap_order(target: str) -> list[str]:
+    """The owners that may wrap ``target``, innermost first (see ``megatron_wrappers``)."""
+    return [c.owner for c in entries_for(target) if c.how == WRAPS]
+
+
+def state(change: Change) -> str:
+    """``ok``, or what differs in the installed megatron's source of ``change.target``."""
+    from megagpt import megatron_source
+
+    try:
+        source = megatron_source.definition_source(change.target)
+    except megatron_source.DefinitionNotFound as exc:
+        return f"gone: {exc}"
+    if change.needle and change.needle not in source:
+        return f"needle gone: no longer contains {change.needle!r}"
+    now = megatron_source.fingerprint(change.target)
+    if now != change.fingerprint:
+        signature = megatron_source.signature_text(change.target)
+        return (f"changed: fingerprint {now} (checked {change.fingerprint} at megatron-core "
+                f"{change.checked})" + (f"; signature now {signature}" if signature else ""))
+    return "ok"
+
+
+def main() -> int:
+    """Print every entry and its state against the installed megatron; 1 if any differs."""
+    from importlib.metadata import version
+
+    print(f"megatron-core {version('megatron-core')} installed; ledger checked against "
+          f"{CHECKED_AGAINST}")
+    bad = 0
+    for change in LEDGER:
+        now = state(change)
+        bad += now != "ok"
+        print(f"{now:<4} {change.how:<13} {change.target}  <- {change.owner}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

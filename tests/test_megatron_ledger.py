@@ -1,0 +1,181 @@
+"""The ledger of megatron changes: every entry still matches the installed megatron, every
+change the installers make is listed, and wrappers of one function compose in the ledger's
+order."""
+
+import importlib
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO
+from megagpt import megatron_ledger, megatron_source, megatron_wrappers
+from megagpt.megatron_ledger import LEDGER, REPLACES, WRAPS
+
+
+@pytest.mark.parametrize("change", LEDGER,
+                         ids=[f"{c.target.rsplit('.', 2)[-2]}.{c.target.rsplit('.', 1)[-1]}"
+                              f"<-{c.owner.rsplit('.', 1)[-1]}" for c in LEDGER])
+def test_entry_matches_the_installed_megatron(change):
+    """Fails when megatron's source of an entry changes (an upgrade): re-read the workaround
+    against the new code, then update the entry's fingerprint and ``checked`` (the message
+    gives the new fingerprint and signature), or remove the workaround."""
+    assert megatron_ledger.state(change) == "ok", (
+        f"{change.target} ({change.how}, by {change.owner}: {change.why}): "
+        f"{megatron_ledger.state(change)}")
+
+
+def test_owners_are_megagpt_modules():
+    for change in LEDGER:
+        assert change.owner.startswith("megagpt.")
+        importlib.import_module(change.owner)
+
+
+def test_the_fingerprint_notices_a_changed_definition(tmp_path, monkeypatch):
+    """The check reads megatron's file: a copy of a module with one line changed gets
+    another fingerprint, and a removed function is reported gone."""
+    import megatron.core.datasets.utils as dataset_utils
+
+    original = open(dataset_utils.__file__).read()
+    package = tmp_path / "megatron_copy"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "utils.py").write_text(original)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    megatron_source._parsed.cache_clear()
+    same = megatron_source.fingerprint("megatron_copy.utils.compile_helpers")
+    assert same == megatron_source.fingerprint("megatron.core.datasets.utils.compile_helpers")
+
+    (package / "utils.py").write_text(original.replace("def compile_helpers():",
+                                                       "def compile_helpers(verbose=False):"))
+    megatron_source._parsed.cache_clear()
+    assert megatron_source.fingerprint("megatron_copy.utils.compile_helpers") != same
+    assert megatron_source.signature_text("megatron_copy.utils.compile_helpers") == \
+        "(verbose=False)"
+    (package / "utils.py").write_text(original.replace("def compile_helpers(", "def gone("))
+    megatron_source._parsed.cache_clear()
+    with pytest.raises(megatron_source.DefinitionNotFound):
+        megatron_source.fingerprint("megatron_copy.utils.compile_helpers")
+    megatron_source._parsed.cache_clear()
+
+
+def test_every_change_the_installers_make_is_in_the_ledger():
+    """The fast path's launch-time installers, compat, resilience, CPU mode and the
+    validation without a GPU, run in a fresh process: each megatron attribute they change
+    has a ``wraps`` or ``replaces`` entry, and what the context managers change is undone."""
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "megatron_changes_probe.py")],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    listed = {c.target for c in LEDGER if c.how in (WRAPS, REPLACES)}
+    for step in ("launch", "pretrain", "validation"):
+        assert report[step], step  # the probe saw the installers work
+        unlisted = set(report[step]) - listed
+        assert not unlisted, f"{step}: changed in megatron but not in the ledger: {unlisted}"
+    assert report["left"] == report["launch"]
+    assert "megatron.training.training.training_log" in report["pretrain"]
+
+
+@pytest.fixture()
+def setup_function_untouched():
+    """megatron's setup_model_and_optimizer with no wrapper over it during the test, and
+    the wrappers that were there (installed by an earlier test) back afterwards."""
+    import megatron.training.training as mtraining
+
+    from megagpt.fast_spec import async_step, flat_adam
+
+    had = {"async": bool(async_step._ORIGINALS), "flat": bool(flat_adam._ORIGINALS)}
+    async_step.uninstall()
+    flat_adam.uninstall()
+    assert megatron_wrappers.installed(mtraining, "setup_model_and_optimizer") == []
+    yield mtraining
+    for owner in ("megagpt.fast_spec.async_step", "megagpt.fast_spec.flat_adam"):
+        megatron_wrappers.remove(mtraining, "setup_model_and_optimizer", owner)
+    if had["flat"]:
+        flat_adam.install()
+    if had["async"]:
+        async_step.install()
+
+
+def _tagging(tag):
+    """A wrapper factory whose wrapped function says what it wraps."""
+    def wrap(fn):
+        def wrapped(*args, **kwargs):
+            return fn(*args, **kwargs)
+        wrapped.tag, wrapped.inner = tag, fn
+        return wrapped
+    return wrap
+
+
+def _layers(fn):
+    tags = []
+    while hasattr(fn, "tag"):
+        tags.append(fn.tag)
+        fn = fn.inner
+    return tags, fn
+
+
+def test_wrappers_of_one_function_compose_in_the_ledgers_order(setup_function_untouched):
+    mtraining = setup_function_untouched
+    original = mtraining.setup_model_and_optimizer
+    target = "megatron.training.training.setup_model_and_optimizer"
+    inner, outer = megatron_ledger.wrap_order(target)
+    assert (inner, outer) == ("megagpt.fast_spec.flat_adam", "megagpt.fast_spec.async_step")
+
+    # installed outer first: the inner one still goes next to megatron's function
+    megatron_wrappers.install(mtraining, "setup_model_and_optimizer", outer, _tagging("outer"))
+    megatron_wrappers.install(mtraining, "setup_model_and_optimizer", inner, _tagging("inner"))
+    tags, bottom = _layers(mtraining.setup_model_and_optimizer)
+    assert tags == ["outer", "inner"] and bottom is original
+    assert megatron_wrappers.installed(mtraining, "setup_model_and_optimizer") == [inner, outer]
+
+    # the inner one taken away: the outer one stays, now over megatron's function
+    megatron_wrappers.remove(mtraining, "setup_model_and_optimizer", inner)
+    tags, bottom = _layers(mtraining.setup_model_and_optimizer)
+    assert tags == ["outer"] and bottom is original
+    megatron_wrappers.remove(mtraining, "setup_model_and_optimizer", outer)
+    assert mtraining.setup_model_and_optimizer is original
+
+
+def test_the_real_installers_compose_in_the_ledgers_order(setup_function_untouched):
+    """The asynchronous step installed before the flat step still ends up outside it."""
+    from megagpt.fast_spec import async_step, flat_adam
+
+    mtraining = setup_function_untouched
+    original = mtraining.setup_model_and_optimizer
+    try:
+        async_step.install()
+        flat_adam.install(compiled=False)
+        assert megatron_wrappers.installed(mtraining, "setup_model_and_optimizer") == \
+            megatron_ledger.wrap_order("megatron.training.training.setup_model_and_optimizer")
+        outer = mtraining.setup_model_and_optimizer
+        assert outer.__wrapped__.__wrapped__ is original  # functools.wraps, each
+    finally:
+        async_step.uninstall()
+        flat_adam.uninstall()
+    assert mtraining.setup_model_and_optimizer is original
+
+
+def test_a_change_the_ledger_does_not_list_is_refused():
+    import megatron.training.training as mtraining
+
+    before = mtraining.evaluate
+    with pytest.raises(LookupError, match="not in megagpt.megatron_ledger"):
+        megatron_wrappers.install(mtraining, "evaluate", "megagpt.resilience.fidelity",
+                                  _tagging("x"))
+    assert mtraining.evaluate is before
+
+
+def test_a_replacement_outside_the_wrappers_is_noticed(setup_function_untouched):
+    mtraining = setup_function_untouched
+    original = mtraining.setup_model_and_optimizer
+    owner = "megagpt.fast_spec.flat_adam"
+    megatron_wrappers.install(mtraining, "setup_model_and_optimizer", owner, _tagging("a"))
+    mtraining.setup_model_and_optimizer = original  # behind the wrappers' back
+    try:
+        with pytest.raises(RuntimeError, match="replaced outside"):
+            megatron_wrappers.remove(mtraining, "setup_model_and_optimizer", owner)
+    finally:
+        megatron_wrappers._CHAINS.pop("megatron.training.training.setup_model_and_optimizer")
+    assert mtraining.setup_model_and_optimizer is original

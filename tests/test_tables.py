@@ -1,0 +1,158 @@
+"""docs/benchmarks.md and the README's figures are generated from the records in
+docs/figures/runs/ (bench/records.py, bench/tables.py): the committed files are what the
+records give, every record is valid, a newer record takes a row over and the older one goes
+to the log, and bench outputs become records."""
+
+import copy
+import json
+import shutil
+import sys
+
+import pytest
+
+from helpers import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+
+import records  # noqa: E402
+import tables  # noqa: E402
+
+
+def test_the_committed_docs_are_what_the_records_give():
+    """Fails when a record was added or changed without running ``python bench/tables.py``
+    (or the docs were edited by hand)."""
+    assert tables.main(["--check"]) == 0
+
+
+def test_every_record_is_valid_and_every_known_table_has_rows():
+    found = records.load()
+    assert {r["table"] for r in found} >= {t.name for t in tables.TABLES}
+    for r in found:
+        assert r["commit"] is None or len(r["commit"].split("+")[0]) >= 7, r["_file"]
+
+
+def _one(table="train-1gpu", **row):
+    for r in records.load():
+        if r["table"] == table and all(r["row"].get(k) == v for k, v in row.items()):
+            return {k: v for k, v in r.items() if k != "_file"}
+    raise LookupError(row)
+
+
+def test_a_newer_record_takes_the_row_and_the_older_goes_to_the_log(tmp_path):
+    old = _one(shape="1.3B", path="fast", dropout=0.0)
+    new = copy.deepcopy(old)
+    new.update(date="2027-01-02 03:04 UTC", commit="abcdef0")
+    new["figures"]["tflops_per_gpu"] = 612.3
+    records.write(old, tmp_path)
+    path = records.write(new, tmp_path)
+    assert path.name.startswith("2027-01-02T0304_train-1gpu_1.3B_fast_0")
+    text = tables.benchmarks_text(records.load(tmp_path))
+    table, log = text.split("## Earlier results")
+    row = next(line for line in table.splitlines() if line.startswith("| 1.3B | fast path | 0 |"))
+    assert "612.3" in row and "`abcdef0`" in row and "2027-01-02 03:04" in row
+    assert f"{old['figures']['tflops_per_gpu']:.1f} TFLOP/s/GPU" in log
+    assert old["date"] in log and "2027-01-02" not in log
+
+
+def test_a_record_marked_not_current_never_stands_in_a_table(tmp_path):
+    good = _one(shape="345M", path="reference", dropout=0.1)
+    outlier = copy.deepcopy(good)
+    outlier.update(date="2027-01-01 00:00 UTC", current=False, why="a slow machine")
+    outlier["figures"]["tflops_per_gpu"] = 1.5
+    records.write(good, tmp_path)
+    records.write(outlier, tmp_path)
+    table, log = tables.benchmarks_text(records.load(tmp_path)).split("## Earlier results")
+    assert "| 345M | plain PyTorch | 0.1 |" in table and "1.5" not in table.split("| 345M |")[1]
+    assert "not a current figure: a slow machine" in log
+    del outlier["why"]
+    assert "current: false needs a why" in records.problems(outlier)
+
+
+def test_a_table_the_generator_does_not_know_is_shown_with_its_keys(tmp_path):
+    rec = dict(_one(), table="generation", row=dict(shape="345M", batch=16),
+               figures=dict(new_tokens_per_s=247.0))
+    records.write(rec, tmp_path)
+    text = tables.benchmarks_text(records.load(tmp_path))
+    assert "## generation" in text and "| shape | batch | new_tokens_per_s |" in text
+
+
+def test_rows_expected_and_not_measured_name_their_command(tmp_path):
+    records.write(_one(), tmp_path)  # one training row only
+    text = tables.benchmarks_text(records.load(tmp_path))
+    assert "not measured yet: shape 1.3B, path reference, dropout 0 " \
+           "(`python bench/bench_throughput.py --shape 1.3B --paths reference " \
+           "--reference-dropout 0" in text
+
+
+def test_a_bad_record_is_refused_with_what_is_wrong(tmp_path):
+    bad = dict(_one(), date="yesterday")
+    del bad["command"]
+    (tmp_path / "x.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match=r"x.json: command: missing.*date: not like"):
+        records.load(tmp_path)
+
+
+def test_throughput_output_becomes_training_switch_and_loss_records():
+    """The keys bench_throughput.py writes into bench_<shape>.json (its main needs a GPU)."""
+    from run_info import run_info
+
+    info = dict(run_info(), gpu="NVIDIA H200", torch="2.11.0+cu130", shape="345M",
+                megatron_core="0.19.2", bf16_matmul_peak_tflops=780.0)
+    info["versions"].setdefault("torch", "2.11.0+cu130")
+    info["versions"].setdefault("megatron-core", "0.19.2")
+    entry = dict(ms_per_iter=50.0, tokens_per_s=163840.0, tflops_per_gpu=372.2,
+                 peak_mem_mib=12604.8)
+    summary = dict(
+        info=info, flops_per_iter=18.61e12, entry_args="", data="mock",
+        path_flags={"local": ["--no-fast-spec", "--no-fast-optimizer", "--no-fast-lm-loss"],
+                    "fast": [], "nodrop": ["--hidden-dropout", "0", "--attention-dropout", "0"],
+                    "nowrite": ["--hidden-dropout", "0", "--attention-dropout", "0",
+                                "--no-fast-grad-write"]},
+        results={"fast": entry, "nodrop": dict(entry, ms_per_iter=45.0),
+                 "nowrite": dict(entry, ms_per_iter=45.6), "local": dict(entry, ms_per_iter=170.0),
+                 "reference": dict(ms_per_iter=52.0, dropout=0.0, tokens_per_s=1.0,
+                                   tflops_per_gpu=2.0, peak_mem_mib=13000.0),
+                 "broken": dict(rc=1)},
+        loss_comparison=dict(paths=["local", "fast"], iterations=50, max_abs_diff=0.05,
+                             max_rel_diff=0.006, mean_abs_diff=0.01, identical=0))
+    made = records.from_throughput(summary)
+    rows = {(r["table"], tuple(r["row"].values())): r for r in made}
+    assert ("train-1gpu", ("345M", "fast", 0.1)) in rows
+    assert rows[("train-1gpu", ("345M", "fast", 0.0))]["figures"]["ms_per_iter"] == 45.0
+    assert ("train-1gpu", ("345M", "local", 0.1)) in rows
+    assert ("train-1gpu", ("345M", "reference", 0.0)) in rows
+    switch = rows[("switches", ("345M", "--no-fast-grad-write", 0.0))]["figures"]
+    assert (switch["default_ms"], switch["switch_ms"]) == (45.0, 45.6)
+    assert rows[("loss-agreement", ("345M", "mock", "fast vs local", ""))]["figures"][
+        "max_abs_diff"] == 0.05
+    assert all(not records.problems(r) for r in made)
+
+
+def test_resume_output_becomes_a_resume_record():
+    """resume_fidelity.py's JSON as it writes it (the keys of its ``result``)."""
+    from run_info import run_info
+
+    result = dict(info=run_info(), iterations=40, stopped_at=20,
+                  flags=["--num-layers", "24", "--hidden-size", "1024"],
+                  all=dict(iterations_compared=40, identical=40, max_abs_diff=0.0),
+                  after_resume={})
+    (made,) = records.from_output(result)
+    assert made["row"] == dict(shape="345M", saved_under="one process",
+                               resumed_under="one process")
+    assert made["command"].startswith("python ") and made["commit"]
+
+
+def test_run_info_names_this_checkout():
+    from run_info import commit, run_info
+
+    info = run_info(argv=[str(REPO / "bench" / "layouts.py"), "--gpus", "2"])
+    assert info["command"] == "python bench/layouts.py --gpus 2"
+    assert info["commit"] == commit() and info["commit"]
+    assert {"python", "torch", "megatron-core"} <= set(info["versions"])
+
+
+def test_copied_records_regenerate_the_same_docs(tmp_path):
+    """The generator reads nothing but the records (a copy of them gives the same text)."""
+    shutil.copytree(records.RUNS, tmp_path / "runs")
+    assert tables.benchmarks_text(records.load(tmp_path / "runs")) == \
+        (REPO / "docs" / "benchmarks.md").read_text()
