@@ -110,11 +110,11 @@ def test_written_gradients_are_refused_under_layer_graphs():
     """megatron's captured backward adds each gradient into main_grad itself: a buffer left
     unzeroed would then sum two steps."""
     from megagpt.errors import UserError
-    from megagpt.fast_spec import grad_write
+    from megagpt.fast_spec.settings import grad_write_unsupported_reason
 
     args, _ = _resolved(["--no-fast-cuda-graph"])
     assert args.fast_layer_graphs and not args.fast_grad_write
-    assert "per-layer CUDA graphs" in grad_write.unsupported_reason(args)
+    assert "per-layer CUDA graphs" in grad_write_unsupported_reason(args)
     with pytest.raises(UserError, match="--fast-grad-write: per-layer CUDA graphs"):
         _resolved(["--no-fast-cuda-graph", "--fast-grad-write"])
     args, _ = _resolved(["--no-fast-cuda-graph", "--no-fast-layer-graphs"])
