@@ -351,6 +351,9 @@ def layer_graphs_default_off_reason(args) -> Optional[str]:
     if (getattr(args, "pipeline_model_parallel_size", 1) or 1) != 1:
         return ("pipeline parallelism (one set of graphs and buffers per micro-batch in "
                 "flight: --fast-layer-graphs asks for them)")
+    if getattr(args, "overlap_param_gather", False):
+        return ("--overlap-param-gather (megatron's graph manager runs its all-gather hooks "
+                "before each replay; not yet measured: --fast-layer-graphs asks for them)")
     return None
 
 
@@ -622,8 +625,8 @@ def _resolve_layer_graphs(args, log: Callable[[str], None]) -> None:
             "(--fast-step-nan-checks keeps megatron's)")
     default_off = layer_graphs_default_off_reason(args)
     if default_off is not None:
-        log(f"fast path: per-layer CUDA graphs under {default_off.split(' (')[0]}: asked "
-            "for; not yet measured on several GPUs")
+        log(f"fast path: per-layer CUDA graphs with {default_off.split(' (')[0]}: asked "
+            "for; not yet measured there")
 
 
 def install_fast_path_patches(args, log: Optional[Callable[[str], None]] = None) -> None:
