@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from megagpt.errors import UserError
+from megagpt.flags import explicit_flags
 
 
 class MissingDependencyError(UserError, RuntimeError):
@@ -130,11 +131,6 @@ def check_required_packages(args, installed: Installed) -> None:
                 "the fast spec is not used in this run (--no-fast-spec, --spec, MoE or "
                 "another reason the log gives). Use the fast spec, install Transformer "
                 "Engine (pip install 'megagpt[te]'), or drop --sequence-parallel.")
-
-
-def explicit_flags(argv: Iterable[str]) -> set[str]:
-    """The long option names present in argv (``--flag`` and ``--flag=value`` forms)."""
-    return {tok.split("=", 1)[0] for tok in argv if tok.startswith("--")}
 
 
 def adapt_args_to_installed(args, argv: Iterable[str], installed: Installed,

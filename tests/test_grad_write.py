@@ -202,10 +202,11 @@ def test_off_is_megatrons_zeroing_and_adding(writing):
 ])
 def test_on_by_default_where_nothing_is_accumulated(attrs, needle):
     from megagpt.fast_spec import grad_write
-    from megagpt.fast_spec.settings import apply_fast_path_defaults
+    from megagpt.fast_spec.settings import (apply_fast_path_defaults,
+                                            grad_write_unsupported_reason)
 
     args = fast_path_namespace(**attrs)
-    reason = grad_write.unsupported_reason(args)
+    reason = grad_write_unsupported_reason(args)
     assert (reason is None) if needle is None else (needle in reason)
     apply_fast_path_defaults(args, lambda s: None)
     assert args.fast_grad_write is (needle is None)

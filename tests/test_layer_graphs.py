@@ -79,6 +79,8 @@ def test_multi_gpu_path_on_one_gpu_resolves_as_two_data_parallel_ranks():
 @pytest.mark.parametrize("attrs,needle", [
     ({"tensor_model_parallel_size": 2}, "tensor parallelism"),
     ({"pipeline_model_parallel_size": 2}, "pipeline parallelism"),
+    ({"overlap_param_gather": True, "use_distributed_optimizer": True},
+     "--overlap-param-gather"),
 ])
 def test_model_parallel_layouts_leave_layer_graphs_off_unless_asked(attrs, needle):
     args, lines = _resolved(world_size=4, **attrs)
@@ -87,7 +89,7 @@ def test_model_parallel_layouts_leave_layer_graphs_off_unless_asked(attrs, needl
     assert any("per-layer CUDA graphs off" in line and needle in line for line in lines), lines
     args, lines = _resolved(["--fast-layer-graphs"], world_size=4, **attrs)
     assert args.fast_layer_graphs and args.cuda_graph_impl == "local"
-    assert any("not yet measured on several GPUs" in line for line in lines), lines
+    assert any("asked for; not yet measured there" in line for line in lines), lines
 
 
 @pytest.mark.parametrize("argv,attrs,needle", [
@@ -110,11 +112,11 @@ def test_written_gradients_are_refused_under_layer_graphs():
     """megatron's captured backward adds each gradient into main_grad itself: a buffer left
     unzeroed would then sum two steps."""
     from megagpt.errors import UserError
-    from megagpt.fast_spec import grad_write
+    from megagpt.fast_spec.settings import grad_write_unsupported_reason
 
     args, _ = _resolved(["--no-fast-cuda-graph"])
     assert args.fast_layer_graphs and not args.fast_grad_write
-    assert "per-layer CUDA graphs" in grad_write.unsupported_reason(args)
+    assert "per-layer CUDA graphs" in grad_write_unsupported_reason(args)
     with pytest.raises(UserError, match="--fast-grad-write: per-layer CUDA graphs"):
         _resolved(["--no-fast-cuda-graph", "--fast-grad-write"])
     args, _ = _resolved(["--no-fast-cuda-graph", "--no-fast-layer-graphs"])

@@ -247,9 +247,9 @@ class FlatAdamState:
 
     def _compile_failed(self, exc: Exception) -> None:
         """A compiler failure must not stop training: the same arithmetic, eagerly."""
-        from .layer import _is_compile_error
+        from .layer import is_compile_error
 
-        if not _is_compile_error(exc):
+        if not is_compile_error(exc):
             raise exc
         self.compiled = False
         self.compile_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]

@@ -28,7 +28,8 @@ parameter in one step (accumulation after all) stops the run rather than overwri
 
 It applies when one micro-batch per step reaches one data-parallel rank and nothing else adds
 into ``main_grad`` (megatron's gradient-accumulation fusion, the distributed optimizer, FSDP
-and buffers with extra local gradients are excluded); ``unsupported_reason(args)`` says why not.
+and buffers with extra local gradients are excluded); ``settings.grad_write_unsupported_reason(args)``
+says why not.
 """
 
 from __future__ import annotations
@@ -45,30 +46,6 @@ def set_grad_write(enabled: bool) -> None:
 
 def grad_write_enabled() -> bool:
     return _STATE["enabled"]
-
-
-def unsupported_reason(args) -> Optional[str]:
-    """Why gradients cannot be written instead of added in this run (None: they can)."""
-    from .settings import _one_micro_batch_per_step, _planned_data_parallel_size
-    from .settings import fast_path_selected
-
-    if not fast_path_selected(args):
-        return "the fast spec is not used"
-    if _planned_data_parallel_size(args) != 1:
-        return "more than one data-parallel rank"
-    if not _one_micro_batch_per_step(args):
-        return "more than one micro-batch per step (gradients are accumulated)"
-    if getattr(args, "gradient_accumulation_fusion", False):
-        return "gradient-accumulation fusion adds into the buffer itself"
-    if getattr(args, "use_distributed_optimizer", False):
-        return "the distributed optimizer"
-    if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
-        return "FSDP"
-    if getattr(args, "cuda_graph_impl", "none") == "local":
-        # the captured backward adds each gradient into main_grad itself, not through the
-        # DDP hook that writes instead
-        return "per-layer CUDA graphs (megatron's --cuda-graph-impl local)"
-    return None
 
 
 def _eligible(ddp) -> bool:

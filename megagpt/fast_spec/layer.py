@@ -557,7 +557,7 @@ class FastTransformerLayer(TransformerLayer):
         try:
             out = fn(hidden_states, *tensors, **consts)
         except Exception as e:  # noqa: BLE001
-            if fn is fused_layer_forward or not _is_compile_error(e):
+            if fn is fused_layer_forward or not is_compile_error(e):
                 raise
             # a compiler failure must not stop training: run this function eagerly from now on
             logger.warning("fast spec: torch.compile of the fused layer failed (%s: %s); "
@@ -567,7 +567,7 @@ class FastTransformerLayer(TransformerLayer):
         return make_viewless_tensor(inp=out, requires_grad=out.requires_grad, keep_graph=True)
 
 
-def _is_compile_error(e: Exception) -> bool:
+def is_compile_error(e: Exception) -> bool:
     """Errors raised by dynamo / inductor themselves (not by the computation)."""
     mod = type(e).__module__ or ""
     return mod.startswith(("torch._dynamo", "torch._inductor", "torch.fx"))

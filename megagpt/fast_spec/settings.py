@@ -351,6 +351,9 @@ def layer_graphs_default_off_reason(args) -> Optional[str]:
     if (getattr(args, "pipeline_model_parallel_size", 1) or 1) != 1:
         return ("pipeline parallelism (one set of graphs and buffers per micro-batch in "
                 "flight: --fast-layer-graphs asks for them)")
+    if getattr(args, "overlap_param_gather", False):
+        return ("--overlap-param-gather (megatron's graph manager runs its all-gather hooks "
+                "before each replay; not yet measured: --fast-layer-graphs asks for them)")
     return None
 
 
@@ -362,7 +365,7 @@ def bf16_grad_buffer_unsupported_reason(args) -> Optional[str]:
     zeroed each step and receives one such gradient — one micro-batch, no data-parallel
     sum — holds exactly the bf16 value widened, so a bf16 buffer holds the same numbers.
     """
-    from megagpt.compat import explicit_flags
+    from megagpt.flags import explicit_flags
 
     if not getattr(args, "bf16", False):
         return "not bf16"
@@ -384,6 +387,27 @@ def bf16_grad_buffer_unsupported_reason(args) -> Optional[str]:
     return None
 
 
+def grad_write_unsupported_reason(args) -> Optional[str]:
+    """Why gradients cannot be written instead of added in this run (None: they can)."""
+    if not fast_path_selected(args):
+        return "the fast spec is not used"
+    if _planned_data_parallel_size(args) != 1:
+        return "more than one data-parallel rank"
+    if not _one_micro_batch_per_step(args):
+        return "more than one micro-batch per step (gradients are accumulated)"
+    if getattr(args, "gradient_accumulation_fusion", False):
+        return "gradient-accumulation fusion adds into the buffer itself"
+    if getattr(args, "use_distributed_optimizer", False):
+        return "the distributed optimizer"
+    if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
+        return "FSDP"
+    if getattr(args, "cuda_graph_impl", "none") == "local":
+        # the captured backward adds each gradient into main_grad itself, not through the
+        # DDP hook that writes instead
+        return "per-layer CUDA graphs (megatron's --cuda-graph-impl local)"
+    return None
+
+
 def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) -> None:
     """Adjust a parsed megatron namespace for the fast path. Call after parsing, before
     megatron's ``validate_args`` / the model and optimizer are built.
@@ -402,7 +426,7 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
       ``fast_bf16_grad_buffer`` is on (by default where ``bf16_grad_buffer_unsupported_reason``
       is None);
     - gradients written instead of zeroed and added: ``fast_grad_write`` on by default where
-      ``grad_write.unsupported_reason`` is None (asked for where it is not: ``UserError``);
+      ``grad_write_unsupported_reason`` is None (asked for where it is not: ``UserError``);
     - attention mask: ``create_attention_mask_in_dataloader`` off where the fast spec is used
       and no document mask (``--reset-attention-mask``) has to be honoured;
     - changes no other argument and patches nothing in megatron (``install_fast_path_patches``
@@ -516,7 +540,7 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
     # --- gradients written, not zeroed and added ------------------------------------------
     from . import grad_write
 
-    reason = grad_write.unsupported_reason(args)
+    reason = grad_write_unsupported_reason(args)
     if args.fast_grad_write is None:
         args.fast_grad_write = reason is None
     elif args.fast_grad_write and reason is not None:
@@ -602,8 +626,8 @@ def _resolve_layer_graphs(args, log: Callable[[str], None]) -> None:
             "(--fast-step-nan-checks keeps megatron's)")
     default_off = layer_graphs_default_off_reason(args)
     if default_off is not None:
-        log(f"fast path: per-layer CUDA graphs under {default_off.split(' (')[0]}: asked "
-            "for; not yet measured on several GPUs")
+        log(f"fast path: per-layer CUDA graphs with {default_off.split(' (')[0]}: asked "
+            "for; not yet measured there")
 
 
 def install_fast_path_patches(args, log: Optional[Callable[[str], None]] = None) -> None:

@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from megagpt.compat import explicit_flags
+from megagpt.flags import explicit_flags
 from megagpt.errors import UserError
 
 # megatron/core/rerun_state_machine.py, validate_result() with reruns disabled:
