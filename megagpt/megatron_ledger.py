@@ -174,6 +174,13 @@ LEDGER: tuple[Change, ...] = (
            "_copy_model_grads_to_main_grads", REPLACES, "megagpt.fast_spec.optim",
            "one fp32 cast per parameter tensor (~300 kernels); one cast per gradient buffer",
            FAST_LAUNCH + ", with the fast optimizer", "fe8017bd890f"),
+    # --- the full-iteration CUDA graph (megagpt.fast_spec.capture_watchdog) ---------------------
+    Change("megatron.core.full_cuda_graph.FullCudaGraphWrapper.__call__", WRAPS,
+           "megagpt.fast_spec.capture_watchdog",
+           "a capture whose collectives wait for a peer that never joins blocks its process "
+           "for good; the capturing iteration runs under a deadline that stops the run with "
+           "one line naming the rank", FAST_LAUNCH + ", with the full-iteration graph",
+           "53c96c89e211", needle="curr_iteration == self.cuda_graph_warmup_steps"),
     # --- megatron's DDP (megagpt.fast_spec.grad_write) -----------------------------------------
     Change(DDP + "_make_backward_post_hook", WRAPS, "megagpt.fast_spec.grad_write",
            "its hook adds each gradient into the buffer megatron zeroed; with one micro-batch "
@@ -201,6 +208,19 @@ LEDGER: tuple[Change, ...] = (
            STANDS_IN, "megagpt.fast_spec.layer",
            "the fused function computes what it computes (norm, fc1, activation, fc2, "
            "bias-dropout-add) for the layers it takes", MODEL, "58ffada488fd"),
+    Change("megatron.core.transformer.transformer_layer.TransformerLayer."
+           "_should_call_local_cudagraph", STANDS_IN, "megagpt.fast_spec.layer",
+           "FastTransformerLayer sends only training calls with gradients through megatron's "
+           "per-layer graphs: for evaluation megatron's graph manager would replay the graph "
+           "captured in training (dropout on, activations saved for a backward that never "
+           "comes)", MODEL + ", with per-layer graphs (--fast-layer-graphs)", "abb8c1b2916c"),
+    Change("megatron.core.transformer.cuda_graphs._CudaGraphRunner.create_bwd_graph",
+           RELIES_ON, "megagpt.fast_spec.layer",
+           "its captured backward adds each weight gradient into main_grad itself (decided at "
+           "capture), so under per-layer graphs the fused layer's GEMMs hand their gradients "
+           "to autograd and gradients are not written (settings.grad_write_unsupported_reason)",
+           MODEL + ", with per-layer graphs (--fast-layer-graphs)",
+           "ff66d92c732c", needle="param.main_grad.add_(wgrad)"),
     Change("megatron.core.transformer.dot_product_attention.DotProductAttention", STANDS_IN,
            "megagpt.fast_spec.attention",
            "SDPADotProductAttention takes its place in the spec with the same constructor and "

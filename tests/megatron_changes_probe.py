@@ -52,7 +52,7 @@ def main() -> int:
     for change in LEDGER:  # every module the installers reach is loaded before the snapshot
         importlib.import_module(split_target(change.target)[0])
     from megagpt import arguments, compat, cpu_mode, resilience
-    from megagpt.fast_spec import async_step, flat_adam, grad_write, optim
+    from megagpt.fast_spec import async_step, capture_watchdog, flat_adam, grad_write, optim
 
     report = {}
     before = megatron_attributes()
@@ -60,6 +60,7 @@ def main() -> int:
     flat_adam.install()
     async_step.install()
     grad_write.install()
+    capture_watchdog.install(300.0)
     compat.skip_dataset_helper_compilation()
     launched = megatron_attributes()
     report["launch"] = changed(before, launched)
