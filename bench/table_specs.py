@@ -75,6 +75,10 @@ PATHS = {"local": "megatron's local spec", "fast": "fast path",
          "reference": "plain PyTorch"}
 PATH_ORDER = {"local": 0, "fast": 1, "reference": 2}
 SHAPE_ORDER = {"tiny": 0, "345M": 1, "1.3B": 2}
+MULTI_GPU_PATHS = {"default": "single-GPU default (full-iteration graph)",
+                   "several-GPU": "several-GPU path (per-layer graphs)",
+                   "several-GPU eager": "several-GPU path, eager layers"}
+MULTI_GPU_ORDER = {"default": 0, "several-GPU": 1, "several-GPU eager": 2}
 
 
 def _train_summary(r: dict) -> str:
@@ -174,8 +178,9 @@ TABLES = (
         "(4 micro-batches of the one-GPU run), bf16, dropout 0, the embedded corpus (GPT-2 BPE "
         "text), one seed for every layout; ms/iter and TFLOP/s per GPU are megatron's logged "
         "figures, medians after iteration 10; the loss difference is the largest relative "
-        "one against the one-GPU run over all iterations. On several GPUs the fast path runs "
-        "without its full-iteration CUDA graph (one GPU only) and is bound by the host.",
+        "one against the one-GPU run over all iterations. These rows were measured before "
+        "per-layer CUDA graphs (commit 56ab00c): the layers ran eagerly and the step was bound "
+        "by the host; the next table measures the path with them on one GPU.",
         columns=(("shape", rowval("shape")), ("processes", rowval("processes")),
                  ("layout", rowval("layout")), ("ms/iter", _layout_cell),
                  ("TFLOP/s/GPU", fig("tflops_per_gpu")),
@@ -192,11 +197,48 @@ TABLES = (
                               if r["figures"].get("tflops_per_gpu") else "")),
     ),
     Table(
+        "multi-gpu-path", "The several-GPU path on one GPU, against the single-GPU default",
+        "A launch on several GPUs runs without the full-iteration CUDA graph (one GPU's "
+        "default); the fast path then captures each layer as CUDA graphs holding the compiled "
+        "fused layer (`--fast-layer-graphs`, megatron's `--cuda-graph-impl local`). "
+        "`--fast-multi-gpu-path` puts one GPU on that path (the defaults of two data-parallel "
+        "ranks), with the distributed optimizer and the overlapped gradient reduce a "
+        "data-parallel launch gives (`--use-distributed-optimizer --overlap-grad-reduce`), "
+        "so it is timed beside the single-GPU default in one invocation "
+        "(`bench/bench_throughput.py --baseline fast`; `STEPS=8 bash bench/gpu_record.sh "
+        "OUT`). Shapes, bf16, mock data, dropout 0.1 and counting as in the first table; "
+        "the batch is 8 micro-batches per step; \"vs default\" divides by the default "
+        "measured in the same invocation. \"eager layers\" is the same path with "
+        "`--no-fast-layer-graphs`, as every several-GPU launch ran before commit 019a8c9.",
+        columns=(("shape", rowval("shape")),
+                 ("micro-batches × size",
+                  lambda r: f"{r['row']['micro_batches']} × {r['row']['micro_batch']}"),
+                 ("path", rowval("path", MULTI_GPU_PATHS)), ("ms/iter", fig("ms_per_iter")),
+                 ("TFLOP/s/GPU", fig("tflops_per_gpu")),
+                 ("vs default", fig("vs_default", 3)),
+                 ("peak MiB", lambda r: peak_memory(r["figures"]))),
+        sort=lambda r: (SHAPE_ORDER.get(r["shape"], 9), -r["micro_batch"],
+                        MULTI_GPU_ORDER.get(r["path"], 9)),
+        summary=lambda r: (f"{r['row']['shape']} {r['row']['micro_batches']} × "
+                           f"{r['row']['micro_batch']}, {MULTI_GPU_PATHS.get(r['row']['path'])}: "
+                           f"{number(r['figures'].get('tflops_per_gpu'))} TFLOP/s/GPU, "
+                           f"{number(r['figures'].get('vs_default'), 3)} of the default"),
+        expected=tuple(
+            (dict(shape=shape, micro_batch=mb, micro_batches=8, path=path),
+             f'python bench/bench_throughput.py --shape {shape} --micro-batch {mb} '
+             '--micro-batches 8 --paths fast,mgpu --variant "mgpu=--fast-multi-gpu-path '
+             '--use-distributed-optimizer --overlap-grad-reduce" --baseline fast '
+             '--train-iters 30 --warmup-iters 10')
+            for shape, mb in (("345M", 8), ("345M", 4), ("1.3B", 4))
+            for path in ("default", "several-GPU")),
+    ),
+    Table(
         "loss-agreement", "Losses against megatron's local spec",
         "The fast path and megatron's local spec on the same data and seed, every iteration "
         "logged (`bench/bench_throughput.py --compare-losses N`); bf16 runs whose rounding "
         "differs drift apart within noise, and after a loss spike (mock data at 1.3B) any two "
-        "such runs part, the local spec against itself with exact GeLU included.",
+        "such runs part, the local spec against itself with exact GeLU included. The "
+        "several-GPU path's per-layer graphs are compared with its eager layers the same way.",
         columns=(("shape", rowval("shape")), ("data", rowval("data")),
                  ("compared", rowval("compared")), ("flags", lambda r: code(r["row"]["flags"])),
                  ("iterations", fig("iterations", 0)), ("max \\|Δ\\|", fig("max_abs_diff", 3)),

@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from records import RUNS, load, when  # noqa: E402
-from table_specs import (LAYOUT_NAMES, PATHS, TABLES, Table, code, fig, number,  # noqa: E402
+from table_specs import (LAYOUT_NAMES, PATHS, SHAPE_ORDER, TABLES, Table, code, fig, number,  # noqa: E402
                          peak_memory, rowval)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -187,10 +187,22 @@ def readme_block(records: list[dict]) -> str:
     parts = [f"{name} {layouts[key]['figures']['per_gpu_vs_one']:.2f}"
              for key, name in LAYOUT_NAMES.items()
              if layouts.get(key, {}).get("figures", {}).get("per_gpu_vs_one")]
+    several = {(r["row"]["shape"], r["row"]["micro_batches"], r["row"]["micro_batch"]): r
+               for r in newest.values()
+               if r["table"] == "multi-gpu-path" and r["row"]["path"] == "several-GPU"}
+    if several:
+        out += ["", textwrap.fill(
+            "The path of every several-GPU launch (per-layer CUDA graphs holding the compiled "
+            "layer), timed on one GPU against the single-GPU default in the same invocation: "
+            + ", ".join(f"{shape} {n} × {mb} {r['figures']['vs_default']:.3f}"
+                        for (shape, n, mb), r in sorted(
+                            several.items(), key=lambda kv: (SHAPE_ORDER.get(kv[0][0], 9),
+                                                             -kv[0][2]))) + ".", 100)]
     if parts:
         out += ["", textwrap.fill(
-            "On two GPUs, throughput per GPU against one GPU's (345M; the step is bound by the "
-            "host without the one-GPU CUDA graph): " + ", ".join(parts) + ".", 100)]
+            "On two GPUs, throughput per GPU against one GPU's (345M, measured before "
+            "per-layer graphs, when the step was bound by the host): " + ", ".join(parts)
+            + ".", 100)]
     prep = {r["row"]["tool"]: r for r in newest.values() if r["table"] == "preprocess"}
     if {"baseline", "megagpt"} <= set(prep):
         a, b = prep["baseline"]["figures"], prep["megagpt"]["figures"]
