@@ -77,7 +77,7 @@ def capture_layer(shape: str, inductor_options: dict) -> torch.cuda.CUDAGraph:
 
     torch._dynamo.reset()
     options = dict(inductor_options)
-    # as the fast path compiles it (megagpt.fast_spec.layer._get_fn), unless "looped rows"
+    # as the fast path compiles it (megagpt.fast_spec.layer.layer_function), unless "looped rows"
     compile_ = (norm_rows.compile_with_one_block_rows if options.pop("_one_block_rows", True)
                 else torch.compile)
     fn = compile_(fused_layer_forward, dynamic=False, fullgraph=True, options=options)

@@ -38,8 +38,9 @@ def gpt2():
 
 @pytest.fixture(autouse=True)
 def _grad_write_off_afterwards():
-    """``--fast-grad-write`` is a process-wide switch that parsing a run's arguments sets;
-    a test that parsed or set it must not leave it on for the next one's models."""
+    """Writing gradients is process-wide (it steers megatron's DDP methods, which
+    ``grad_write.install`` wraps); a test that installed or set it must not leave it on for
+    the next one's models."""
     yield
     from megagpt.fast_spec import grad_write
 

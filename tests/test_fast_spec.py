@@ -67,15 +67,17 @@ def cpu_buffers(monkeypatch, megatron_cpu):
     yield
 
 
-@pytest.fixture(autouse=True)
-def _restore_compile_switches():
-    """The compile switches are process-wide: leave them as each test found them."""
-    from megagpt.fast_spec import layer, lm_loss
+def _with_fused_options(model, **options):
+    """Give every fused layer of ``model`` these ``FusedLayerOptions`` (what the spec hands
+    each layer from the run's flags; compile options the flags do not reach, for tests)."""
+    from megagpt.fast_spec.layer import FastTransformerLayer, FusedLayerOptions
 
-    saved = (dict(layer._COMPILE), dict(lm_loss._COMPILE))
-    yield
-    layer.set_layer_compile(saved[0]["enabled"], saved[0]["options"])
-    lm_loss.set_loss_compile(saved[1]["enabled"])
+    chosen = FusedLayerOptions.make(**options)
+    layers = [m for m in model.modules() if isinstance(m, FastTransformerLayer)]
+    assert layers
+    for layer in layers:
+        layer.fused_options = chosen
+    return chosen
 
 
 def _config(**overrides):
@@ -325,18 +327,13 @@ def test_fused_layer_traces_as_one_graph_for_all_layers(cpu_buffers, pos_type):
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from megagpt.fast_spec.layer import set_layer_compile
-
     ref, fast = _models(_config(num_layers=3), _args(), pos_type)
     batch = _batch(6)
     l_ref, g_ref = _loss_and_grads(ref, batch)  # megatron's own torch.compile'd fusions run here
     torch._dynamo.reset()
     counters.clear()
-    set_layer_compile(True, {"backend": "eager"})
-    try:
-        l_fast, g_fast = _loss_and_grads(fast, batch)
-    finally:
-        set_layer_compile(False)
+    _with_fused_options(fast, compile=True, options={"backend": "eager"})
+    l_fast, g_fast = _loss_and_grads(fast, batch)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
     torch.testing.assert_close(l_fast, l_ref, rtol=1e-4, atol=1e-5)
@@ -699,8 +696,12 @@ def test_parsing_patches_nothing_launching_does(restore_optimizer):
     before = (mopt.Adam, mtraining.training_log)
     args, _ = _resolved()
     assert (mopt.Adam, mtraining.training_log) == before
+    from megagpt.fast_spec import grad_write
+
+    assert args.fast_grad_write and not grad_write.grad_write_enabled()
     lines = []
     install_fast_path_patches(args, lines.append)
+    assert grad_write.grad_write_enabled()
     assert mopt.Adam is optim.torch_fused_adam
     assert mtraining.training_log is not before[1]
     assert any("no host synchronisation" in line for line in lines)
@@ -787,12 +788,11 @@ def test_gpu_compiled_chunked_loss_matches_eager():
     h, w, labels = _lm_head_inputs(tokens=4096, hidden=256, vocab=5000, seed=0)
     out = {}
     for compiled in (True, False):
-        lm_loss.set_loss_compile(compiled)
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-        loss = lm_loss.chunked_linear_cross_entropy(hh, ww, labels, chunk_elements=2**21)
+        loss = lm_loss.chunked_linear_cross_entropy(hh, ww, labels, chunk_elements=2**21,
+                                                    compile_kernels=compiled)
         loss.sum().backward()
         out[compiled] = (loss, hh.grad.float(), ww.grad.float())
-    lm_loss.set_loss_compile(True)
     ref = F.cross_entropy((h.float() @ w.float().t()), labels, reduction="none")
     torch.testing.assert_close(out[True][0], ref, rtol=2e-2, atol=2e-2)
     for a, b in zip(out[True], out[False]):
@@ -882,11 +882,14 @@ def test_output_processor_choice():
     from megagpt.fast_spec.lm_loss import fused_lm_head_loss, get_output_processor
 
     ns = argparse.Namespace
-    chosen = get_output_processor(ns(fast_lm_loss=True, transformer_impl="local"))
-    assert chosen.func is fused_lm_head_loss and chosen.keywords == {"grad_in_forward": True}
+    chosen = get_output_processor(ns(fast_lm_loss=True, transformer_impl="local",
+                                     fast_spec_compile=True))
+    assert chosen.func is fused_lm_head_loss
+    assert chosen.keywords == {"grad_in_forward": True, "compile_kernels": True}
     for kept in (dict(fast_lm_grad_in_forward=False), dict(pipeline_model_parallel_size=2)):
-        assert get_output_processor(
-            ns(fast_lm_loss=True, transformer_impl="local", **kept)) is fused_lm_head_loss
+        chosen = get_output_processor(ns(fast_lm_loss=True, transformer_impl="local", **kept))
+        assert chosen.func is fused_lm_head_loss
+        assert chosen.keywords == {"grad_in_forward": False, "compile_kernels": False}
     assert get_output_processor(ns(fast_lm_loss=False, transformer_impl="local")) is None
     assert get_output_processor(ns(fast_lm_loss=True, transformer_impl="transformer_engine")) is None
     assert get_output_processor(ns(fast_lm_loss=True, transformer_impl="local",
@@ -904,6 +907,10 @@ def test_compiler_failure_falls_back_to_eager(cpu_buffers):
 
     ref, fast = _models(_config(), _args())
     torch._dynamo.reset()
-    layer_mod.set_layer_compile(True, {"backend": broken_backend})
+    options = _with_fused_options(fast, compile=True, options={"backend": broken_backend})
+    assert layer_mod.layer_function(options) is not layer_mod.fused_layer_forward
     _assert_same(ref, fast, _batch(8))
-    assert layer_mod._COMPILE["enabled"] is False
+    # the failed setting runs eagerly from now on; other settings still compile
+    assert layer_mod.layer_function(options) is layer_mod.fused_layer_forward
+    assert layer_mod.layer_function(layer_mod.FusedLayerOptions.make(
+        compile=True, options={"backend": "eager"})) is not layer_mod.fused_layer_forward

@@ -29,9 +29,8 @@ FUSED_WEIGHTS = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight",
 def writing():
     """megatron's DDP with megagpt's wrappers (CPU mode, one gloo rank); put back after."""
     from megagpt import cpu_mode
-    from megagpt.fast_spec import grad_write, layer
+    from megagpt.fast_spec import grad_write
 
-    saved = (dict(layer._COMPILE), dict(layer._WGRAD_FUSION))
     was_installed = bool(grad_write._ORIGINALS)
     grad_write.install()
     with single_gloo_rank(), cpu_mode.active():
@@ -39,8 +38,6 @@ def writing():
     grad_write.set_grad_write(False)
     if not was_installed:
         grad_write.uninstall()
-    layer.set_layer_compile(saved[0]["enabled"], saved[0]["options"])
-    layer.set_wgrad_fusion(saved[1]["enabled"])
 
 
 def _fast_model(grad_dtype, overlap_grad_reduce=False):
@@ -210,7 +207,7 @@ def test_on_by_default_where_nothing_is_accumulated(attrs, needle):
     assert (reason is None) if needle is None else (needle in reason)
     apply_fast_path_defaults(args, lambda s: None)
     assert args.fast_grad_write is (needle is None)
-    assert grad_write.grad_write_enabled() is (needle is None)
+    assert not grad_write.grad_write_enabled()  # parsing decides; the launch installs it
 
 
 def test_switch_off_and_refused_where_gradients_are_summed():

@@ -21,16 +21,6 @@ def _resolved(argv=(), **attrs):
     return args, lines
 
 
-@pytest.fixture(autouse=True)
-def _compile_switches_as_found():
-    from megagpt.fast_spec import layer, lm_loss
-
-    saved = (dict(layer._COMPILE), dict(lm_loss._COMPILE))
-    yield
-    layer.set_layer_compile(saved[0]["enabled"], saved[0]["options"])
-    lm_loss.set_loss_compile(saved[1]["enabled"])
-
-
 # ---------------------------------------------------------------------------------------
 # which runs take per-layer graphs
 # ---------------------------------------------------------------------------------------
@@ -186,9 +176,9 @@ def test_fused_layer_accepts_per_layer_graphs_and_leaves_gradients_to_autograd(f
         w.main_grad = torch.zeros_like(w)
         w.grad_added_to_main_grad = False
     weights = [layer.self_attention.linear_qkv.weight, layer.mlp.linear_fc1.weight]
-    from megagpt.fast_spec import layer as layer_module
+    from megagpt.fast_spec.layer import FusedLayerOptions
 
-    layer_module.set_wgrad_fusion(True)
+    layer.fused_options = FusedLayerOptions.make(wgrad_fusion=True)
     try:
         assert layer.wgrad_mode(weights) == "accumulate"
         layer.config.cuda_graph_impl = "local"
@@ -198,7 +188,6 @@ def test_fused_layer_accepts_per_layer_graphs_and_leaves_gradients_to_autograd(f
         layer.config.cuda_graph_impl = "transformer_engine"
         assert layer._static_fused_check() == "cuda_graph_impl=transformer_engine"
     finally:
-        layer_module.set_wgrad_fusion(False)
         layer.config.cuda_graph_impl = "none"
 
 

@@ -15,15 +15,16 @@ from megagpt.fast_spec import layer, norm_rows
 
 @pytest.fixture(autouse=True)
 def _fresh_compiles():
-    """Compile afresh (a cached graph consults no choice) and leave the layer's compile
-    switches as found."""
-    saved = dict(layer._COMPILE)
+    """Compile afresh (a cached graph consults no choice)."""
     torch._dynamo.reset()
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
         yield
-    layer.set_layer_compile(saved["enabled"], saved["options"], saved["one_block_rows"])
     torch._dynamo.reset()
+
+
+def _layer_function(**options):
+    return layer.layer_function(layer.FusedLayerOptions.make(**options))
 
 
 def test_rows_taken_are_those_inductor_loops_over():
@@ -84,8 +85,7 @@ def test_fused_layer_compiles_under_the_row_choice(monkeypatch, one_block):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(choices, "can_fuse", spy, raising=False)
-    layer.set_layer_compile(True, one_block_rows=one_block)
-    fn = layer._get_fn()
+    fn = _layer_function(compile=True, one_block_rows=one_block)
     x, tensors, consts = _layer_args(32, "cpu")
     try:
         got = _grads(fn, x, tensors, consts)
@@ -110,20 +110,17 @@ def test_other_backends_and_modes_compile_as_asked():
     def wrapped(fn):
         return getattr(fn, "in_one_block_rows", False)
 
-    layer.set_layer_compile(True, {"backend": "eager"})
-    assert not wrapped(layer._get_fn())
-    layer.set_layer_compile(True, {"mode": "max-autotune-no-cudagraphs"})
-    assert not wrapped(layer._get_fn())
-    layer.set_layer_compile(True, one_block_rows=False)
-    assert not wrapped(layer._get_fn())
-    layer.set_layer_compile(True)
-    assert wrapped(layer._get_fn())
-    layer.set_layer_compile(False)
-    assert layer._get_fn() is layer.fused_layer_forward
+    assert not wrapped(_layer_function(compile=True, options={"backend": "eager"}))
+    assert not wrapped(_layer_function(compile=True,
+                                       options={"mode": "max-autotune-no-cudagraphs"}))
+    assert not wrapped(_layer_function(compile=True, one_block_rows=False))
+    assert wrapped(_layer_function(compile=True))
+    assert _layer_function(compile=False) is layer.fused_layer_forward
 
 
 def test_switch_is_parsed_applied_and_logged():
     from megagpt.fast_spec.settings import add_fast_path_arguments, apply_fast_path_defaults
+    from megagpt.fast_spec.spec import fused_layer_options
 
     parser = add_fast_path_arguments(argparse.ArgumentParser())
     assert parser.parse_args([]).fast_one_block_rows is True
@@ -138,7 +135,8 @@ def test_switch_is_parsed_applied_and_logged():
         args.tensor_model_parallel_size = tp
         lines = []
         apply_fast_path_defaults(args, lines.append)
-        assert layer._COMPILE["one_block_rows"] is expect_on
+        options = fused_layer_options(args)  # what the spec hands every fused layer
+        assert options.compile and options.one_block_rows is expect_on
         said = [line for line in lines if "compiled layer" in line]
         if expect_log is None:
             assert not said, said
@@ -171,8 +169,7 @@ def test_norms_at_hidden_2048_are_one_block_kernels_on_a_gpu():
     errors, kernels = {}, {}
     for one_block in (True, False):
         torch._dynamo.reset()
-        layer.set_layer_compile(True, one_block_rows=one_block)
-        fn = layer._get_fn()
+        fn = _layer_function(compile=True, one_block_rows=one_block)
         _grads(fn, x, tensors, consts)  # compile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             errors[one_block] = _relative_errors(_grads(fn, x, tensors, consts), want)

@@ -25,13 +25,9 @@ BATCH = 2
 @pytest.fixture()
 def cpu_megatron():
     from megagpt import cpu_mode
-    from megagpt.fast_spec import layer
 
-    saved = (dict(layer._COMPILE), dict(layer._WGRAD_FUSION))
     with single_gloo_rank(), cpu_mode.active():
         yield
-    layer.set_layer_compile(saved[0]["enabled"], saved[0]["options"])
-    layer.set_wgrad_fusion(saved[1]["enabled"])
 
 
 def _build(fusion: bool, grad_dtype):
@@ -57,17 +53,15 @@ def _grads_after(model, iterations: int = 2):
 
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
 def test_fused_weight_gradients_land_in_main_grad(cpu_megatron, grad_dtype):
-    from megagpt.fast_spec.layer import set_wgrad_fusion
-
     fused = _build(True, grad_dtype)
-    plain = _build(False, grad_dtype)
-    set_wgrad_fusion(True)  # the switch is process-wide: each model runs under its setting
+    plain = _build(False, grad_dtype)  # each model's layers carry their own setting
     g_fused = _grads_after(fused)
     # the fused path was really taken: its weights carry megatron's "already added" flag
     qkv = fused.module.module.decoder.layers[0].self_attention.linear_qkv.weight
     assert qkv.grad_added_to_main_grad is True
-    set_wgrad_fusion(False)
     g_plain = _grads_after(plain)
+    plain_qkv = plain.module.module.decoder.layers[0].self_attention.linear_qkv.weight
+    assert plain_qkv.grad_added_to_main_grad is False
     weights = [n for n in g_fused if n.endswith(("linear_qkv.weight", "linear_proj.weight",
                                                  "linear_fc1.weight", "linear_fc2.weight"))]
     assert len(weights) == 8

@@ -40,7 +40,9 @@ _STATE = {"enabled": False}
 
 
 def set_grad_write(enabled: bool) -> None:
-    """Turn writing gradients (instead of zeroing and adding) on or off, process-wide."""
+    """Whether the next ``zero_grad_buffer`` of an eligible DDP starts a step that writes
+    (``install`` turns it on). Process-wide, as the wrappers it steers are: megatron's DDP
+    methods, and the hooks made while they were installed, which outlive an ``uninstall``."""
     _STATE["enabled"] = bool(enabled)
 
 
@@ -131,10 +133,12 @@ def _second_gradient(param) -> RuntimeError:
 
 def install(log: Optional[Callable[[str], None]] = None) -> None:
     """Wrap megatron's DDP hook factory, ``zero_grad_buffer`` and ``finish_grad_sync``
-    (once per process). Each ``zero_grad_buffer`` decides for its step whether to write
-    (``set_grad_write`` on, and a DDP whose buffers hold only its hooks' gradients);
+    (once per process) and turn writing on. Each ``zero_grad_buffer`` decides for its step
+    whether to write (``set_grad_write`` on, and a DDP whose buffers hold only its hooks'
+    gradients);
     otherwise the wrappers do megatron's work unchanged. Call before the model is wrapped in
     DDP: the hooks are made then."""
+    set_grad_write(True)
     if _ORIGINALS:  # installed already
         if log:
             log(_LOG_LINE)
@@ -216,6 +220,7 @@ def install(log: Optional[Callable[[str], None]] = None) -> None:
 def uninstall() -> None:
     """Put megatron's DDP methods back (hooks of models wrapped meanwhile stay wrapped, and
     do megatron's work while their DDP is not writing)."""
+    set_grad_write(False)
     if not _ORIGINALS:
         return
     from megatron.core.distributed import DistributedDataParallel as DDP

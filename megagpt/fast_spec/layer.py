@@ -38,6 +38,7 @@ Without megatron's DDP (no ``main_grad``) neither applies.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -67,17 +68,33 @@ from .attention import SDPADotProductAttention
 
 logger = logging.getLogger(__name__)
 
-# Module-wide switch for torch.compile of the fused layer function. The spec sets it
-# from --fast-spec-compile / --no-fast-spec-compile; tests set it directly.
-_COMPILE = {"enabled": True, "options": None, "one_block_rows": True}
-_compiled_fn: Optional[Callable] = None
-# Gradient-accumulation fusion of the fused layer's weight gradients (--fast-wgrad-fusion).
-_WGRAD_FUSION = {"enabled": False}
+@dataclass(frozen=True)
+class FusedLayerOptions:
+    """How a model's fused layers run, chosen once by the fast spec (``spec.py``) and handed
+    to every ``FastTransformerLayer`` through the layer spec's ``params``.
+
+    ``compile``: ``torch.compile`` the fused function (``compile_options``: its keyword
+    arguments, as ``(name, value)`` pairs); ``one_block_rows``: inductor reduces the norms'
+    rows of up to 4096 elements in one block (``norm_rows``); ``wgrad_fusion``: the four
+    weight GEMMs accumulate their gradients into ``main_grad`` (``--fast-wgrad-fusion``).
+    """
+
+    compile: bool = False
+    compile_options: tuple = ()
+    one_block_rows: bool = True
+    wgrad_fusion: bool = False
+
+    @classmethod
+    def make(cls, compile: bool = False, options: Optional[dict] = None,
+             one_block_rows: bool = True, wgrad_fusion: bool = False) -> "FusedLayerOptions":
+        return cls(bool(compile), tuple(sorted((options or {}).items())), bool(one_block_rows),
+                   bool(wgrad_fusion))
 
 
-def set_wgrad_fusion(enabled: bool) -> None:
-    """Turn the fused layer's weight-gradient accumulation into ``main_grad`` on or off."""
-    _WGRAD_FUSION["enabled"] = bool(enabled)
+# One compiled function per compile setting, shared by every layer that runs under it
+# (dynamo compiles it once for all of them); the settings whose compile failed run eagerly.
+_COMPILED: dict = {}
+_COMPILE_FAILED: set = set()
 
 
 @torch.library.custom_op("megagpt::wgrad_into_main_grad", mutates_args=("main_grad",))
@@ -137,18 +154,6 @@ def _linear(x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Optional[Tenso
     if main_grad is None:
         return F.linear(x, w, b)
     return _LinearIntoMainGrad.apply(x, w, b, main_grad, write)
-
-
-def set_layer_compile(enabled: bool, options: Optional[dict] = None,
-                      one_block_rows: bool = True) -> None:
-    """Turn torch.compile of the fused layer function on or off (process-wide).
-    ``options``: torch.compile's keyword arguments; ``one_block_rows``: inductor reduces the
-    norms' rows of up to 4096 elements in one block (``norm_rows``)."""
-    global _compiled_fn
-    _COMPILE["enabled"] = bool(enabled)
-    _COMPILE["options"] = options
-    _COMPILE["one_block_rows"] = bool(one_block_rows)
-    _compiled_fn = None
 
 
 def _norm(x: Tensor, w: Tensor, b: Optional[Tensor], eps: float, rms: bool) -> Tensor:
@@ -290,20 +295,27 @@ def fused_layer_forward(
     return x + F.dropout(m, hidden_p, training)
 
 
-def _get_fn() -> Callable:
-    global _compiled_fn
-    if not _COMPILE["enabled"]:
+def layer_function(options: FusedLayerOptions) -> Callable:
+    """The fused layer function ``options`` ask for: ``fused_layer_forward`` itself, or its
+    compiled form (built once per compile setting)."""
+    key = (options.compile_options, options.one_block_rows)
+    if not options.compile or key in _COMPILE_FAILED:
         return fused_layer_forward
-    if _compiled_fn is None:
-        opts = dict(_COMPILE["options"] or {})
+    if key not in _COMPILED:
+        opts = dict(options.compile_options)
         opts.setdefault("dynamic", False)
         opts.setdefault("fullgraph", True)
-        one_block = (_COMPILE["one_block_rows"] and opts.get("backend", "inductor") == "inductor"
+        one_block = (options.one_block_rows and opts.get("backend", "inductor") == "inductor"
                      and "mode" not in opts  # torch.compile takes a mode or options
                      and norm_rows.unavailable_reason() is None)
         compile_ = norm_rows.compile_with_one_block_rows if one_block else torch.compile
-        _compiled_fn = compile_(fused_layer_forward, **opts)
-    return _compiled_fn
+        _COMPILED[key] = compile_(fused_layer_forward, **opts)
+    return _COMPILED[key]
+
+
+def compile_failed(options: FusedLayerOptions) -> None:
+    """The compiler failed under ``options``: their layers run eagerly from now on."""
+    _COMPILE_FAILED.add((options.compile_options, options.one_block_rows))
 
 
 def _mlp_activation_name(mlp: MLP) -> Optional[str]:
@@ -332,8 +344,9 @@ def _mlp_activation_name(mlp: MLP) -> Optional[str]:
 class FastTransformerLayer(TransformerLayer):
     """megatron ``TransformerLayer`` with a fused single-function path for the common case."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, fused_options: Optional[FusedLayerOptions] = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.fused_options = fused_options or FusedLayerOptions()
         self.fused_unsupported_reason = self._static_fused_check()
         if self.fused_unsupported_reason is not None and self.layer_number == 1:
             logger.info("fast spec: fused layer off: %s", self.fused_unsupported_reason)
@@ -540,7 +553,7 @@ class FastTransformerLayer(TransformerLayer):
         if all(grad_write.gemm_may_write(w) and w.main_grad.dtype == w.dtype
                for w in weights):
             return "write"
-        return "accumulate" if _WGRAD_FUSION["enabled"] else None
+        return "accumulate" if self.fused_options.wgrad_fusion else None
 
     def _fused_forward(self, hidden_states: Tensor, rope: Optional[Tensor]) -> Tensor:
         tensors, consts = self.fused_arguments(rope)
@@ -553,7 +566,7 @@ class FastTransformerLayer(TransformerLayer):
             consts["sequence_parallel"] = bool(self.config.sequence_parallel)
             fn = fused_layer_forward
         else:
-            fn = _get_fn()
+            fn = layer_function(self.fused_options)
         try:
             out = fn(hidden_states, *tensors, **consts)
         except Exception as e:  # noqa: BLE001
@@ -562,7 +575,7 @@ class FastTransformerLayer(TransformerLayer):
             # a compiler failure must not stop training: run this function eagerly from now on
             logger.warning("fast spec: torch.compile of the fused layer failed (%s: %s); "
                            "running it eagerly", type(e).__name__, str(e)[:300])
-            set_layer_compile(False)
+            compile_failed(self.fused_options)
             out = fused_layer_forward(hidden_states, *tensors, **consts)
         return make_viewless_tensor(inp=out, requires_grad=out.requires_grad, keep_graph=True)
 

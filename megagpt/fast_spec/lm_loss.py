@@ -46,15 +46,10 @@ def chunk_elements_for(hidden_size: int) -> int:
     """Logit elements per chunk for a model of this hidden size."""
     return _CHUNK_ELEMENTS * max(1, hidden_size // 1024)
 
-# torch.compile of the per-chunk kernels (one read of the bf16 logits forward, one fused
-# pointwise pass backward). Off on CPU and when set_loss_compile(False) was called.
-_COMPILE = {"enabled": True}
+# The compiled per-chunk kernels (one read of the bf16 logits forward, one fused pointwise
+# pass backward), built once each; used on a GPU when the caller asks (``compile_kernels``),
+# eager on the CPU. A kernel whose compile failed is its eager function from then on.
 _compiled: dict = {}
-
-
-def set_loss_compile(enabled: bool) -> None:
-    _COMPILE["enabled"] = bool(enabled)
-    _compiled.clear()
 
 
 def _chunks(n: int, vocab: int, chunk_elements: int):
@@ -105,8 +100,8 @@ def _chunk_input_grads(g: Tensor, hidden: Tensor, weight: Tensor, grad_hidden: O
         accumulate_weight_grad(grad_weight, g, hidden, write=first)
 
 
-def _kernel(name: str, fn, device: torch.device):
-    if not (_COMPILE["enabled"] and device.type == "cuda"):
+def _kernel(name: str, fn, device: torch.device, compile_kernels: bool):
+    if not (compile_kernels and device.type == "cuda"):
         return fn
     if name not in _compiled:
         compiled = torch.compile(fn, dynamic=False, fullgraph=True)
@@ -185,19 +180,21 @@ def accumulate_weight_grad(acc: Tensor, grad_out: Tensor, inp: Tensor, write: bo
 
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk_elements: int):
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk_elements: int,
+                compile_kernels: bool):
         n = hidden.size(0)
         vocab = weight.size(0)
         acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 (fp64 in gradcheck)
         losses = torch.empty(n, dtype=acc, device=hidden.device)
         lse_all = torch.empty(n, dtype=acc, device=hidden.device)
-        fwd = _kernel("fwd", _ce_forward_chunk, hidden.device)
+        fwd = _kernel("fwd", _ce_forward_chunk, hidden.device, compile_kernels)
         for a, b in _chunks(n, vocab, chunk_elements):
             loss, lse = fwd(hidden[a:b] @ weight.t(), labels[a:b], acc)
             losses[a:b] = loss
             lse_all[a:b] = lse
         ctx.save_for_backward(hidden, weight, labels, lse_all)
         ctx.chunk_elements = chunk_elements
+        ctx.compile_kernels = compile_kernels
         return losses
 
     @staticmethod
@@ -212,7 +209,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         # first one's written: no zero fill)
         grad_weight = torch.empty(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_losses = grad_losses.to(acc)
-        bwd = _kernel("bwd", _ce_backward_chunk, hidden.device)
+        bwd = _kernel("bwd", _ce_backward_chunk, hidden.device, ctx.compile_kernels)
         for a, b in _chunks(n, vocab, ctx.chunk_elements):
             g = bwd(hidden[a:b] @ weight.t(), lse_all[a:b], labels[a:b], grad_losses[a:b])
             _chunk_input_grads(g, hidden[a:b], weight,
@@ -220,7 +217,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
             del g
         if need_w:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
 class _ChunkedLinearCEGradInForward(torch.autograd.Function):
@@ -239,7 +236,7 @@ class _ChunkedLinearCEGradInForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, loss_weights: Tensor,
-                chunk_elements: int):
+                chunk_elements: int, compile_kernels: bool):
         n, vocab = hidden.size(0), weight.size(0)
         acc = torch.promote_types(hidden.dtype, torch.float32)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -247,7 +244,7 @@ class _ChunkedLinearCEGradInForward(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_h else None
         grad_weight = torch.empty(weight.shape, dtype=acc, device=weight.device) if need_w else None
         w = loss_weights.to(acc)
-        step = _kernel("fwd_grad", _ce_forward_grad_chunk, hidden.device)
+        step = _kernel("fwd_grad", _ce_forward_grad_chunk, hidden.device, compile_kernels)
         for a, b in _chunks(n, vocab, chunk_elements):
             loss, g = step(hidden[a:b] @ weight.t(), labels[a:b], w[a:b], acc)
             losses[a:b] = loss
@@ -256,6 +253,7 @@ class _ChunkedLinearCEGradInForward(torch.autograd.Function):
             del g
         ctx.save_for_backward(grad_hidden, grad_weight, w)
         ctx.dtypes = (hidden.dtype, weight.dtype)
+        ctx.compile_kernels = compile_kernels
         return losses
 
     @staticmethod
@@ -264,17 +262,17 @@ class _ChunkedLinearCEGradInForward(torch.autograd.Function):
         g = grad_losses.to(w.dtype)
         # the scalar c of grad_losses = c * w (0-dim, stays on the device)
         c = (g * w).sum() / (w * w).sum().clamp_min(torch.finfo(w.dtype).tiny)
-        scale = _kernel("scale_to", _scale_to, w.device)
+        scale = _kernel("scale_to", _scale_to, w.device, ctx.compile_kernels)
         if grad_hidden is not None:
             grad_hidden = scale(grad_hidden, c, ctx.dtypes[0])
         if grad_weight is not None:
             grad_weight = scale(grad_weight, c, ctx.dtypes[1])
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def chunked_linear_cross_entropy_grad_in_forward(
     hidden: Tensor, weight: Tensor, labels: Tensor, loss_weights: Tensor,
-    chunk_elements: Optional[int] = None,
+    chunk_elements: Optional[int] = None, compile_kernels: bool = True,
 ) -> Tensor:
     """``chunked_linear_cross_entropy`` whose gradients are formed in the forward pass.
 
@@ -285,19 +283,22 @@ def chunked_linear_cross_entropy_grad_in_forward(
     if chunk_elements is None:
         chunk_elements = chunk_elements_for(hidden.size(-1))
     return _ChunkedLinearCEGradInForward.apply(hidden, weight, labels.long(), loss_weights,
-                                               chunk_elements)
+                                               chunk_elements, bool(compile_kernels))
 
 
 def chunked_linear_cross_entropy(
-    hidden: Tensor, weight: Tensor, labels: Tensor, chunk_elements: Optional[int] = None
+    hidden: Tensor, weight: Tensor, labels: Tensor, chunk_elements: Optional[int] = None,
+    compile_kernels: bool = True,
 ) -> Tensor:
     """Per-token ``cross_entropy(hidden @ weight.T, labels)`` (no reduction), fp32.
 
     hidden: [N, h]; weight: [V, h]; labels: [N] int64. Returns [N] float32.
+    ``compile_kernels``: the per-chunk kernels ``torch.compile``d (on a GPU).
     """
     if chunk_elements is None:
         chunk_elements = chunk_elements_for(hidden.size(-1))
-    return _ChunkedLinearCE.apply(hidden, weight, labels.long(), chunk_elements)
+    return _ChunkedLinearCE.apply(hidden, weight, labels.long(), chunk_elements,
+                                  bool(compile_kernels))
 
 
 def fused_lm_head_unsupported_reason(output_layer, config) -> Optional[str]:
@@ -325,13 +326,15 @@ def fused_lm_head_loss(
     runtime_gather_output=None,
     loss_mask: Optional[Tensor] = None,
     grad_in_forward: bool = False,
+    compile_kernels: bool = True,
     **_unused,
 ) -> Tensor:
     """``GPTModel`` output processor: per-token LM losses [b, s] without full logits.
 
     ``grad_in_forward``: form the LM head's gradients in the forward pass (no logit
     recompute), for a caller whose loss is a masked sum of these losses with ``loss_mask``
-    (``pretrain_gpt.loss_func``); used only when gradients are being recorded."""
+    (``pretrain_gpt.loss_func``); used only when gradients are being recorded.
+    ``compile_kernels``: the per-chunk kernels compiled (``--fast-spec-compile``)."""
     reason = None if labels is not None else "no labels"
     if reason is None:
         reason = fused_lm_head_unsupported_reason(output_layer, config)
@@ -351,9 +354,10 @@ def fused_lm_head_loss(
             hidden_states.requires_grad or weight.requires_grad):
         flat_mask = loss_mask.transpose(0, 1).reshape(s * b)
         losses = chunked_linear_cross_entropy_grad_in_forward(
-            flat_hidden, weight, flat_labels, flat_mask)
+            flat_hidden, weight, flat_labels, flat_mask, compile_kernels=compile_kernels)
     else:
-        losses = chunked_linear_cross_entropy(flat_hidden, weight, flat_labels)
+        losses = chunked_linear_cross_entropy(flat_hidden, weight, flat_labels,
+                                              compile_kernels=compile_kernels)
     return losses.view(s, b).transpose(0, 1).contiguous()
 
 
@@ -370,9 +374,10 @@ def get_output_processor(args) -> Optional[Callable]:
         return None
     if getattr(args, "cross_entropy_loss_fusion", False):
         return None
-    if lm_grad_in_forward_unsupported_reason(args) is None:
-        return functools.partial(fused_lm_head_loss, grad_in_forward=True)
-    return fused_lm_head_loss
+    # --fast-spec-compile, resolved by apply_fast_path_defaults before the model is built
+    return functools.partial(
+        fused_lm_head_loss, compile_kernels=bool(getattr(args, "fast_spec_compile", False)),
+        grad_in_forward=lm_grad_in_forward_unsupported_reason(args) is None)
 
 
 def lm_grad_in_forward_unsupported_reason(args) -> Optional[str]:

@@ -538,8 +538,6 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
         args.grad_reduce_in_bf16 = True
 
     # --- gradients written, not zeroed and added ------------------------------------------
-    from . import grad_write
-
     reason = grad_write_unsupported_reason(args)
     if args.fast_grad_write is None:
         args.fast_grad_write = reason is None
@@ -548,7 +546,6 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
 
         raise UserError(f"--fast-grad-write: {reason}: gradients are summed in the buffer "
                         "there, which needs megatron's zeroing; leave the flag out")
-    grad_write.set_grad_write(bool(args.fast_grad_write))
 
     # --- no attention mask from the data loader ---------------------------------------------
     # The fast spec's attention is causal by construction (SDPA's is_causal); the [s, s]
@@ -570,11 +567,6 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
         # step is bound by launches, where the compiled layer is no faster than eager
         args.fast_spec_compile = getattr(args, "cuda_graph_impl", "none") in (
             "full_iteration", "local")
-    from .layer import set_layer_compile
-    from .lm_loss import set_loss_compile
-
-    set_layer_compile(bool(args.fast_spec_compile), one_block_rows=args.fast_one_block_rows)
-    set_loss_compile(bool(args.fast_spec_compile))
     # the compiled layer runs on one tensor-parallel rank only (eager on several)
     if (args.fast_spec_compile and fast_path_selected(args)
             and (getattr(args, "tensor_model_parallel_size", 1) or 1) == 1):

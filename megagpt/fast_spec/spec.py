@@ -31,8 +31,8 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from . import norm_rows
 from .attention import SDPADotProductAttention
-from .layer import FastTransformerLayer, set_layer_compile, set_wgrad_fusion
-from .lm_loss import lm_grad_in_forward_unsupported_reason, set_loss_compile
+from .layer import FastTransformerLayer, FusedLayerOptions
+from .lm_loss import lm_grad_in_forward_unsupported_reason
 from .norm import TorchNorm
 
 
@@ -86,7 +86,8 @@ def get_fast_gpt_layer_spec(args) -> ModuleSpec:
     """The fast layer spec for megatron's parsed ``args`` (see module docstring).
 
     Reads: num_experts, moe_grouped_gemm, qk_layernorm, qk_l2_norm, normalization,
-    reset_attention_mask, fast_spec_fused_layer, fast_spec_compile, fast_wgrad_fusion.
+    reset_attention_mask, fast_spec_fused_layer, fast_spec_compile, fast_one_block_rows,
+    fast_wgrad_fusion (the last three become the layers' ``FusedLayerOptions``).
     """
     reason = fast_spec_unsupported_reason(args)
     if reason is not None:
@@ -109,16 +110,27 @@ def get_fast_gpt_layer_spec(args) -> ModuleSpec:
     submodules.input_layernorm = TorchNorm
     submodules.pre_mlp_layernorm = TorchNorm
 
-    fused = bool(_get(args, "fast_spec_fused_layer", True))
+    if not _get(args, "fast_spec_fused_layer", True):
+        return ModuleSpec(module=TransformerLayer, submodules=submodules)
+    return ModuleSpec(module=FastTransformerLayer, submodules=submodules,
+                      params={"fused_options": fused_layer_options(args)})
+
+
+def fused_layer_options(args) -> FusedLayerOptions:
+    """What every fused layer of this run is built with (``FusedLayerOptions``)."""
+    return FusedLayerOptions.make(
+        compile=compile_requested(args),
+        one_block_rows=bool(_get(args, "fast_one_block_rows", True)),
+        wgrad_fusion=bool(_get(args, "fast_wgrad_fusion", False)))
+
+
+def compile_requested(args) -> bool:
+    """Whether the fused layer and the chunked loss's kernels are compiled
+    (``--fast-spec-compile``; ``apply_fast_path_defaults`` resolves its default)."""
     compile_ = _get(args, "fast_spec_compile", None)
-    if compile_ is None:  # apply_fast_path_defaults normally resolved it already
+    if compile_ is None:
         compile_ = _get(args, "cuda_graph_impl", "none") in ("full_iteration", "local")
-    set_layer_compile(bool(compile_),
-                      one_block_rows=bool(_get(args, "fast_one_block_rows", True)))
-    set_loss_compile(bool(compile_))
-    set_wgrad_fusion(bool(_get(args, "fast_wgrad_fusion", False)))
-    layer_cls = FastTransformerLayer if fused else TransformerLayer
-    return ModuleSpec(module=layer_cls, submodules=submodules)
+    return bool(compile_)
 
 
 def fast_decoder_block_spec(layer_spec: ModuleSpec, config, vp_stage=None
