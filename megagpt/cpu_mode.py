@@ -77,6 +77,17 @@ COVERED_SITES: tuple[CoveredSite, ...] = (
                 "in backward (run with the mode off) torch.cuda.current_device() names the CPU"),
     CoveredSite("megatron.training.checkpointing", "get_rng_state",
                 "torch.cuda.get_rng_state()", "torch.cuda.get_rng_state returns the CPU-mode stand-in"),
+    CoveredSite("megatron.core.inference.text_generation_controllers.text_generation_controller."
+                "TextGenerationController", "__init__",
+                "torch.Generator(device=torch.cuda.current_device())",
+                "generating(): the current device is named 'cpu', which torch.Generator takes"),
+    CoveredSite("megatron.core.inference.text_generation_controllers.text_generation_controller."
+                "TextGenerationController", "generate_all_output_tokens_static_batch",
+                "torch.cuda.Event(enable_timing=True)",
+                "the stand-in Event records nothing and times every token at 0 s"),
+    CoveredSite("megatron.core.inference.text_generation_controllers.text_generation_controller."
+                "TextGenerationController", "generate_all_output_tokens_static_batch",
+                "device=torch.cuda.current_device()", "generating(): the current device is the CPU"),
 )
 
 
@@ -323,7 +334,9 @@ def adapt_args(args, log: Callable[[str], None]) -> None:
         # Kernels that exist only on GPUs.
         "gradient_accumulation_fusion": False,
         "masked_softmax_fusion": False,
-        "bias_gelu_fusion": False,
+        # bias_gelu_fusion stays as given: megatron's fused bias-GeLU is the tanh
+        # approximation of GeLU, part of the function the model computes (a GPU run's
+        # default, GPT-2's activation); in CPU mode it runs eagerly.
         "bias_swiglu_fusion": False,
         "bias_dropout_fusion": False,
         "apply_rope_fusion": False,
@@ -337,6 +350,16 @@ def adapt_args(args, log: Callable[[str], None]) -> None:
         log("cpu mode: --transformer-impl local (Transformer Engine kernels need a GPU)")
         args.transformer_impl = "local"
     log("cpu mode: gloo, fp32, CPU initialisation, GPU-only fusions off")
+
+
+@contextlib.contextmanager
+def generating():
+    """``active()`` for megatron.core.inference too: its text-generation controller seeds a
+    ``torch.Generator(device=torch.cuda.current_device())``, which needs a device torch can
+    make a generator on; inside this context the current device is ``"cpu"`` (``active``
+    alone answers 0, for megatron code that uses it as a CUDA ordinal)."""
+    with active(), _current_device_is_the_cpu():
+        yield
 
 
 @contextlib.contextmanager
