@@ -12,7 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
+
+MEGATRON_ROPE_SCALING_FACTOR = 8.0
 
 # megatron's activation functions by the name the decoder and the export use for them
 GELU, GELU_TANH, SILU, RELU, SQUARED_RELU, QUICK_GELU = (
@@ -71,7 +74,7 @@ class Architecture:
             rotary_base=float(getattr(model, "rotary_base", 10000)),
             rotary_percent=float(getattr(model, "rotary_percent", 1.0)),
             rope_scaling=bool(getattr(model, "rotary_scaling", False)),
-            rope_scaling_factor=float(getattr(c, "rope_scaling_factor", 8.0) or 8.0),
+            rope_scaling_factor=_rope_scaling_factor(model),
             activation=activation_name(c), gated=bool(c.gated_linear_unit),
             linear_bias=bool(c.add_bias_linear), qkv_bias=bool(c.add_qkv_bias),
             tied=bool(model.share_embeddings_and_output_weights),
@@ -84,6 +87,20 @@ class Architecture:
     @property
     def default_softmax_scale(self) -> bool:
         return math.isclose(self.softmax_scale, 1.0 / math.sqrt(self.kv_channels), rel_tol=1e-9)
+
+
+def _rope_scaling_factor(model) -> float:
+    """The llama3 RoPE scaling factor of the model's frequencies (GPTModel does not keep it;
+    megatron-core 0.19's builder always passes 8): 8 when megatron's scaling with 8 gives
+    them, NaN when it does not (``unsupported`` then names it)."""
+    rope = getattr(model, "rotary_pos_emb", None)
+    if not getattr(model, "rotary_scaling", False) or rope is None:
+        return 1.0
+    dim = rope.inv_freq.numel() * 2
+    unscaled = 1.0 / (model.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    expected = type(rope)._apply_scaling(rope, unscaled, factor=MEGATRON_ROPE_SCALING_FACTOR)
+    same = torch.allclose(expected, rope.inv_freq.float().cpu(), rtol=1e-6, atol=0)
+    return MEGATRON_ROPE_SCALING_FACTOR if same else float("nan")
 
 
 def _unsupported(model, c):
@@ -120,6 +137,8 @@ def _unsupported(model, c):
                      None),
          "interpolated rotary positions (--rotary-seq-len-interpolation-factor)"),
         (c.normalization not in ("LayerNorm", "RMSNorm"), f"--normalization {c.normalization}"),
+        (math.isnan(_rope_scaling_factor(model)), "RoPE scaling other than megatron's llama3 "
+                                                  "scaling with factor 8"),
         (activation_name(c) is None, f"the activation {getattr(c.activation_func, '__name__', c.activation_func)}"),
     )
     return [what for flagged, what in checks if flagged]
