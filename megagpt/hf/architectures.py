@@ -105,7 +105,8 @@ def transformers_config(a: Architecture, target: str, vocab_size: int, bos: int,
             n_positions=a.max_position_embeddings, n_embd=a.hidden_size, n_layer=a.num_layers,
             n_head=a.num_heads, n_inner=a.ffn_hidden_size,
             activation_function=_HF_ACTIVATION[a.activation], layer_norm_epsilon=a.norm_epsilon,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
+            resid_pdrop=a.hidden_dropout, embd_pdrop=a.hidden_dropout,
+            attn_pdrop=a.attention_dropout, **common)
     rope = {"rope_type": "default", "rope_theta": a.rotary_base}
     if a.rope_scaling:
         rope = {"rope_type": "llama3", "rope_theta": a.rotary_base,
@@ -119,7 +120,8 @@ def transformers_config(a: Architecture, target: str, vocab_size: int, bos: int,
         num_key_value_heads=a.num_query_groups, head_dim=a.kv_channels,
         max_position_embeddings=a.max_position_embeddings, rms_norm_eps=a.norm_epsilon,
         rope_parameters=rope, hidden_act="gelu_pytorch_tanh" if act == "gelu_new" else act,
-        attention_bias=a.qkv_bias, mlp_bias=a.linear_bias, **common)
+        attention_bias=a.qkv_bias, mlp_bias=a.linear_bias,
+        attention_dropout=a.attention_dropout, **common)
 
 
 # ---------------------------------------------------------------------------

@@ -57,10 +57,20 @@ def trained_dtype(prepared) -> str:
     return "bf16" if saved is not None and saved.transformer.get("bf16") else "fp32"
 
 
-def run(opts, overrides: list[str]) -> int:
-    import torch
+def write_folder(folder: str, tensors: dict, config, bos: int, eos: int) -> None:
+    """config.json, generation_config.json and model.safetensors into ``folder``."""
     from safetensors.torch import save_file
     from transformers import GenerationConfig
+
+    config.save_pretrained(folder)
+    GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=eos).save_pretrained(folder)
+    # each tensor with its own storage: safetensors refuses views into a larger tensor
+    own = {k: v.clone() for k, v in tensors.items()}
+    save_file(own, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+
+
+def run(opts, overrides: list[str]) -> int:
+    import torch
 
     from megagpt.hf import weights
     from megagpt.hf.architectures import transformers_class, transformers_config
@@ -83,14 +93,11 @@ def run(opts, overrides: list[str]) -> int:
         loading.load_weights(model, prepared.folder)
         tensors = weights.to_transformers(model.state_dict(), arch, target, prepared.vocab_size,
                                           getattr(torch, DTYPES[dtype]))
-    tensors = {k: v.clone() for k, v in tensors.items()}  # own storage each: safetensors' rule
     eod = int(prepared.tokenizer.eod)
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eod
     config = transformers_config(arch, target, prepared.vocab_size, bos, eod, DTYPES[dtype])
     with writing(opts.output) as tmp:
-        config.save_pretrained(tmp)
-        GenerationConfig(bos_token_id=bos, eos_token_id=eod, pad_token_id=eod).save_pretrained(tmp)
-        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        write_folder(tmp, tensors, config, bos, eod)
         tokenizer.save_pretrained(tmp)
     count = sum(t.numel() for t in tensors.values())
     print(f"[export] {prepared.folder} -> {opts.output}: {target}, {arch.num_layers} layers, "

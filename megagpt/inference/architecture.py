@@ -59,6 +59,8 @@ class Architecture:
     padded_vocab_size: int
     max_position_embeddings: int
     softmax_scale: float
+    hidden_dropout: float
+    attention_dropout: float
     unsupported: tuple[str, ...]
 
     @classmethod
@@ -81,6 +83,7 @@ class Architecture:
             padded_vocab_size=int(model.vocab_size),
             max_position_embeddings=int(model.max_position_embeddings),
             softmax_scale=float(c.softmax_scale or 1.0 / math.sqrt(kv)),
+            hidden_dropout=float(c.hidden_dropout), attention_dropout=float(c.attention_dropout),
             unsupported=tuple(_unsupported(model, c)),
         )
 

@@ -92,7 +92,6 @@ def check_lengths(prompts, tokenizer, max_new_tokens: int, positions: int) -> No
 def run(opts, overrides: list[str]) -> int:
     from megagpt.inference import loading, prompts as prompt_source
     from megagpt.inference.generation import Generator
-    from megagpt.inference.session import megatron_world
 
     if opts.max_new_tokens < 1:
         raise SamplingError(f"--max-new-tokens {opts.max_new_tokens}: must be at least 1")
@@ -105,9 +104,7 @@ def run(opts, overrides: list[str]) -> int:
     sampling.check(prepared.vocab_size)
     check_lengths(prompts, prepared.tokenizer, opts.max_new_tokens,
                   prepared.args.max_position_embeddings)
-    with megatron_world(prepared.args, seed=opts.seed) as device:
-        model = loading.build_model(prepared.args)
-        loading.load_weights(model, prepared.folder)
+    with loading.loaded(prepared, seed=opts.seed) as (model, device):
         generator = Generator(model, prepared.tokenizer, prepared.vocab_size, device,
                               engine=opts.engine, batch_size=opts.batch_size)
         report = generator.complete([p.text for p in prompts], opts.max_new_tokens, sampling,

@@ -11,6 +11,7 @@ whose shapes divide (the vocabulary's padding is the one shape that depends on T
 from __future__ import annotations
 
 import argparse
+import contextlib
 from dataclasses import dataclass
 
 from megagpt.errors import UserError
@@ -81,7 +82,6 @@ def build_model(args):
 def load_weights(model, folder: str) -> None:
     """Load the model's tensors from the distributed checkpoint in ``folder`` (resharded to
     this rank's shard) and put the model in eval mode."""
-    import torch
     from megatron.core import dist_checkpointing
 
     try:
@@ -94,7 +94,18 @@ def load_weights(model, folder: str) -> None:
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    torch.set_grad_enabled(False)
+
+
+@contextlib.contextmanager
+def loaded(prepared: Prepared, seed: int = 1234):
+    """Yield (model, device): this rank's stage of the prepared checkpoint, weights loaded,
+    inside its megatron world (torn down on exit)."""
+    from megagpt.inference.session import megatron_world
+
+    with megatron_world(prepared.args, seed=seed) as device:
+        model = build_model(prepared.args)
+        load_weights(model, prepared.folder)
+        yield model, device
 
 
 def _one_line(exc: BaseException) -> str:

@@ -139,7 +139,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(opts, overrides: list[str]) -> int:
     from megagpt.inference import loading
-    from megagpt.inference.session import megatron_world
 
     loading.require_device(opts.cpu)
     prepared = loading.prepare(opts.load, overrides, cpu=opts.cpu, bf16=opts.dtype == "bf16")
@@ -158,9 +157,7 @@ def run(opts, overrides: list[str]) -> int:
     if too_big.size:
         raise PerplexityError(f"{source}: token id {int(too_big[0])} is outside the "
                               f"checkpoint's vocabulary of {prepared.vocab_size}")
-    with megatron_world(prepared.args) as device:
-        model = loading.build_model(prepared.args)
-        loading.load_weights(model, prepared.folder)
+    with loading.loaded(prepared) as (model, device):
         result = evaluate(model, stream, seq_length, prepared.vocab_size, device,
                           opts.batch_size)
     if opts.json:
