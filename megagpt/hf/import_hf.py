@@ -143,7 +143,7 @@ def run(opts) -> int:
         raise ConversionError(f"--tensor-model-parallel-size {opts.tensor_model_parallel_size}: "
                               "must be at least 1")
     config = read_config(opts.hf)
-    target, flags = megatron_flags(config, opts.hf)
+    target, flags = megatron_flags(config, f"--hf {opts.hf}")
     check_layout(flags, opts.tensor_model_parallel_size, opts.hf)
     try:
         tokenizer = AutoTokenizer.from_pretrained(opts.hf)
@@ -209,7 +209,8 @@ def _write_checkpoint(args, hf_weights: dict, target: str, rows: int, vocab: int
     with megatron_world(args):
         model = loading.build_model(args)
         arch = Architecture.of(model)
-        converted = weights.from_transformers(hf_weights, arch, target, rows, vocab, where)
+        converted = weights.from_transformers(hf_weights, arch, target, rows, vocab,
+                                              f"--hf {where}")
         own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
         missing = sorted(set(own) - set(converted))
         if missing:

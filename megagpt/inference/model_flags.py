@@ -151,9 +151,7 @@ def parse_model_args(argv: list[str], cpu: bool) -> argparse.Namespace:
     """Parse and validate ``argv`` with the entry's parser; filled in where a model-only
     command line leaves megatron's training settings unset."""
     from megagpt import arguments as entry_arguments
-    from megagpt.rendezvous import default_single_process_env
 
-    default_single_process_env()
     chatter = io.StringIO()
     try:
         with stdout_to(chatter):
@@ -206,12 +204,17 @@ def check_vocabulary(args, tokenizer, saved: SavedConfig | None, where: str) -> 
     args.padded_vocab_size = rows
 
 
+# The flags that name a tokenizer's files, by megatron's tokenizer type
+_TOKENIZER_FILES = {"GPT2BPETokenizer": (("--vocab-file", "vocab_file"),
+                                         ("--merge-file", "merge_file")),
+                    "NullTokenizer": (("--vocab-size", "vocab_size"),)}
+
+
 def describe_tokenizer(args) -> str:
+    """The tokenizer flags in effect, as a user would write them."""
     parts = [f"--tokenizer-type {args.tokenizer_type}"]
-    for flag, attr in (("--tokenizer-model", "tokenizer_model"), ("--vocab-file", "vocab_file"),
-                       ("--vocab-size", "vocab_size")):
-        if getattr(args, attr, None):
-            parts.append(f"{flag} {getattr(args, attr)}")
+    files = _TOKENIZER_FILES.get(args.tokenizer_type, (("--tokenizer-model", "tokenizer_model"),))
+    parts += [f"{flag} {getattr(args, attr)}" for flag, attr in files if getattr(args, attr, None)]
     return " ".join(parts)
 
 

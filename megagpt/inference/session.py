@@ -15,7 +15,6 @@ import warnings
 import torch
 
 from megagpt import cpu_mode
-from megagpt.rendezvous import default_single_process_env
 
 
 def quiet_megatron() -> None:
@@ -29,25 +28,34 @@ def quiet_megatron() -> None:
     warnings.filterwarnings("ignore", message=r".*(deprecated|DEPRECATED).*")
     for module in (r"megatron\..*", r"torch\.distributed\.checkpoint\..*"):
         warnings.filterwarnings("ignore", category=UserWarning, module=module)
-    for name in ("megatron", "megatron.core", "megatron.training"):
+    # torch's extension builder warns at import that no CUDA toolkit is found, on a CPU
+    for name in ("megatron", "megatron.core", "megatron.training", "torch.utils.cpp_extension"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
 @contextlib.contextmanager
 def megatron_world(args, seed: int = 1234):
-    """Yield this rank's device with megatron's parallel state set up for ``args``' layout."""
+    """Yield this rank's device with megatron's parallel state set up for ``args``' layout
+    (in the caller's process group when one is running, else in one started here)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    default_single_process_env()
+    started_here = not dist.is_initialized()  # else the caller's group (kept on exit)
     if args.cpu:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
     else:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+    if started_here:
+        # one process needs no rendezvous: an in-memory store, no port (none to collide with
+        # a launcher's or a test's); under torchrun its environment
+        one = int(os.environ.get("WORLD_SIZE", "1")) == 1
+        group = dict(store=dist.HashStore(), rank=0, world_size=1) if one else {}
+        if args.cpu:
+            dist.init_process_group("gloo", **group)
+        else:
+            dist.init_process_group("nccl", device_id=device, **group)
     device_context = cpu_mode.generating() if args.cpu else contextlib.nullcontext()
     try:
         parallel_state.initialize_model_parallel(
@@ -58,4 +66,5 @@ def megatron_world(args, seed: int = 1234):
             yield device
     finally:
         parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+        if started_here:
+            dist.destroy_process_group()
