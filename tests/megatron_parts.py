@@ -106,11 +106,12 @@ GPT_VARIANTS = {
 
 
 def tiny_gpt(variant: str, vocab_size: int = 96, max_length: int = 32, hidden: int = 32,
-             seed: int = 0, qk_layernorm: bool = False, num_experts: int | None = None):
-    """A 2-layer fp32 GPTModel of ``GPT_VARIANTS[variant]`` on the CPU, every parameter
-    (norms and biases too) drawn at random so that a misplaced tensor shows; with q/k
-    layer norms or experts when asked. Needs megatron's parallel state and CPU mode
-    (``cpu_megatron``)."""
+             seed: int = 0, qk_layernorm: bool = False, num_experts: int | None = None,
+             on_gpu: bool = False):
+    """A 2-layer fp32 GPTModel of ``GPT_VARIANTS[variant]`` on the CPU (or built on the
+    current GPU), every parameter (norms and biases too) drawn at random so that a misplaced
+    tensor shows; with q/k layer norms or experts when asked. Needs megatron's parallel
+    state, and on the CPU CPU mode (``cpu_megatron``)."""
     import torch.nn.functional as F
     from megatron.core.activations import quick_gelu, squared_relu
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -130,7 +131,7 @@ def tiny_gpt(variant: str, vocab_size: int = 96, max_length: int = 32, hidden: i
         activation_func=activation, gated_linear_unit=swiglu or v.pop("gated", False),
         add_bias_linear=bias, add_qkv_bias=v.pop("qkv_bias", bias),
         bias_activation_fusion=v.pop("bias_activation_fusion", False),
-        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=not on_gpu,
         gradient_accumulation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, apply_rope_fusion=False, qk_layernorm=qk_layernorm,
         num_moe_experts=num_experts, moe_router_topk=2)
