@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     from megagpt.inference import loading
     from megagpt.inference.generation import Generator
     from megagpt.inference.sampling import Sampling
-    from megagpt.inference.session import megatron_world, quiet_megatron
+    from megagpt.inference.world import megatron_world, quiet_megatron
 
     quiet_megatron()
     engines = a.engines.split(",")

@@ -48,7 +48,7 @@ def forward(load: str, tokens_file: str, out: str, layout: list[str]) -> None:
 def main() -> int:
     import torch.distributed as dist
 
-    from megagpt.inference.session import quiet_megatron
+    from megagpt.inference.world import quiet_megatron
 
     quiet_megatron()
     with open(sys.argv[1]) as f:

@@ -77,7 +77,7 @@ def run(opts, overrides: list[str]) -> int:
     from megagpt.hf.folder import check_output, writing
     from megagpt.inference import loading
     from megagpt.inference.architecture import Architecture
-    from megagpt.inference.session import megatron_world
+    from megagpt.inference.world import megatron_world
 
     check_output(opts.output, "--output", opts.overwrite)
     prepared = loading.prepare(opts.load, overrides, cpu=True)
@@ -108,7 +108,7 @@ def run(opts, overrides: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megagpt.inference.session import quiet_megatron
+    from megagpt.inference.world import quiet_megatron
 
     quiet_megatron()
     opts, overrides = build_parser().parse_known_args(argv)

@@ -201,7 +201,7 @@ def _write_checkpoint(args, hf_weights: dict, target: str, rows: int, vocab: int
     from megagpt.hf import weights
     from megagpt.inference import loading
     from megagpt.inference.architecture import Architecture
-    from megagpt.inference.session import megatron_world
+    from megagpt.inference.world import megatron_world
     from megagpt.resilience import config_snapshot
     from megagpt.resilience.checkpoint_guard import TRACKER
 
@@ -237,7 +237,7 @@ def _write_checkpoint(args, hf_weights: dict, target: str, rows: int, vocab: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megagpt.inference.session import quiet_megatron
+    from megagpt.inference.world import quiet_megatron
 
     quiet_megatron()
     opts = build_parser().parse_args(argv)

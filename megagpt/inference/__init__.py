@@ -3,8 +3,9 @@
     checkpoint     which folder a --load names, and the configuration saved beside it
     model_flags    megatron flags that rebuild the saved model (the saved command line
                    without its launch flags, then the caller's overrides), parsed and checked
-    session        this process as a one-device megatron world (process group, parallel
-                   state, CPU mode, megatron's console chatter kept off stdout)
+    world          this process as a megatron world (process group, parallel state, CPU
+                   mode); megatron's console notices kept quiet
+    prompts        prompts from --prompt or a jsonl file
     loading        the GPT model stage for the current parallel state, weights loaded
     architecture   what a built GPT computes, in the terms the KV decoder and the
                    Hugging Face export need

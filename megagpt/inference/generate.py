@@ -120,7 +120,7 @@ def run(opts, overrides: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megagpt.inference.session import quiet_megatron
+    from megagpt.inference.world import quiet_megatron
 
     quiet_megatron()
     opts, overrides = build_parser().parse_known_args(argv)

@@ -100,7 +100,7 @@ def load_weights(model, folder: str) -> None:
 def loaded(prepared: Prepared, seed: int = 1234):
     """Yield (model, device): this rank's stage of the prepared checkpoint, weights loaded,
     inside its megatron world (torn down on exit)."""
-    from megagpt.inference.session import megatron_world
+    from megagpt.inference.world import megatron_world
 
     with megatron_world(prepared.args, seed=seed) as device:
         model = build_model(prepared.args)
