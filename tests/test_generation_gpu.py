@@ -37,8 +37,8 @@ def test_graph_replays_give_the_eager_steps_and_megatrons_tokens(variant):
     with single_gloo_rank(), torch.no_grad():
         model_parallel_cuda_manual_seed(0)
         model = tiny_gpt(variant, vocab_size=VOCAB, on_gpu=True)
-        graphed = kv_decoder.KVDecoder(model, 3, 40, use_graphs=True)
-        eager = kv_decoder.KVDecoder(model, 3, 40, use_graphs=False)
+        graphed = kv_decoder.KVDecoder(model, 3, 32, use_graphs=True)
+        eager = kv_decoder.KVDecoder(model, 3, 32, use_graphs=False)
         for sampling in (Sampling(greedy=True), Sampling(temperature=1.2, top_p=0.9, seed=3)):
             args = (PROMPTS, 20, sampling, VOCAB, EOD, False)
             captured, replayed, plain = graphed.generate(*args), graphed.generate(*args), \

@@ -59,3 +59,9 @@ def test_a_run_folder_whose_checkpoints_are_all_incomplete_says_why(tmp_path):
     with pytest.raises(CheckpointError, match=r"no complete checkpoint \(iter_0000010: "
                                               r"metadata.json is missing"):
         checkpoint_folder(str(tmp_path))
+
+
+def test_a_flag_megatron_cannot_parse_is_its_one_line():
+    with pytest.raises(model_flags.ModelFlagsError) as caught:
+        model_flags.parse_model_args(["--num-layers", "two", "--cpu"], cpu=True)
+    assert str(caught.value) == "argument --num-layers: invalid int value: 'two'"

@@ -140,10 +140,11 @@ def replay_argv(saved: SavedConfig | None, cpu: bool, bf16: bool,
 
 
 @contextlib.contextmanager
-def stdout_to(stream):
-    """megatron prints its argument table and progress on stdout; a tool's stdout is for its
-    results (``--json`` lines), so the chatter goes to ``stream`` (stderr, or a buffer)."""
-    with contextlib.redirect_stdout(stream):
+def chatter_into(buffer: io.StringIO):
+    """megatron prints its argument table on stdout and argparse its usage on stderr; a
+    tool's output is its results (``--json`` lines) and at most one error line, so both go
+    into ``buffer`` (an error's line is taken from it)."""
+    with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
         yield
 
 
@@ -154,7 +155,7 @@ def parse_model_args(argv: list[str], cpu: bool) -> argparse.Namespace:
 
     chatter = io.StringIO()
     try:
-        with stdout_to(chatter):
+        with chatter_into(chatter):
             args = entry_arguments.parse_arguments(argv)
             # megatron validates a training run: these settings must exist, none is used here
             if args.micro_batch_size is None:
@@ -164,7 +165,7 @@ def parse_model_args(argv: list[str], cpu: bool) -> argparse.Namespace:
             if args.train_iters is None and args.train_samples is None:
                 args.train_iters = 1
             entry_arguments.validate_arguments(args, device_arch=0 if cpu else None)
-    except SystemExit as exc:  # argparse's own error, printed to the chatter
+    except SystemExit as exc:  # argparse's own error, printed into the chatter
         lines = [ln for ln in chatter.getvalue().splitlines() if "error:" in ln]
         raise ModelFlagsError(lines[-1].split("error:", 1)[1].strip() if lines
                               else f"megatron's parser stopped (status {exc.code})") from None
@@ -223,7 +224,7 @@ def build_tokenizer(args):
     from megagpt.data.tokenizers import build_tokenizer as offline_build_tokenizer
 
     try:
-        with stdout_to(io.StringIO()):
+        with chatter_into(io.StringIO()):
             return offline_build_tokenizer(args)
     except (OSError, ValueError) as exc:
         raise ModelFlagsError(f"cannot build the tokenizer ({describe_tokenizer(args)}): "
