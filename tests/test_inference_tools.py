@@ -355,6 +355,19 @@ def test_an_architecture_without_a_transformers_class(work, exported, tmp_path):
     assert not save.exists() and nothing_beside(save) == []
 
 
+def test_a_model_transformers_has_no_class_for_is_not_exported(trained, tmp_path):
+    """The trained GPT-2 rebuilt with q/k layer norms (flags override what was saved): the
+    export refuses it by the feature, before reading any weight."""
+    from megagpt.hf.export_hf import main as export_main
+
+    output = tmp_path / "out"
+    line = one_error_line(call_tool(export_main, ["--load", str(trained["gpt2"]), "--output",
+                                                  str(output), "--qk-layernorm"]))
+    assert line == (f"error: --load {trained['gpt2'] / 'iter_0000003'}: no transformers "
+                    "equivalent for q/k layer norms (--qk-layernorm)")
+    assert not output.exists() and nothing_beside(output) == []
+
+
 def test_a_tokenizer_that_does_not_fit_the_checkpoint(trained, tokenizers, tmp_path):
     from megagpt.hf.export_hf import main as export_main
 
