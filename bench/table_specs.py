@@ -79,6 +79,10 @@ MULTI_GPU_PATHS = {"default": "single-GPU default (full-iteration graph)",
                    "several-GPU": "several-GPU path (per-layer graphs)",
                    "several-GPU eager": "several-GPU path, eager layers"}
 MULTI_GPU_ORDER = {"default": 0, "several-GPU": 1, "several-GPU eager": 2}
+GENERATION_ENGINES = {"transformers": "transformers' generate",
+                      "megatron": "megatron.core.inference static engine",
+                      "kv": "megagpt KV decoder (CUDA graph per step)"}
+GENERATION_ORDER = {"transformers": 0, "megatron": 1, "kv": 2}
 
 
 def _train_summary(r: dict) -> str:
@@ -231,6 +235,29 @@ TABLES = (
              '--train-iters 30 --warmup-iters 10')
             for shape, mb in (("345M", 8), ("345M", 4), ("1.3B", 4))
             for path in ("default", "several-GPU")),
+    ),
+    Table(
+        "generation", "Generation, one GPU",
+        "`bench/bench_generate.py`: one megatron GPT of GPT-2 medium's shape (24 × 1024 × 16 "
+        "heads, vocabulary 50257 padded to 50304, random weights, bf16), exported as "
+        "`tools/export_hf.py` writes it and loaded back as `GPT2LMHeadModel`; the same random "
+        "prompts of 128 tokens, 256 new tokens each (end-of-document ignored), greedy, through "
+        "transformers' `generate` (KV cache), megatron-core's static inference engine and "
+        "megagpt's KV decoder (one CUDA graph per step), in one invocation; warmed up once "
+        "each, fastest of 2. New tokens per second = batch × new tokens / time. For reference, "
+        "transformers 5.17's `generate` on this shape on one H200 (2026-12-01): 18 new "
+        "tokens/s at batch 1, 247 at batch 16; the KV decoder's goal is 10× that at batch 1 "
+        "and 5× at batch 16.",
+        columns=(("batch", rowval("batch")), ("engine", rowval("engine", GENERATION_ENGINES)),
+                 ("new tokens/s", fig("tokens_per_s", 0)),
+                 ("vs transformers", fig("vs_transformers", 1))),
+        sort=lambda r: (r["batch"], GENERATION_ORDER.get(r["engine"], 9)),
+        text_columns=2,
+        summary=lambda r: (f"batch {r['row']['batch']}, {r['row']['engine']}: "
+                           f"{number(r['figures'].get('tokens_per_s'), 0)} new tokens/s"),
+        expected=tuple(
+            (dict(batch=batch, engine=engine), "python bench/bench_generate.py --out OUT")
+            for batch in (1, 16) for engine in ("transformers", "megatron", "kv")),
     ),
     Table(
         "loss-agreement", "Losses against megatron's local spec",

@@ -6,6 +6,10 @@
 # on first use, offline after that). Model: 4 layers x 128 hidden x 4 heads, context 128.
 # 16 sequences x 128 tokens = 2,048 tokens per step; 100 steps = 204,800 tokens (~1/8 epoch).
 # The loss starts at ln(50257) = 10.8 and should end well below it.
+# Then the trained model completes a prompt (tools/generate.py: sampled at temperature 0.8
+# among the 40 likeliest tokens) and the loss curve is drawn:
+#   $OUT/sample.txt   the prompt and its completion (also printed)
+#   $OUT/loss.png     loss, learning rate and throughput against iteration
 #
 #   bash examples/train_tiny_cpu.sh [extra pretrain_gpt.py flags]
 set -euo pipefail
@@ -41,3 +45,13 @@ OUTPUT_ARGS=(
 mkdir -p "$OUT"
 "$PY" pretrain_gpt.py --cpu "${MODEL_ARGS[@]}" "${DATA_ARGS[@]}" "${TRAINING_ARGS[@]}" \
     "${OUTPUT_ARGS[@]}" "$@" 2>&1 | tee "$OUT/train.log"
+
+PROMPT=${PROMPT:-"ROMEO:"}
+echo
+echo "== a sample from the trained model (tools/generate.py), prompt: $PROMPT"
+"$PY" tools/generate.py --load "$OUT/checkpoints" --cpu --prompt "$PROMPT" \
+    --max-new-tokens 48 --temperature 0.8 --top-k 40 | tee "$OUT/sample.txt"
+"$PY" -m megagpt.plots "$OUT/train.log" --labels tiny_cpu --out "$OUT/loss.png" \
+    --title "tiny GPT on the CPU (make demo)" > /dev/null
+echo
+echo "demo: sample in $OUT/sample.txt, loss curve in $OUT/loss.png"

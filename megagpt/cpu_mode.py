@@ -274,7 +274,9 @@ def adapt_args(args, log: Callable[[str], None]) -> None:
         # Kernels that exist only on GPUs.
         "gradient_accumulation_fusion": False,
         "masked_softmax_fusion": False,
-        "bias_gelu_fusion": False,
+        # bias_gelu_fusion stays as given: megatron's fused bias-GeLU is the tanh
+        # approximation of GeLU, part of the function the model computes (a GPU run's
+        # default, GPT-2's activation); in CPU mode it runs eagerly.
         "bias_swiglu_fusion": False,
         "bias_dropout_fusion": False,
         "apply_rope_fusion": False,
@@ -288,6 +290,16 @@ def adapt_args(args, log: Callable[[str], None]) -> None:
         log("cpu mode: --transformer-impl local (Transformer Engine kernels need a GPU)")
         args.transformer_impl = "local"
     log("cpu mode: gloo, fp32, CPU initialisation, GPU-only fusions off")
+
+
+@contextlib.contextmanager
+def generating():
+    """``active()`` for megatron.core.inference too: its text-generation controller seeds a
+    ``torch.Generator(device=torch.cuda.current_device())``, which needs a device torch can
+    make a generator on; inside this context the current device is ``"cpu"`` (``active``
+    alone answers 0, for megatron code that uses it as a CUDA ordinal)."""
+    with active(), _current_device_is_the_cpu():
+        yield
 
 
 @contextlib.contextmanager

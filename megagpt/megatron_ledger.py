@@ -46,6 +46,8 @@ FAST_LAUNCH = ("at launch (pretrain_gpt.run -> fast_spec.settings.install_fast_p
                "for the rest of the process")
 PRETRAIN = "around megatron.training.pretrain (resilience.active), undone after"
 CPU_PRETRAIN = "with --cpu, around megatron.training.pretrain (cpu_mode.active), undone after"
+CPU_GENERATING = ("with --cpu, around megatron.core.inference's generation in the tools "
+                  "(cpu_mode.generating), undone after")
 VALIDATION = ("around megatron's validate_args where no GPU answers "
               "(arguments.validate_arguments), undone after")
 MODEL = "when the fast spec builds the model (gpt_builders -> fast_spec.spec)"
@@ -286,6 +288,17 @@ LEDGER: tuple[Change, ...] = (
     Change("megatron.training.checkpointing.get_rng_state", COVERS, "megagpt.cpu_mode",
            "torch.cuda.get_rng_state returns the CPU-mode stand-in", CPU_PRETRAIN,
            "2ba966939c46", needle="torch.cuda.get_rng_state()"),
+    Change("megatron.core.inference.text_generation_controllers.text_generation_controller."
+           "TextGenerationController.__init__", COVERS, "megagpt.cpu_mode",
+           "generating(): the current device is named 'cpu', which torch.Generator takes",
+           CPU_GENERATING, "451889528edc",
+           needle="torch.Generator(device=torch.cuda.current_device())"),
+    Change("megatron.core.inference.text_generation_controllers.text_generation_controller."
+           "TextGenerationController.generate_all_output_tokens_static_batch", COVERS,
+           "megagpt.cpu_mode",
+           "the stand-in Event records nothing and times every token at 0 s; its tensors go "
+           "to the current device, the CPU inside generating()", CPU_GENERATING,
+           "46abdde928be", needle="torch.cuda.Event(enable_timing=True)"),
     # --- tokenizers, globals, signals ----------------------------------------------------------
     Change("megatron.training.global_vars._GLOBAL_TOKENIZER", REPLACES, "megagpt.arguments",
            "megatron's GPT2BPETokenizer asks the HuggingFace hub for 'gpt2' even with local "

@@ -117,3 +117,74 @@ def fetched_or_skip(fetch, what: str):
         if os.environ.get("CI"):
             raise
         pytest.skip(f"{what} not cached and not fetchable here: {e}")
+
+
+TOOLS = REPO / "tools"
+
+
+def run_tool(tool: str, args: list[str], cwd, timeout: float = 300,
+             nproc: int = 1) -> subprocess.CompletedProcess:
+    """Run ``tools/<tool>.py args`` (under torchrun with ``nproc`` > 1); stdout and stderr
+    apart (``--json`` writes results on stdout only)."""
+    script = str(TOOLS / f"{tool}.py")
+    command = [PYTHON, script, *args] if nproc == 1 else \
+        [TORCHRUN, "--nproc-per-node", str(nproc), "--master-port", str(_free_port()), script,
+         *args]
+    return subprocess.run(command, cwd=cwd, env=entry_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, timeout=timeout)
+
+
+def tiny_hf_tokenizer(folder) -> str:
+    """A byte-level BPE tokenizer of 512 tokens (``<|endoftext|>`` = 0) trained on this
+    README, saved as a transformers folder: megatron's HuggingFaceTokenizer loads it offline
+    and its vocabulary divides by 128 x TP for TP up to 4 (no padding rows)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator((REPO / "README.md").read_text().splitlines(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>",
+                                   bos_token="<|endoftext|>", unk_token="<|endoftext|>")
+    fast.save_pretrained(str(folder))
+    return str(folder)
+
+
+def first_training_samples(argv: list[str], count: int) -> list[dict]:
+    """The first ``count`` training samples an entry run of ``argv`` (its data flags, seed and
+    --train-iters x --global-batch-size) reads, built by the entry's own dataset provider;
+    with --eval-iters 0 (the sample counts asked for depend on it)."""
+    import contextlib
+    import io
+
+    import pretrain_gpt
+    from gloo_ranks import single_gloo_rank
+    from megagpt import arguments as entry_arguments
+    from megagpt.data.tokenizers import build_tokenizer
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        args = entry_arguments.parse_arguments(argv)
+        entry_arguments.validate_arguments(args, device_arch=0)
+    assert args.eval_iters == 0
+    config = pretrain_gpt.dataset_config_from_args(args, build_tokenizer(args))
+    with single_gloo_rank():
+        train, _, _ = pretrain_gpt.train_valid_test_datasets_provider(
+            [args.train_iters * args.global_batch_size, 0, 0], dataset_config=config,
+            mock_data=args.mock_data)
+        return [train[i] for i in range(count)]
+
+
+def call_tool(main, args: list[str]) -> subprocess.CompletedProcess:
+    """A tool's ``main(args)`` in this process (megatron already imported: seconds saved per
+    call), with its stdout and stderr captured as ``run_tool`` returns them."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(args)
+    return subprocess.CompletedProcess(args, status, out.getvalue(), err.getvalue())

@@ -79,3 +79,91 @@ def fast_path_namespace(argv=(), **attrs) -> argparse.Namespace:
     for k, v in base.items():
         setattr(args, k, v)
     return args
+
+
+# Model variants for the inference and conversion tests: each a set of megatron settings
+# (TransformerConfig fields plus GPTModel's position / rotary / tie arguments).
+GPT_VARIANTS = {
+    # GPT-2: learned positions, LayerNorm, megatron's fused bias-GeLU (the tanh form), tied
+    "gpt2": dict(position_embedding_type="learned_absolute", bias_activation_fusion=True),
+    # exact GeLU (no fusion), untied output
+    "gpt2_exact_untied": dict(position_embedding_type="learned_absolute", tied=False),
+    # Llama: RoPE, RMSNorm, SwiGLU, no biases, grouped-query attention, untied
+    "llama_gqa": dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                      bias=False, num_query_groups=2, tied=False),
+    # tied Llama with llama3 RoPE scaling and a head size other than hidden / heads
+    "llama_scaled_tied": dict(position_embedding_type="rope", normalization="RMSNorm",
+                              swiglu=True, bias=False, kv_channels=8, rope_scaling=True,
+                              rotary_base=500000),
+    # what only the KV decoder covers: half-rotary RoPE, squared ReLU, q/k/v bias only
+    "partial_rope_relu2": dict(position_embedding_type="rope", rotary_percent=0.5,
+                               normalization="RMSNorm", activation="squared_relu", bias=False,
+                               qkv_bias=True),
+    # no position embedding at all, gated quick-GeLU
+    "nope_quick_geglu": dict(position_embedding_type="none", activation="quick_gelu",
+                             gated=True),
+}
+
+
+def tiny_gpt(variant: str, vocab_size: int = 96, max_length: int = 32, hidden: int = 32,
+             seed: int = 0, qk_layernorm: bool = False, num_experts: int | None = None,
+             on_gpu: bool = False):
+    """A 2-layer fp32 GPTModel of ``GPT_VARIANTS[variant]`` on the CPU (or built on the
+    current GPU), every parameter (norms and biases too) drawn at random so that a misplaced
+    tensor shows; with q/k layer norms or experts when asked. Needs megatron's parallel
+    state, and on the CPU CPU mode (``cpu_megatron``)."""
+    import torch.nn.functional as F
+    from megatron.core.activations import quick_gelu, squared_relu
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    v = dict(GPT_VARIANTS[variant])
+    activation = {"squared_relu": squared_relu, "quick_gelu": quick_gelu}.get(
+        v.pop("activation", None), F.silu if v.get("swiglu") else F.gelu)
+    swiglu = v.pop("swiglu", False)
+    bias = v.pop("bias", True)
+    config = TransformerConfig(
+        num_layers=2, hidden_size=hidden, num_attention_heads=4,
+        num_query_groups=v.pop("num_query_groups", None), kv_channels=v.pop("kv_channels", None),
+        ffn_hidden_size=48 if swiglu else 4 * hidden,
+        normalization=v.pop("normalization", "LayerNorm"), layernorm_epsilon=1e-5,
+        activation_func=activation, gated_linear_unit=swiglu or v.pop("gated", False),
+        add_bias_linear=bias, add_qkv_bias=v.pop("qkv_bias", bias),
+        bias_activation_fusion=v.pop("bias_activation_fusion", False),
+        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=not on_gpu,
+        gradient_accumulation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, apply_rope_fusion=False, qk_layernorm=qk_layernorm,
+        num_moe_experts=num_experts, moe_router_topk=2)
+    torch.manual_seed(seed)
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_layernorm,
+                                    normalization=config.normalization)
+    model = GPTModel(
+        config, spec,
+        vocab_size=vocab_size, max_sequence_length=max_length,
+        position_embedding_type=v.pop("position_embedding_type"),
+        rotary_percent=v.pop("rotary_percent", 1.0), rotary_base=v.pop("rotary_base", 10000),
+        rope_scaling=v.pop("rope_scaling", False),
+        share_embeddings_and_output_weights=v.pop("tied", True))
+    assert not v, f"unused settings {v}"
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.2 * torch.randn_like(p))
+    return model.eval()
+
+
+@contextlib.contextmanager
+def cpu_megatron(seed: int = 0):
+    """One gloo rank with megatron's parallel state, in CPU mode (inference included)."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from gloo_ranks import single_gloo_rank
+    from megagpt import cpu_mode
+
+    with single_gloo_rank(), cpu_mode.generating():
+        model_parallel_cuda_manual_seed(seed)
+        with torch.no_grad():
+            yield

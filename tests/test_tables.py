@@ -26,7 +26,9 @@ def test_the_committed_docs_are_what_the_records_give():
 
 def test_every_record_is_valid_and_every_known_table_has_rows():
     found = records.load()
-    assert {r["table"] for r in found} >= {t.name for t in tables.TABLES}
+    # a table without records yet says what to run for each of its rows
+    unmeasured = {t.name for t in tables.TABLES} - {r["table"] for r in found}
+    assert all(t.expected for t in tables.TABLES if t.name in unmeasured), unmeasured
     for r in found:
         assert r["commit"] is None or len(r["commit"].split("+")[0]) >= 7, r["_file"]
 

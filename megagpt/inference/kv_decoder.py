@@ -1,0 +1,263 @@
+"""A static-KV-cache decoder over a megatron GPT's own weights, one CUDA graph per step.
+
+Why not only megatron's engine: at batch 1 a decode step is a few hundred tiny kernels, and
+megatron's static loop launches each from Python through ~25 module calls per layer, with
+host synchronisations between steps; the GPU then waits for the host. Here the forward
+pass is written out over the same parameter tensors (no copy) with every shape fixed by
+the cache, so on a GPU one step is captured once as a CUDA graph and replayed: one launch
+per token, no host wait until the end (or every ``EOD_CHECK_EVERY`` tokens when stopping at
+the end-of-document token).
+
+The cache holds keys and values for every position of every row (``[batch, groups,
+max_length, head_dim]`` per layer). A step writes its keys and values at each row's own
+position and attends to the cache positions at or before it, so rows of different lengths
+share a batch, and a prompt shorter than the batch's longest, right-padded, is exact: its
+padding writes positions that a later step overwrites before any query can see them.
+
+What it covers: dense pre-norm GPT layers (LayerNorm or RMSNorm), learned absolute
+positions, RoPE (also partial, and llama3 scaling as megatron applies it) or none, grouped
+query attention, GeLU (exact or tanh) / SiLU / ReLU / squared ReLU / quick GeLU, gated or
+not, with or without biases, tied or untied output. ``unsupported_reason`` says what else
+a model uses; ``generation`` then runs megatron's engine instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from megagpt.inference import architecture as arch_names
+from megagpt.inference.architecture import Architecture
+from megagpt.inference.sampling import Sampling, generator_for, next_tokens
+
+# With stopping at the end-of-document token, the host looks whether every row has
+# finished once per this many tokens: one synchronisation per 32 steps instead of each.
+EOD_CHECK_EVERY = 32
+
+
+def unsupported_reason(model) -> str | None:
+    """Why this decoder cannot run ``model`` (None when it can)."""
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP
+
+    arch = Architecture.of(model)
+    if arch.unsupported:
+        return ", ".join(arch.unsupported)
+    if not (model.pre_process and model.post_process):
+        return "one pipeline stage of a larger model"
+    for layer in model.decoder.layers:
+        if not isinstance(layer.self_attention, SelfAttention) or type(layer.mlp) is not MLP:
+            return "layers other than self-attention + dense MLP"
+        if isinstance(layer.input_layernorm, IdentityOp) or \
+                isinstance(layer.pre_mlp_layernorm, IdentityOp):
+            return "norms fused into the linear layers (Transformer Engine's spec)"
+    if getattr(model.decoder, "final_layernorm", None) is None:
+        return "no final norm"
+    return None
+
+
+def _activation(x: Tensor, name: str) -> Tensor:
+    if name == arch_names.GELU:
+        return F.gelu(x)
+    if name == arch_names.GELU_TANH:
+        return F.gelu(x, approximate="tanh")
+    if name == arch_names.SILU:
+        return F.silu(x)
+    if name == arch_names.RELU:
+        return F.relu(x)
+    if name == arch_names.SQUARED_RELU:
+        return torch.pow(F.relu(x), 2)
+    if name == arch_names.QUICK_GELU:
+        return x * torch.sigmoid(1.702 * x)
+    raise ValueError(f"activation {name!r}")
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class KVDecoder:
+    """Prefill and decode for up to ``max_batch`` rows of up to ``max_length`` tokens."""
+
+    def __init__(self, model, max_batch: int, max_length: int, use_graphs: bool | None = None):
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the KV decoder does not cover {reason}")
+        self.model = model
+        self.arch = Architecture.of(model)
+        if max_length > self.arch.max_position_embeddings:
+            raise ValueError(f"{max_length} positions > the model's "
+                             f"{self.arch.max_position_embeddings}")
+        embedding = model.embedding.word_embeddings.weight
+        self.device, self.dtype = embedding.device, embedding.dtype
+        self.max_batch, self.max_length = max_batch, max_length
+        self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
+        self.word_embeddings = embedding
+        self.position_embeddings = (model.embedding.position_embeddings.weight
+                                    if self.arch.position == "learned_absolute" else None)
+        self.output_weight = (model.shared_embedding_or_output_weight() if self.arch.tied
+                              else model.output_layer.weight)
+        self.layers = list(model.decoder.layers)
+        self.final_norm = model.decoder.final_layernorm
+        a = self.arch
+        shape = (max_batch, a.num_query_groups, max_length, a.kv_channels)
+        self.keys = [torch.zeros(shape, device=self.device, dtype=self.dtype)
+                     for _ in self.layers]
+        self.values = [torch.zeros(shape, device=self.device, dtype=self.dtype)
+                       for _ in self.layers]
+        self.cache_positions = torch.arange(max_length, device=self.device)
+        self.rope_cos = self.rope_sin = None
+        if a.position == "rope":
+            # megatron's table for these positions: [max_length, 1, 1, rotary dim]
+            freqs = model.rotary_pos_emb(max_length).view(max_length, -1).to(self.device)
+            self.rope_cos = torch.cos(freqs).to(self.dtype)
+            self.rope_sin = torch.sin(freqs).to(self.dtype)
+        self._graphs: dict[int, tuple] = {}
+
+    # ------------------------------------------------------------------ the forward pass
+
+    def _rope(self, t: Tensor, positions: Tensor) -> Tensor:
+        """megatron's non-interleaved rotation of the first rotary-dim channels of ``t``
+        ([b, s, heads, d]) at each token's position ([b, s])."""
+        cos = self.rope_cos[positions].unsqueeze(2)
+        sin = self.rope_sin[positions].unsqueeze(2)
+        rot = cos.shape[-1]
+        t_rot, t_pass = t[..., :rot], t[..., rot:]
+        t_rot = t_rot * cos + _rotate_half(t_rot) * sin
+        return torch.cat((t_rot, t_pass), dim=-1) if t_pass.shape[-1] else t_rot
+
+    def _attention(self, i: int, layer, x: Tensor, positions: Tensor, visible: Tensor) -> Tensor:
+        a = self.arch
+        b, s, _ = x.shape
+        groups, per_group, d = a.num_query_groups, a.num_heads // a.num_query_groups, \
+            a.kv_channels
+        qkv_linear = layer.self_attention.linear_qkv
+        qkv = F.linear(x, qkv_linear.weight, qkv_linear.bias)
+        # megatron's layout: per query group, its query heads, then one key, one value
+        qkv = qkv.view(b, s, groups, per_group + 2, d)
+        q, k, v = qkv[:, :, :, :per_group], qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
+        if a.position == "rope":
+            q = self._rope(q.reshape(b, s, groups * per_group, d), positions)
+            q = q.view(b, s, groups, per_group, d)
+            k = self._rope(k, positions)
+        rows = torch.arange(b, device=x.device).unsqueeze(1)
+        keys, values = self.keys[i][:b], self.values[i][:b]
+        keys[rows, :, positions] = k
+        values[rows, :, positions] = v
+        # [b, groups, per_group * s, d] x [b, groups, d, L] -> scores per query and position
+        queries = q.permute(0, 2, 3, 1, 4).reshape(b, groups, per_group * s, d)
+        scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * a.softmax_scale
+        scores = scores.view(b, groups, per_group, s, -1)
+        scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(self.dtype).view(b, groups, per_group * s, -1)
+        context = torch.matmul(probs, values).view(b, groups, per_group, s, d)
+        context = context.permute(0, 3, 1, 2, 4).reshape(b, s, a.num_heads * d)
+        proj = layer.self_attention.linear_proj
+        return F.linear(context, proj.weight, proj.bias)
+
+    def _mlp(self, layer, x: Tensor) -> Tensor:
+        fc1, fc2 = layer.mlp.linear_fc1, layer.mlp.linear_fc2
+        h = F.linear(x, fc1.weight, fc1.bias)
+        if self.arch.gated:
+            gate, up = torch.chunk(h, 2, dim=-1)
+            h = _activation(gate, self.arch.activation) * up
+        else:
+            h = _activation(h, self.arch.activation)
+        return F.linear(h, fc2.weight, fc2.bias)
+
+    def forward(self, tokens: Tensor, positions: Tensor, last: Tensor) -> Tensor:
+        """Logits [b, padded vocab] after token ``last[r]`` of each row ``r``, for ``tokens``
+        ([b, s]) at ``positions`` ([b, s]); writes their keys and values into the cache."""
+        x = F.embedding(tokens, self.word_embeddings)
+        if self.position_embeddings is not None:
+            x = x + F.embedding(positions, self.position_embeddings)
+        visible = self.cache_positions.view(1, 1, -1) <= positions.unsqueeze(-1)
+        for i, layer in enumerate(self.layers):
+            x = x + self._attention(i, layer, layer.input_layernorm(x), positions, visible)
+            x = x + self._mlp(layer, layer.pre_mlp_layernorm(x))
+        rows = torch.arange(x.shape[0], device=x.device)
+        h = self.final_norm(x[rows, last])
+        return F.linear(h, self.output_weight)
+
+    # ------------------------------------------------------------------ one decode step
+
+    def _step(self, batch: int):
+        """The decode step for ``batch`` rows: (tokens [b, 1], positions [b, 1], run), where
+        ``run()`` returns the logits for the tokens and positions currently in the buffers."""
+        if batch in self._graphs:
+            return self._graphs[batch]
+        tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+        positions = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+        last = torch.zeros(batch, dtype=torch.long, device=self.device)
+        if not self.use_graphs:
+            return tokens, positions, lambda: self.forward(tokens, positions, last)
+        state = {"graph": None, "logits": None}
+
+        def run():
+            if state["graph"] is None:
+                # first use: the step runs eagerly on a side stream (its result is real), which
+                # also warms up cuBLAS and the allocator; then it is captured, not run
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    logits = self.forward(tokens, positions, last)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    state["logits"] = self.forward(tokens, positions, last)
+                state["graph"] = graph
+                return logits
+            state["graph"].replay()
+            return state["logits"]
+
+        self._graphs[batch] = (tokens, positions, run)
+        return self._graphs[batch]
+
+    # ------------------------------------------------------------------ generation
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
+                 vocab_size: int, eod: int, stop_at_eod: bool) -> list[list[int]]:
+        """New token ids per prompt (up to ``max_new_tokens``; a completion that ends at the
+        end-of-document token includes it)."""
+        batch = len(prompts)
+        lengths = [len(p) for p in prompts]
+        if batch > self.max_batch or max(lengths) + max_new_tokens > self.max_length:
+            raise ValueError(f"{batch} prompts of up to {max(lengths)} tokens + "
+                             f"{max_new_tokens} new: the decoder holds {self.max_batch} x "
+                             f"{self.max_length}")
+        device = self.device
+        padded = torch.full((batch, max(lengths)), eod, dtype=torch.long)
+        for r, p in enumerate(prompts):
+            padded[r, :len(p)] = torch.tensor(p, dtype=torch.long)
+        padded = padded.to(device)
+        length = torch.tensor(lengths, dtype=torch.long, device=device)
+        generator = generator_for(sampling, device)
+        out = torch.empty(batch, max_new_tokens, dtype=torch.long, device=device)
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+
+        def choose(logits: Tensor, step: int) -> Tensor:
+            token = next_tokens(logits, sampling, vocab_size, generator)
+            if stop_at_eod:
+                token = torch.where(finished, torch.full_like(token, eod), token)
+                finished.logical_or_(token == eod)
+            out[:, step] = token
+            return token
+
+        prompt_positions = torch.arange(padded.shape[1], device=device).expand(batch, -1)
+        token = choose(self.forward(padded, prompt_positions, length - 1), 0)
+        tokens, positions, run = self._step(batch)
+        positions.copy_(length.unsqueeze(1))
+        made = 1
+        while made < max_new_tokens:
+            if stop_at_eod and made % EOD_CHECK_EVERY == 0 and bool(finished.all()):
+                break
+            tokens.copy_(token.unsqueeze(1))
+            token = choose(run(), made)
+            positions.add_(1)
+            made += 1
+        rows = out[:, :made].tolist()
+        return [row[:row.index(eod) + 1] if stop_at_eod and eod in row else row for row in rows]

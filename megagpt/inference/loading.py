@@ -1,0 +1,127 @@
+"""A checkpoint's GPT model, rebuilt from what was saved beside it and loaded for inference.
+
+``prepare`` does everything that needs no process group and no weights (find the folder,
+replay the saved flags, build and check the tokenizer), so bad input fails before any
+expensive work; ``build_model`` and ``load_weights`` then run inside ``megatron_world``.
+The distributed checkpoint format stores every tensor with its global shape, so a
+checkpoint saved under any TP x PP layout loads into this rank's shard of any other layout
+whose shapes divide (the vocabulary's padding is the one shape that depends on TP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from dataclasses import dataclass
+
+from megagpt.errors import UserError
+from megagpt.inference import model_flags
+from megagpt.inference.checkpoint import (
+    CheckpointError,
+    SavedConfig,
+    checkpoint_folder,
+    read_saved_config,
+)
+
+
+@dataclass
+class Prepared:
+    """A checkpoint ready to load: its folder, what was saved beside it, the parsed args."""
+
+    folder: str
+    saved: SavedConfig | None
+    args: argparse.Namespace
+    tokenizer: object  # megatron's tokenizer (tokenize / detokenize / eod / vocab_size)
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding that are tokens (the rest is megatron's padding)."""
+        return min(int(self.tokenizer.vocab_size), int(self.args.padded_vocab_size))
+
+
+def prepare(load: str, overrides: list[str], cpu: bool, bf16: bool = True) -> Prepared:
+    """Find the checkpoint ``load`` names and rebuild its arguments and tokenizer."""
+    folder = checkpoint_folder(load)
+    saved = read_saved_config(folder)
+    unknown = model_flags.unknown_flags(overrides)
+    if unknown:
+        raise model_flags.ModelFlagsError(
+            f"unknown option(s) {', '.join(unknown)} (neither this tool's nor a megatron flag)")
+    if saved is None and not any(t.startswith("--num-layers") for t in overrides):
+        raise CheckpointError(
+            f"--load {folder}: no configuration saved beside it (megagpt_config.yaml, written "
+            "by pretrain_gpt.py and tools/import_hf.py); "
+            "give the model's flags (--num-layers ... --tokenizer-type ...)")
+    argv = model_flags.replay_argv(saved, cpu, bf16, overrides)
+    args = model_flags.parse_model_args(argv, cpu)
+    model_flags.restore_recorded_settings(args, saved)
+    tokenizer = model_flags.build_tokenizer(args)
+    model_flags.check_vocabulary(args, tokenizer, saved, folder)
+    return Prepared(folder, saved, args, tokenizer)
+
+
+def build_model(args):
+    """This rank's GPT stage for ``args`` (megatron's local spec; weights uninitialised)."""
+    from megatron.core import parallel_state
+    from megatron.training.argument_utils import gpt_config_from_args
+
+    import gpt_builders
+    import model_provider
+
+    choice = gpt_builders.choose_layer_spec(args)
+    model_config = gpt_config_from_args(args)
+    spec = gpt_builders.layer_spec_builder(choice, args)
+    if spec is not None:
+        model_config.transformer_layer_spec = spec
+    model = model_provider.model_provider(
+        model_config, pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage())
+    return model
+
+
+def load_weights(model, folder: str) -> None:
+    """Load the model's tensors from the distributed checkpoint in ``folder`` (resharded to
+    this rank's shard) and put the model in eval mode."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, folder)
+        model.load_state_dict(state["model"])
+    except (KeyboardInterrupt, GeneratorExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - torch.distributed.checkpoint raises anything
+        raise CheckpointError(f"cannot load the model from {folder}: {_one_line(exc)}") from exc
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+
+
+@contextlib.contextmanager
+def loaded(prepared: Prepared, seed: int = 1234):
+    """Yield (model, device): this rank's stage of the prepared checkpoint, weights loaded,
+    inside its megatron world (torn down on exit)."""
+    from megagpt.inference.world import megatron_world
+
+    with megatron_world(prepared.args, seed=seed) as device:
+        model = build_model(prepared.args)
+        load_weights(model, prepared.folder)
+        yield model, device
+
+
+def _one_line(exc: BaseException) -> str:
+    """The first line of the error that stopped a load. torch.distributed.checkpoint wraps
+    each rank's error in a CheckpointException whose ``failures`` map ranks to it."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        exc = first[0] if isinstance(first, tuple) and first else getattr(first, "exception", exc)
+    text = (str(exc).strip() or type(exc).__name__).splitlines()[0][:300]
+    return f"{type(exc).__name__}: {text}"
+
+
+def require_device(cpu: bool) -> None:
+    """One GPU, or the CPU when asked for: say so before any loading."""
+    import torch
+
+    if not cpu and not torch.cuda.is_available():
+        raise UserError("no CUDA GPU is visible here; pass --cpu to run on the CPU")

@@ -1,0 +1,70 @@
+"""This process as a megatron world: a process group, megatron's parallel state, the device.
+
+``python tools/generate.py`` is one process on one device (gloo on the CPU, NCCL on a GPU);
+under ``torchrun`` the same code runs one rank of a TP x PP layout (the parsed arguments
+carry the sizes). On the CPU megatron's CUDA calls go through ``cpu_mode.generating``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+
+import torch
+
+from megagpt import cpu_mode
+
+
+def quiet_megatron() -> None:
+    """Keep megatron's per-module notices (deprecations, missing TE/apex, INFO logs) off the
+    console of a tool whose output is its results."""
+    from megagpt.compat import quiet_fallback_warnings
+
+    quiet_fallback_warnings()
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r".*(deprecated|DEPRECATED).*")
+    for module in (r"megatron\..*", r"torch\.distributed\.checkpoint\..*"):
+        warnings.filterwarnings("ignore", category=UserWarning, module=module)
+    # torch's extension builder warns at import that no CUDA toolkit is found, on a CPU
+    for name in ("megatron", "megatron.core", "megatron.training", "torch.utils.cpp_extension"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+@contextlib.contextmanager
+def megatron_world(args, seed: int = 1234):
+    """Yield this rank's device with megatron's parallel state set up for ``args``' layout
+    (in the caller's process group when one is running, else in one started here)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    started_here = not dist.is_initialized()  # else the caller's group (kept on exit)
+    if args.cpu:
+        device = torch.device("cpu")
+    else:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if started_here:
+        # one process needs no rendezvous: an in-memory store, no port (none to collide with
+        # a launcher's or a test's); under torchrun its environment
+        one = int(os.environ.get("WORLD_SIZE", "1")) == 1
+        group = dict(store=dist.HashStore(), rank=0, world_size=1) if one else {}
+        if args.cpu:
+            dist.init_process_group("gloo", **group)
+        else:
+            dist.init_process_group("nccl", device_id=device, **group)
+    device_context = cpu_mode.generating() if args.cpu else contextlib.nullcontext()
+    try:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+        with device_context:
+            model_parallel_cuda_manual_seed(seed)
+            yield device
+    finally:
+        parallel_state.destroy_model_parallel()
+        if started_here:
+            dist.destroy_process_group()

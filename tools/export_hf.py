@@ -1,0 +1,18 @@
+#!/usr/bin/env python
+"""Write a trained checkpoint as a Hugging Face transformers model folder.
+
+    python tools/export_hf.py --load runs/tiny_cpu/checkpoints --output runs/tiny_hf
+
+GPT2LMHeadModel or LlamaForCausalLM, loadable offline with AutoModelForCausalLM; see
+docs/inference.md. The code is megagpt/hf/export_hf.py.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megagpt.hf.export_hf import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
