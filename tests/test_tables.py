@@ -71,11 +71,11 @@ def test_a_record_marked_not_current_never_stands_in_a_table(tmp_path):
 
 
 def test_a_table_the_generator_does_not_know_is_shown_with_its_keys(tmp_path):
-    rec = dict(_one(), table="generation", row=dict(shape="345M", batch=16),
-               figures=dict(new_tokens_per_s=247.0))
+    rec = dict(_one(), table="decode-latency", row=dict(shape="345M", batch=16),
+               figures=dict(ms_per_token=4.0))
     records.write(rec, tmp_path)
     text = tables.benchmarks_text(records.load(tmp_path))
-    assert "## generation" in text and "| shape | batch | new_tokens_per_s |" in text
+    assert "## decode-latency" in text and "| shape | batch | ms_per_token |" in text
 
 
 def test_rows_expected_and_not_measured_name_their_command(tmp_path):
