@@ -77,7 +77,32 @@ COVERED_SITES: tuple[CoveredSite, ...] = (
                 "in backward (run with the mode off) torch.cuda.current_device() names the CPU"),
     CoveredSite("megatron.training.checkpointing", "get_rng_state",
                 "torch.cuda.get_rng_state()", "torch.cuda.get_rng_state returns the CPU-mode stand-in"),
+    CoveredSite("megatron.core.tensor_parallel.random", "_get_cuda_rng_state",
+                "torch.cuda.random.get_rng_state(device=device)",
+                "activation recompute saves the CPU-mode stand-in instead of a CUDA generator "
+                "state (the CPU generator's state, which dropout draws from here, is saved "
+                "beside it)"),
+    CoveredSite("megatron.training.initialize", "initialize_megatron",
+                "init_persistent_async_worker(args.rank, 'forkserver')",
+                "--async-save: the persistent checkpoint writer is forked, so it inherits these "
+                "stand-ins (a fork server's fresh interpreter has none)"),
+    CoveredSite("megatron.core.dist_checkpointing.strategies.async_utils.PersistentAsyncCaller",
+                "schedule_async_call", "PersistentAsyncCaller._get_process(torch.distributed.get_rank())",
+                "the writer restarted for the final save (megatron closes it when train() "
+                "returns) is forked too, not spawned"),
+    CoveredSite("megatron.core.dist_checkpointing.strategies.async_utils.PersistentAsyncCaller",
+                "async_loop", "torch.cuda.set_device(rank % torch.cuda.device_count())",
+                "the forked writer sees torch.cuda.device_count() == 1 (0 without CPU mode: a "
+                "division by zero, after which the trainer waits for the writer forever)"),
+    CoveredSite("megatron.training.training", "training_log",
+                'mem_stats["reserved_bytes.all.current"]',
+                "--log-memory-to-tensorboard: torch.cuda.memory_stats reports zeros for the "
+                "counters megatron logs"),
 )
+
+# The torch.cuda.memory_stats counters megatron's training_log writes to TensorBoard.
+MEMORY_STAT_KEYS = ("reserved_bytes.all.current", "allocated_bytes.all.current",
+                    "allocated_bytes.all.peak", "allocation.all.current")
 
 
 # ---------------------------------------------------------------------------
@@ -202,7 +227,7 @@ def _returning(value):
 def _cuda_stand_ins() -> dict[str, object]:
     props = types.SimpleNamespace(name="cpu", major=0, minor=0, total_memory=0,
                                   multi_processor_count=0)
-    rng_state = lambda: torch.zeros(16, dtype=torch.uint8)  # noqa: E731
+    rng_state = _cuda_rng_state_stand_in
     stand_ins = {
         "device_count": 1,
         "current_device": 0,
@@ -214,7 +239,7 @@ def _cuda_stand_ins() -> dict[str, object]:
         "stream": contextlib.nullcontext,
         "get_rng_state": rng_state,
         "get_rng_state_all": lambda: [rng_state()],
-        "memory_stats": dict,
+        "memory_stats": lambda: dict.fromkeys(MEMORY_STAT_KEYS, 0),
     }
     for zero in ("memory_allocated", "max_memory_allocated", "memory_reserved",
                  "max_memory_reserved"):
@@ -278,19 +303,28 @@ class CpuRngTracker:
             torch.set_rng_state(outer)
 
 
+def _cuda_rng_state_stand_in(*args, **kwargs) -> torch.Tensor:
+    """What megatron's recompute saves as "the CUDA generator's state" on the CPU."""
+    return torch.zeros(16, dtype=torch.uint8)
+
+
 def _install_rng_tracker() -> tuple:
     import megatron.core.tensor_parallel.random as mrandom
 
-    saved = (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
+    saved = (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+             mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state)
     mrandom._CUDA_RNG_STATE_TRACKER = CpuRngTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mrandom._get_cuda_rng_state = _cuda_rng_state_stand_in
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
     return saved
 
 
 def _restore_rng_tracker(saved: tuple) -> None:
     import megatron.core.tensor_parallel.random as mrandom
 
-    mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved
+    (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+     mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state) = saved
 
 
 # ---------------------------------------------------------------------------
@@ -340,6 +374,24 @@ def adapt_args(args, log: Callable[[str], None]) -> None:
 
 
 @contextlib.contextmanager
+def _checkpoint_writer_forked():
+    """megatron starts its persistent checkpoint writer through a fork server, or, when it
+    restarts it for the final save, by spawn: fork it instead, so it has these stand-ins."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+
+    original = PersistentAsyncCaller.__dict__["_get_process"]
+
+    def _get_process(cls, rank, mp_mode="spawn", *args, **kwargs):
+        return original.__func__(cls, rank, "fork", *args, **kwargs)
+
+    PersistentAsyncCaller._get_process = classmethod(_get_process)
+    try:
+        yield
+    finally:
+        PersistentAsyncCaller._get_process = original
+
+
+@contextlib.contextmanager
 def active():
     """Run the enclosed megatron code on the CPU (see the module docstring)."""
     import megatron.training.training as mtraining
@@ -365,7 +417,7 @@ def active():
         # torch.compile on a CPU needs a C++ toolchain and minutes of compiling, for no gain
         # in a development run; megatron's jit_fuser and the fast spec then run eagerly.
         torch._dynamo.config.disable = True
-        with CudaToCpu():
+        with _checkpoint_writer_forked(), CudaToCpu():
             yield
     finally:
         for name, original in saved_cuda.items():
