@@ -162,6 +162,21 @@ def adapt_args_to_installed(args, argv: Iterable[str], installed: Installed,
     return lines
 
 
+# megatron 0.19's parser offers --rerun-mode report_stats (RerunStateMachineConfig), but its
+# RerunMode enum names that mode "report_determinism_stats": initialize_megatron's
+# RerunMode(args.rerun_mode) raises ValueError for the parser's spelling.
+RERUN_MODE_SPELLINGS = {"report_stats": "report_determinism_stats"}
+
+
+def adapt_megatron_quirks(args, log: Callable[[str], None]) -> None:
+    """Settings megatron's parser accepts that its own code then rejects."""
+    mode = getattr(args, "rerun_mode", None)
+    if mode in RERUN_MODE_SPELLINGS:
+        args.rerun_mode = RERUN_MODE_SPELLINGS[mode]
+        log(f"compat: --rerun-mode {mode} is megatron's RerunMode {args.rerun_mode!r} (its "
+            "parser and its enum spell it differently)")
+
+
 def skip_dataset_helper_compilation() -> None:
     """Make ``initialize_megatron``'s ``make -C megatron/core/datasets`` a no-op.
 
