@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megagpt.data import readers
+from megagpt.data import readers, tokenizer_record
 from megagpt.data.progress import Progress, Stats, summary_lines
 from megagpt.data.readers import EMPTY_DOCUMENT, BLANK_LINE, InputError
 
@@ -99,6 +99,7 @@ class ChunkResult:
     ids: list  # per key: all documents' ids, concatenated, in the output dtype
     lengths: list  # per key: each document's length (EOD included)
     empty_file: bool = False
+    max_ids: list = field(default_factory=list)  # per key: the largest id, -1 if none
 
 
 def _encode_chunk(chunk: readers.Chunk) -> ChunkResult:
@@ -119,7 +120,7 @@ def _encode_chunk(chunk: readers.Chunk) -> ChunkResult:
     empty = {j for docs in encoded for j, a in enumerate(docs) if len(a) == 0}
     bad.extend((lines[j], EMPTY_DOCUMENT, "the text has no tokens") for j in sorted(empty))
     bad.sort(key=lambda b: b[0])
-    ids, lengths = [], []
+    ids, lengths, max_ids = [], [], []
     eod = np.array([_W["eod"]], dtype=np.int64) if _W["append_eod"] else None
     info = np.iinfo(dtype)
     for docs in encoded:
@@ -134,7 +135,9 @@ def _encode_chunk(chunk: readers.Chunk) -> ChunkResult:
                              f"(min {flat.min()}, max {flat.max()})")
         ids.append(flat.astype(dtype, copy=False))
         lengths.append(lens)
-    return ChunkResult(chunk.source, len(chunk.payloads), chunk.nbytes, bad, ids, lengths)
+        max_ids.append(int(flat.max()) if flat.size else -1)
+    return ChunkResult(chunk.source, len(chunk.payloads), chunk.nbytes, bad, ids, lengths,
+                       max_ids=max_ids)
 
 
 # --------------------------------------------------------------------------- main side
@@ -233,6 +236,8 @@ def run(args: argparse.Namespace, stream=None) -> PreprocessResult:
     state = {"keys": keys, "encoder": encoder, "dtype": dtype, "append_eod": args.append_eod,
              "eod": tokenizer.eod if args.append_eod else None}
     stats = Stats()
+    max_ids = dict.fromkeys(keys, -1)  # per key, for the tokenizer record
+    key_tokens = dict.fromkeys(keys, 0)
     progress = Progress(stats, args.log_interval, stream)
     pool = None
     builders = {}
@@ -257,12 +262,15 @@ def run(args: argparse.Namespace, stream=None) -> PreprocessResult:
                 stats.skipped[reason] += 1
             stats.records += res.n_records
             stats.bytes_in += res.n_bytes
+            for k, top in zip(keys, res.max_ids):
+                max_ids[k] = max(max_ids[k], top)
             for k, ids, lens in zip(keys, res.ids, res.lengths):
                 b, offset = builders[k], 0
                 for n in lens.tolist():
                     b.add_document(ids[offset:offset + n], [n])
                     offset += n
                 stats.tokens += offset
+                key_tokens[k] += offset
             stats.documents += len(res.lengths[0]) if res.lengths else 0
             progress.update()
 
@@ -286,12 +294,19 @@ def run(args: argparse.Namespace, stream=None) -> PreprocessResult:
         progress.close()
         if not stats.balanced():  # pragma: no cover - a bug, not bad input
             raise RuntimeError(f"invariant broken: {stats}")
+        identity = tokenizer_record.TokenizerIdentity.of(targs, tokenizer.vocab_size)
         try:
             for k in keys:
                 builders[k].finalize(tmp[k] + ".idx")
-            for k in keys:
+                record = tokenizer_record.DataRecord(
+                    identity, max_ids[k] if max_ids[k] >= 0 else None, np.dtype(dtype).name,
+                    stats.documents, key_tokens[k], bool(args.append_eod))
+                tokenizer_record.write(tmp[k], record)
+            for k in keys:  # the record last: a dataset with a record is whole
                 os.replace(tmp[k] + ".bin", finals[k] + ".bin")
                 os.replace(tmp[k] + ".idx", finals[k] + ".idx")
+                os.replace(tokenizer_record.record_path(tmp[k]),
+                           tokenizer_record.record_path(finals[k]))
         except OSError as e:
             raise OutputError(f"{args.output_prefix}: cannot finish output: {e.strerror or e}") from None
         done = True
@@ -303,7 +318,7 @@ def run(args: argparse.Namespace, stream=None) -> PreprocessResult:
             for b in builders.values():
                 b.data_file.close()
             for k in keys:
-                for ext in (".bin", ".idx"):
+                for ext in (".bin", ".idx", tokenizer_record.SUFFIX):
                     Path(tmp[k] + ext).unlink(missing_ok=True)
 
     for k in keys:  # the outputs must load, with every document
