@@ -1,8 +1,9 @@
 """``--dry-run``: check a launch and print its plan without a GPU or a process group.
 
-Order: our layout checks (clear numbers) → megatron's validate_args (at the intended world
-size, with the GPU's arch given rather than asked of CUDA) → parameters, memory, FLOPs →
-the resolved configuration as YAML. A layout that cannot run, or whose memory estimate
+Order: our layout checks (clear numbers) → outputs and tokenizer files → megatron's
+validate_args (at the intended world size, with the GPU's arch given rather than asked of
+CUDA) → the learning-rate schedule and the data → parameters, memory, FLOPs → the resolved
+configuration as YAML. A layout that cannot run, or whose memory estimate
 exceeds the GPU, exits non-zero with a message that names the numbers.
 """
 
@@ -16,8 +17,13 @@ from dataclasses import dataclass
 
 import yaml
 
+from megagpt.log import log
 from megagpt.preflight import estimate as est
 from megagpt.preflight.checks import LayoutError, check_layout, model_parallel_size
+from megagpt.preflight.data_check import check_data
+from megagpt.preflight.output_check import check_outputs
+from megagpt.preflight.schedule_check import check_schedule
+from megagpt.preflight.tokenizer_check import check_tokenizer_files
 from megagpt.preflight.gpus import KNOWN_GPUS, Gpu, resolve_gpu
 
 
@@ -39,6 +45,9 @@ def add_preflight_arguments(group) -> None:
     group.add_argument("--dry-run-yaml", type=str, default=None, metavar="FILE",
                        help="Write the dry run's resolved configuration to FILE instead "
                             "of printing it.")
+    from megagpt.preflight.data_check import add_data_check_arguments
+
+    add_data_check_arguments(group)
 
 
 def dry_run_world_size(args) -> int:
@@ -51,14 +60,8 @@ def _validate(args, gpu: Gpu) -> None:
     """megatron's validate_args at the planned size; its argument table is kept quiet."""
     from megagpt.arguments import validate_arguments
 
-    captured = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(captured):
-            validate_arguments(args, device_arch=gpu.arch)
-    except ValueError as exc:  # megatron raises a few ValueErrors besides its assertions
-        if isinstance(exc, LayoutError) or type(exc).__module__.startswith("megagpt"):
-            raise
-        raise LayoutError(f"invalid arguments: {exc}") from None
+    with contextlib.redirect_stdout(io.StringIO()):
+        validate_arguments(args, device_arch=gpu.arch)
 
 
 def _vocab_size(args) -> int:
@@ -77,12 +80,15 @@ def _vocab_size(args) -> int:
                           f"pass --vocab-size for the dry run") from None
 
 
-def _set_padded_vocab(args) -> None:
+def _set_padded_vocab(args) -> int:
+    """Set megatron's padded vocabulary size; return the tokenizer's own size."""
     from megatron.training.vocab_utils import calculate_padded_vocab_size
 
+    vocab_size = _vocab_size(args)
     args.padded_vocab_size = calculate_padded_vocab_size(
-        _vocab_size(args), args.make_vocab_size_divisible_by, args.tensor_model_parallel_size,
+        vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size,
         logging_enabled=False)
+    return vocab_size
 
 
 def resolved_yaml(args) -> str:
@@ -192,8 +198,12 @@ def make_plan(args) -> Plan:
     args.rank = 0
     gpu = resolve_gpu(args.gpu_type, args.gpu_memory_gb, cpu=args.cpu)
     check_layout(args, world_size)
+    check_outputs(args)
+    check_tokenizer_files(args)
     _validate(args, gpu)
-    _set_padded_vocab(args)
+    vocab_size = _set_padded_vocab(args)
+    check_schedule(args)
+    check_data(args, vocab_size, log)
     try:
         params = est.count_parameters(args)
     except NotImplementedError as exc:
