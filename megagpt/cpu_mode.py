@@ -336,8 +336,6 @@ _UNSUPPORTED = (
     ("bf16", "--bf16: bfloat16 training needs a GPU (megatron's mixed-precision optimizer "
              "checks for CUDA tensors); CPU mode trains in fp32"),
     ("fp16", "--fp16: half-precision training needs a GPU; CPU mode trains in fp32"),
-    ("use_distributed_optimizer", "--use-distributed-optimizer: megatron's distributed "
-                                  "optimizer checks for CUDA tensors; drop it in CPU mode"),
     ("fp8", "--fp8-format: FP8 needs Transformer Engine on a GPU"),
 )
 
