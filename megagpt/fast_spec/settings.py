@@ -320,6 +320,17 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
         if not hasattr(args, name):
             setattr(args, name, default)
 
+    # --- fused layer and overlapped parameter gathers -------------------------------------
+    # With --overlap-param-gather, megatron's DDP waits for each bucket's all-gather in a
+    # forward pre-hook of the module that owns the parameters; the fused layer reads its
+    # weights without calling those modules, so with several buckets the waits never run
+    # (on two CPU ranks: "assert self.param_gather_handle is None" at the third step).
+    if (getattr(args, "overlap_param_gather", False) and args.fast_spec_fused_layer
+            and fast_path_selected(args)):
+        args.fast_spec_fused_layer = False
+        log("fast spec: fused layer off: --overlap-param-gather waits for each parameter "
+            "bucket in its modules' forward pre-hooks, which the fused layer does not call")
+
     # --- full-iteration CUDA graph ---------------------------------------------------
     if args.fast_cuda_graph is None:
         reason = cuda_graph_unsupported_reason(args)
