@@ -15,7 +15,11 @@ Here, for every prefix of ``--data-path`` and of the per-split paths
    is this run's: type, vocabulary size and files; ``--allow-data-tokenizer-mismatch`` lets
    a deliberate mismatch through, and data without a record gets a warning;
 4. the data's token ids fit this run's vocabulary: the record's largest id, else the
-   ``.bin`` itself (read in full up to ``SCAN_LIMIT_BYTES``, else sampled).
+   ``.bin`` itself (read in full up to ``SCAN_LIMIT_BYTES``, else sampled);
+5. every split of ``--split`` that megatron asks samples of holds at least one document
+   of each prefix: megatron repeats a split's documents until it has the samples asked
+   for, and with none it loops forever while building its index (a 1/1000 test share of
+   a few hundred documents, with ``--eval-iters`` > 0).
 
 Each problem is one ``DataError`` naming the flag, the prefix and the file.
 """
@@ -25,19 +29,15 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from megagpt.data import tokenizer_record
+from megagpt.data import indexed_format, tokenizer_record
+from megagpt.data.indexed_format import IndexFacts
 from megagpt.errors import UserError
 
-# megatron/core/datasets/indexed_dataset.py: the .idx header (magic, version 1, dtype code,
-# sequence count, document count), then int32 lengths, int64 pointers, int64 document indices.
-INDEX_MAGIC = b"MMIDIDX\x00\x00"
-INDEX_HEADER = struct.Struct("<9sQBQQ")
 # A .bin up to this size is read whole for its largest id (~1 s per GB here); a larger one
 # without a record is sampled in SAMPLE_BLOCKS blocks spread over the file.
 SCAN_LIMIT_BYTES = 2 << 30
@@ -143,14 +143,6 @@ def data_sources(args) -> list[DataSource]:
 # 2. Files
 # ---------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class IndexFacts:
-    dtype: np.dtype
-    sequences: int
-    documents: int
-    bin_bytes_expected: int
-
-
 def _did_you_mean(prefix: str) -> str:
     for candidate in (prefix[:-4] if prefix.endswith((".bin", ".idx")) else None,
                       f"{prefix}_text_document"):
@@ -161,8 +153,6 @@ def _did_you_mean(prefix: str) -> str:
 
 def read_index(flag: str, prefix: str) -> IndexFacts:
     """The .idx header of ``prefix``, after checking both files are there and agree."""
-    from megatron.core.datasets.indexed_dataset import DType
-
     missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
     if missing:
         which = " and ".join(missing) if len(missing) == 2 else missing[0]
@@ -170,26 +160,15 @@ def read_index(flag: str, prefix: str) -> IndexFacts:
                         f"PREFIX.idx, as preprocessing writes them){_did_you_mean(prefix)}")
     idx = prefix + ".idx"
     try:
-        with open(idx, "rb") as f:
-            header = f.read(INDEX_HEADER.size)
-        magic, version, code, sequences, documents = INDEX_HEADER.unpack(header)
-        if magic != INDEX_MAGIC or version != 1:
-            raise ValueError("not megatron's indexed-dataset format")
-        dtype = np.dtype(DType.dtype_from_code(code))
-        if sequences:
-            offset = INDEX_HEADER.size + 4 * sequences + 8 * (sequences - 1)
-            last_length = np.fromfile(idx, np.int32, 1, offset=INDEX_HEADER.size + 4 * (sequences - 1))
-            last_pointer = np.fromfile(idx, np.int64, 1, offset=offset)
-            expected = int(last_pointer[0]) + int(last_length[0]) * dtype.itemsize
-        else:
-            expected = 0
-    except (OSError, ValueError, struct.error, KeyError, IndexError) as exc:
+        facts = indexed_format.read_index(idx)
+    except (OSError, ValueError) as exc:
         raise DataError(f"{flag}: {idx} is not a readable megatron index ({exc})") from None
     size = os.path.getsize(prefix + ".bin")
-    if size < expected:
+    if size < facts.bin_bytes:
         raise DataError(f"{flag}: {prefix}.bin is {size:,} bytes but {idx} describes "
-                        f"{expected:,} (truncated, or the two files come from different runs)")
-    return IndexFacts(dtype, sequences, documents, expected)
+                        f"{facts.bin_bytes:,} (truncated, or the two files come from different "
+                        f"runs)")
+    return facts
 
 
 # ---------------------------------------------------------------------------
@@ -198,7 +177,7 @@ def read_index(flag: str, prefix: str) -> IndexFacts:
 
 def largest_id(prefix: str, facts: IndexFacts) -> tuple[int, str]:
     """(the largest token id found, how it was found) by reading the .bin."""
-    nbytes = facts.bin_bytes_expected
+    nbytes = facts.bin_bytes
     if nbytes == 0:
         return -1, "empty"
     data = np.memmap(prefix + ".bin", dtype=facts.dtype, mode="r",
@@ -249,16 +228,17 @@ class DataReport:
     scanned: list = None
 
 
-def check_prefix(flag: str, prefix: str, args, identity, vocab_size: int | None,
-                 report: DataReport) -> None:
-    facts = read_index(flag, prefix)
+def _read_record(flag: str, prefix: str):
     try:
-        record = tokenizer_record.read(prefix)
+        return tokenizer_record.read(prefix)
     except tokenizer_record.RecordError as exc:
         raise DataError(f"{flag}: {exc}") from None
-    if record is None:
-        report.without_record.append(prefix)
-    else:
+
+
+def check_prefix(flag: str, prefix: str, facts: IndexFacts, record, args, identity,
+                 vocab_size: int | None, report: DataReport) -> None:
+    """The tokenizer record and the ids of one prefix whose files are there."""
+    if record is not None:
         differences = tokenizer_record.differences(record.tokenizer, identity)
         if differences and not getattr(args, "allow_data_tokenizer_mismatch", False):
             raise DataError(
@@ -284,6 +264,41 @@ def check_prefix(flag: str, prefix: str, args, identity, vocab_size: int | None,
             f"embedding would be indexed past its end{made_with}")
 
 
+SPLIT_NAMES = ("train", "validation", "test")
+
+
+def requested_samples(args) -> tuple[int, int, int]:
+    """The samples megatron asks of each split (its get_train_valid_test_num_samples)."""
+    from megatron.training.training import get_train_valid_test_num_samples
+
+    from megagpt.preflight.schedule_check import global_args
+
+    with global_args(args):
+        counts = get_train_valid_test_num_samples()
+    return tuple(int(c or 0) for c in counts)
+
+
+def check_split_shares(flag: str, prefix: str, facts: IndexFacts, args,
+                       requested: tuple[int, int, int]) -> None:
+    """DataError when a split asked for samples gets none of ``prefix``'s documents."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix, parse_and_normalize_split)
+
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(args.split))
+    n = facts.sequences
+    for name, bookends, wanted in zip(SPLIT_NAMES, matrix, requested):
+        if bookends is None or not wanted:
+            continue
+        # megatron's _build_megatron_dataset_splits: round(share * documents) at both ends
+        documents = int(round(bookends[1] * n)) - int(round(bookends[0] * n))
+        if documents <= 0:
+            raise DataError(
+                f"{flag} {prefix}: --split {args.split} gives the {name} split none of its {n} "
+                f"documents, but megatron asks that split for {wanted} samples and would loop "
+                f"forever building its index; give the {name} split a larger share, more "
+                f"data, or ask it for none" + (" (--eval-iters 0)" if name != "train" else ""))
+
+
 def check_data(args, vocab_size: int | None, log: Callable[[str], None]) -> DataReport:
     """Check every dataset this run reads (see the module docstring); DataError on a problem.
 
@@ -293,21 +308,32 @@ def check_data(args, vocab_size: int | None, log: Callable[[str], None]) -> Data
     sources = data_sources(args)
     if not sources:
         return report
-    identity = run_tokenizer_identity(args, vocab_size)
-    seen = set()
+    # first every prefix's files and record, so that a missing file is named before any
+    # deeper problem of another prefix, and the warning comes before any error
+    found = {}
     for source in sources:
         for prefix in source.prefixes:
-            if prefix in seen:
-                continue
-            seen.add(prefix)
-            check_prefix(source.flag, prefix, args, identity, vocab_size, report)
-            report.prefixes += 1
+            if prefix not in found:
+                facts = read_index(source.flag, prefix)
+                found[prefix] = (source.flag, facts, _read_record(source.flag, prefix))
+    report.prefixes = len(found)
+    report.without_record = [p for p, (_, _, record) in found.items() if record is None]
     if report.without_record:
         shown = ", ".join(report.without_record[:3])
         more = f" and {len(report.without_record) - 3} more" if len(report.without_record) > 3 else ""
         log(f"warning: data: no tokenizer record ({tokenizer_record.SUFFIX}) beside "
             f"{shown}{more} (made before megagpt wrote one, or by another tool): the "
             f"tokenizer it was made with is not checked; its ids are")
+    identity = run_tokenizer_identity(args, vocab_size)
+    # --split divides the --data-path (or --data-args-path) datasets, not per-split ones
+    split_flags = {s.flag for s in sources if s.flag == "--data-path"
+                   or s.flag.startswith("--data-args-path")}
+    requested = (requested_samples(args)
+                 if split_flags and getattr(args, "split", None) is not None else None)
+    for prefix, (flag, facts, record) in found.items():
+        check_prefix(flag, prefix, facts, record, args, identity, vocab_size, report)
+        if requested is not None and flag in split_flags:
+            check_split_shares(flag, prefix, facts, args, requested)
     log(f"data: {report.prefixes} dataset prefix{'es' if report.prefixes != 1 else ''} "
         f"checked (files, tokenizer, ids < {vocab_size})")
     return report

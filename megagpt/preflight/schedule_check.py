@@ -38,7 +38,8 @@ class ScheduleError(UserError, ValueError):
 
 
 @contextlib.contextmanager
-def _global_args(args):
+def global_args(args):
+    """megatron's global args are ``args`` inside (its functions read them with get_args)."""
     from megatron.training import global_vars
 
     saved = global_vars._GLOBAL_ARGS
@@ -106,7 +107,7 @@ def check_schedule(args) -> None:
     run_args = copy.copy(args)  # megatron fills in lr_decay_iters / train_iters on its args
     optimizer = types.SimpleNamespace(param_groups=[{}])
     try:
-        with _global_args(run_args), _quiet():
+        with global_args(run_args), _quiet():
             scheduler = get_optimizer_param_scheduler(optimizer)
             scheduler.step(max(int(scheduler.lr_decay_steps), int(scheduler.wd_incr_steps)))
     except AssertionError as exc:
