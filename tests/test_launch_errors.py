@@ -160,3 +160,12 @@ def test_megatron_assertion_names_its_flags(tmp_path):
                            "pipeline-model-parallel size should be greater than 1")
     assert "given: --pipeline-model-parallel-size 1" in line
     assert "[megatron/training/arguments.py:" in line
+
+
+def test_megatron_config_value_error_names_its_flags(tmp_path):
+    """TransformerConfig checks its fields with ValueErrors, after validate_args passed."""
+    line = one_error_line(run_entry(MOCK + ["--recompute-granularity", "full",
+                                            "--recompute-method", "block"], cwd=tmp_path))
+    assert line.startswith("error: invalid arguments: When using recompute_granularity: full "
+                           "recompute_num_layers must be between 1 and")
+    assert "--recompute-granularity full" in line and "--recompute-num-layers None" in line
