@@ -96,7 +96,7 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     small corpus whose 1/1000 test share is shorter than one sequence) is left out, with a
     log line, rather than handed to megatron's sampler, which stops on an assertion.
     """
-    from megagpt.megatron_errors import explain
+    from megagpt.megatron_errors import explain, raised_by_megatron
     from megagpt.preflight import DataError
 
     dataset_type = MockGPTDataset if mock_data else GPTDataset
@@ -106,6 +106,8 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
             partial(is_dataset_built_on_rank, vp_stage=vp_stage), dataset_config,
         ).build()
     except (AssertionError, ValueError) as exc:  # what the data check did not foresee
+        if not raised_by_megatron(exc):
+            raise
         raise DataError(explain(exc, what="cannot build the datasets")) from None
     return drop_empty_unrequested_splits(datasets, train_val_test_num_samples,
                                          dataset_config.sequence_length)
@@ -297,8 +299,10 @@ def run(args) -> None:
     try:
         model_config, container, choice = build_configs(args)
     except (AssertionError, ValueError) as exc:  # megatron's config dataclasses check here
-        from megagpt.megatron_errors import explain
+        from megagpt.megatron_errors import explain, raised_by_megatron
 
+        if not raised_by_megatron(exc):
+            raise
         raise entry_arguments.ArgumentError(explain(exc, args)) from None
     log(choice.describe())
     if choice.path == gpt_builders.FAST:

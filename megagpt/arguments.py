@@ -190,10 +190,10 @@ def validate_arguments(args, device_arch: int | None = None) -> None:
         with _device_arch_for_validation(device_arch):
             validate_args(args, {})
     except (AssertionError, ValueError) as exc:
-        if isinstance(exc, UserError):
-            raise
-        from megagpt.megatron_errors import explain
+        from megagpt.megatron_errors import explain, raised_by_megatron
 
+        if isinstance(exc, UserError) or not raised_by_megatron(exc):
+            raise
         raise ArgumentError(explain(exc, args)) from None
 
 

@@ -51,6 +51,12 @@ def _flags_by_dest() -> dict[str, str]:
     return flags
 
 
+def raised_by_megatron(exc: BaseException) -> bool:
+    """Whether megatron's code raised ``exc`` (a check on the input); else it is ours, a bug."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and f"{os.sep}megatron{os.sep}" in frames[-1].filename
+
+
 def flag_for(dest: str) -> str | None:
     """The command-line option that sets ``args.<dest>``, or None."""
     return _flags_by_dest().get(dest)

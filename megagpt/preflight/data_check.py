@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -223,9 +223,11 @@ def _tokenizer_flags(args) -> str:
 
 @dataclass
 class DataReport:
+    """What the check found: prefixes checked, those without a record, .bin files read."""
+
     prefixes: int = 0
-    without_record: list = None
-    scanned: list = None
+    without_record: list = field(default_factory=list)
+    scanned: list = field(default_factory=list)
 
 
 def _read_record(flag: str, prefix: str):
@@ -304,7 +306,7 @@ def check_data(args, vocab_size: int | None, log: Callable[[str], None]) -> Data
 
     ``vocab_size``: the run's tokenizer's size, unpadded (None: the ids are not checked).
     """
-    report = DataReport(0, [], [])
+    report = DataReport()
     sources = data_sources(args)
     if not sources:
         return report
