@@ -118,6 +118,10 @@ def check_required_packages(args, installed: Installed) -> None:
             "megatron's local attention (DotProductAttention) cannot split a sequence across "
             "ranks. Install it (pip install 'megagpt[te]') or use tensor/pipeline/data "
             "parallelism instead.")
+    if getattr(args, "fp8", None) and not installed.transformer_engine:
+        raise MissingDependencyError(
+            f"--fp8-format {args.fp8} needs Transformer Engine (its FP8 linears and scaling "
+            "recipes); install it (pip install 'megagpt[te]') or train in bf16")
     if (getattr(args, "layernorm_zero_centered_gamma", False)
             and not installed.transformer_engine and not installed.apex):
         # megatron's torch LayerNorm asserts on it while the model is built, in megatron's

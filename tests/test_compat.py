@@ -87,6 +87,10 @@ def test_settings_megatrons_torch_norm_and_local_experts_cannot_run_are_refused_
     compat.check_required_packages(args, EVERYTHING)
     compat.check_required_packages(megatron_defaults(["--num-experts", "4",
                                                       "--disable-bias-linear"]), NOTHING)
+    args = megatron_defaults(["--fp8-format", "hybrid"])
+    with pytest.raises(compat.MissingDependencyError, match="--fp8-format hybrid needs"):
+        compat.check_required_packages(args, NOTHING)
+    compat.check_required_packages(args, EVERYTHING)
 
 
 def test_rerun_mode_spelling_of_megatrons_parser_reaches_its_enum():
