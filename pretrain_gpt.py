@@ -96,11 +96,19 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     small corpus whose 1/1000 test share is shorter than one sequence) is left out, with a
     log line, rather than handed to megatron's sampler, which stops on an assertion.
     """
+    from megagpt.megatron_errors import explain, raised_by_megatron
+    from megagpt.preflight import DataError
+
     dataset_type = MockGPTDataset if mock_data else GPTDataset
-    datasets = BlendedMegatronDatasetBuilder(
-        dataset_type, train_val_test_num_samples,
-        partial(is_dataset_built_on_rank, vp_stage=vp_stage), dataset_config,
-    ).build()
+    try:
+        datasets = BlendedMegatronDatasetBuilder(
+            dataset_type, train_val_test_num_samples,
+            partial(is_dataset_built_on_rank, vp_stage=vp_stage), dataset_config,
+        ).build()
+    except (AssertionError, ValueError) as exc:  # what the data check did not foresee
+        if not raised_by_megatron(exc):
+            raise
+        raise DataError(explain(exc, what="cannot build the datasets")) from None
     return drop_empty_unrequested_splits(datasets, train_val_test_num_samples,
                                          dataset_config.sequence_length)
 
@@ -288,7 +296,14 @@ def run(args) -> None:
     compat.skip_dataset_helper_compilation()
     # before pretrain builds the optimizer; not at parse time, so a dry run patches nothing
     install_fast_path_patches(args, log)
-    model_config, container, choice = build_configs(args)
+    try:
+        model_config, container, choice = build_configs(args)
+    except (AssertionError, ValueError) as exc:  # megatron's config dataclasses check here
+        from megagpt.megatron_errors import explain, raised_by_megatron
+
+        if not raised_by_megatron(exc):
+            raise
+        raise entry_arguments.ArgumentError(explain(exc, args)) from None
     log(choice.describe())
     if choice.path == gpt_builders.FAST:
         log(describe_fast_spec(args))
@@ -317,10 +332,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             from megagpt.preflight import run_dry_run
             return run_dry_run(args)
-        from megagpt.preflight import check_layout
-        check_layout(args, args.world_size)  # the dry run's checks, with their numbers
+        from megagpt import preflight
+
+        # the dry run's checks, with their numbers, then megatron's; all before any model
+        preflight.check_layout(args, args.world_size)
+        preflight.check_outputs(args)
         entry_arguments.validate_arguments(args, device_arch=0 if args.cpu else None)
         entry_arguments.set_megatron_globals(args)
+        from megatron.training import get_tokenizer
+
+        preflight.check_inputs(args, get_tokenizer().vocab_size, log)
         resilience.prepare(args)  # preemption defaults, --load checks (one-line errors)
         run(args)
     except UserError as exc:

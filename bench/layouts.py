@@ -18,8 +18,7 @@ Layouts (``--layouts``; those that need more GPUs than ``--gpus`` are skipped): 
 ``tp2sp`` (with sequence parallelism), ``pp2``, ``vpp2`` (interleaved pipeline, 2 virtual
 stages per rank), ``dp2`` (distributed optimizer), ``cp2`` (context parallelism at twice the
 sequence; needs Transformer Engine, else "not run" with the entry's reason), ``tp2pp2dp2`` (8
-GPUs). With ``--cpu`` the distributed optimizer is left out (CPU mode refuses it): plain data
-parallelism. Exit status 1 when a run fails, a layout's losses differ from one process's by
+GPUs). Exit status 1 when a run fails, a layout's losses differ from one process's by
 more than ``--tolerance`` (relative), or the resumed run's from the uninterrupted one's.
 """
 
@@ -103,11 +102,6 @@ def parse_log(text: str, skip: int) -> dict:
 
 def run_layout(a, name: str, out_dir: Path, extra: list[str], tag: str = "") -> dict:
     nproc, flags = LAYOUTS[name]
-    note = None
-    if a.cpu and "--use-distributed-optimizer" in flags:
-        # CPU mode refuses megatron's distributed optimizer (it checks for CUDA tensors)
-        flags = [f for f in flags if f != "--use-distributed-optimizer"]
-        note = "CPU: plain data parallelism (no distributed optimizer)"
     cp = 2 if name == "cp2" else 1
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
               "--nproc-per-node", str(nproc), str(ROOT / "pretrain_gpt.py")]
@@ -119,8 +113,6 @@ def run_layout(a, name: str, out_dir: Path, extra: list[str], tag: str = "") -> 
     text, rc, wall_s = run_logged(cmd, out_dir / f"{name}{tag}.log", a.timeout, env)
     res = dict(layout=name, processes=nproc, rc=rc, wall_s=round(wall_s, 1),
                command=shlex.join(cmd))
-    if note:
-        res["note"] = note
     res.update(parse_log(text, a.skip))
     if rc != 0 and "error" in res and not res["losses"]:
         # the entry refused the layout before any work (one "error:" line; torchrun reports

@@ -50,6 +50,10 @@ def rowval(key: str, names: dict | None = None) -> Callable[[dict], str]:
     return cell
 
 
+def fig_row(key: str, decimals: int = 1) -> Callable[[dict], str]:
+    return lambda r: number(r["row"].get(key), decimals)
+
+
 def values_link(record: dict) -> str:
     """A link from docs/benchmarks.md to the record's per-iteration values, if it has them."""
     return f"[csv]({record['data'].removeprefix('docs/')})" if record.get("data") else ""
@@ -75,6 +79,7 @@ PATHS = {"local": "megatron's local spec", "fast": "fast path",
          "reference": "plain PyTorch"}
 PATH_ORDER = {"local": 0, "fast": 1, "reference": 2}
 SHAPE_ORDER = {"tiny": 0, "345M": 1, "1.3B": 2}
+PREPROCESS_TOOLS = {"baseline": "upstream-style baseline", "megagpt": "megagpt"}
 MULTI_GPU_PATHS = {"default": "single-GPU default (full-iteration graph)",
                    "several-GPU": "several-GPU path (per-layer graphs)",
                    "several-GPU eager": "several-GPU path, eager layers"}
@@ -317,6 +322,25 @@ TABLES = (
         sort=lambda r: (r["tool"] != "baseline", r["workers"]),
         summary=lambda r: (f"{r['row']['tool']}, {r['row']['workers']} workers: "
                            f"{number(r['figures'].get('mb_per_s'), 2)} MB/s"),
+    ),
+    Table(
+        "preprocess-end-to-end", "Preprocessing end to end: the command as a user waits for it",
+        "Each tool as a fresh process, start-up and imports included: ours is "
+        "`tools/preprocess_data.py` (GPT-2 BPE with OpenAI's files: no megatron, torch or "
+        "transformers imported; tiktoken and megagpt's writer of megatron's format); the "
+        "baseline is the pipeline of the table above, started the way upstream's tool starts "
+        "(torch, megatron's tokenizer arguments and `indexed_dataset` imported at the top). "
+        "Outputs byte-identical; run in turn, best wall time of each, CPU time of all processes "
+        "of that run (`bench/bench_preprocess.py --end-to-end`).",
+        columns=(("corpus MB", fig_row("corpus_mb")), ("tool", rowval("tool", PREPROCESS_TOOLS)),
+                 ("documents", fig("documents", 0)), ("wall s", fig("wall_s", 2)),
+                 ("CPU s", fig("cpu_s", 2)), ("speed-up (wall)", lambda r: (
+                     number(r["figures"]["speedup"], 1) + "×")
+                  if r["figures"].get("speedup") else "")),
+        sort=lambda r: (r["corpus_mb"], r["tool"] != "baseline"),
+        text_columns=2,
+        summary=lambda r: (f"{r['row']['corpus_mb']} MB, {r['row']['tool']}: "
+                           f"{number(r['figures'].get('wall_s'), 2)} s"),
     ),
 )
 

@@ -43,6 +43,10 @@ def add_entry_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="CPU development mode: gloo, fp32, no GPU needed. For tests, CI "
                             "and laptops, not for speed.")
     _add_dry_run_arguments(group)
+    # read by megagpt.preflight.data_check
+    group.add_argument("--allow-data-tokenizer-mismatch", action="store_true",
+                       help="Train on data whose tokenizer record names another tokenizer "
+                            "than this run's (ids must still fit the vocabulary).")
     from megagpt.fast_spec.settings import add_fast_path_arguments
 
     add_fast_path_arguments(group)
@@ -136,6 +140,10 @@ def parse_arguments(argv: list[str] | None = None,
     compat.check_required_packages(args, installed)
     if args.cpu:
         cpu_mode.adapt_args(args, log)
+    compat.adapt_megatron_quirks(args, log)
+    from megagpt.resilience import async_save
+
+    async_save.adapt_args(args, compat.explicit_flags(argv), log)
     _default_tokenizer(args, argv)
     if args.eval_interval is None:
         # megatron 0.19 has no default and fails deep in training; upstream's was 1000.
@@ -193,17 +201,30 @@ def validate_arguments(args, device_arch: int | None = None) -> None:
     try:
         with _device_arch_for_validation(device_arch):
             validate_args(args, {})
-    except AssertionError as exc:
-        raise ArgumentError(f"invalid arguments: {exc}") from None
+    except (AssertionError, ValueError) as exc:
+        from megagpt.megatron_errors import explain, raised_by_megatron
+
+        if isinstance(exc, UserError) or not raised_by_megatron(exc):
+            raise
+        raise ArgumentError(explain(exc, args)) from None
 
 
 def set_megatron_globals(args) -> None:
-    """Megatron's global args, timers and writers, and our tokenizer (works offline)."""
+    """Megatron's global args, timers and writers, and our tokenizer (works offline).
+
+    The tokenizer's files are checked first and a failed load is one line
+    (``megagpt.data.tokenizer_files``)."""
     from megatron.training import global_vars
     from megatron.training.global_vars import set_global_variables
 
+    from megagpt.data.tokenizer_files import check_tokenizer_files, load_error
+
+    check_tokenizer_files(args)
     set_global_variables(args, build_tokenizer=False)
-    global_vars._GLOBAL_TOKENIZER = build_tokenizer(args)
+    try:
+        global_vars._GLOBAL_TOKENIZER = build_tokenizer(args)
+    except Exception as exc:  # noqa: BLE001 - any failure to load is about the user's files
+        raise load_error(exc, args) from None
 
 
 def build_tokenizer(args):

@@ -119,6 +119,27 @@ def check_required_packages(args, installed: Installed) -> None:
             "megatron's local attention (DotProductAttention) cannot split a sequence across "
             "ranks. Install it (pip install 'megagpt[te]') or use tensor/pipeline/data "
             "parallelism instead.")
+    if getattr(args, "fp8", None) and not installed.transformer_engine:
+        raise MissingDependencyError(
+            f"--fp8-format {args.fp8} needs Transformer Engine (its FP8 linears and scaling "
+            "recipes); install it (pip install 'megagpt[te]') or train in bf16")
+    if (getattr(args, "layernorm_zero_centered_gamma", False)
+            and not installed.transformer_engine and not installed.apex):
+        # megatron's torch LayerNorm asserts on it while the model is built, in megatron's
+        # local spec and the fast spec alike
+        raise MissingDependencyError(
+            "--apply-layernorm-1p needs Transformer Engine or apex: megatron's torch LayerNorm "
+            "has no zero-centred gamma. Install Transformer Engine (pip install 'megagpt[te]') "
+            "or drop the flag.")
+    if (getattr(args, "num_experts", None) and args.add_bias_linear
+            and not installed.transformer_engine):
+        # megatron's SequentialMLP adds each expert's bias in place to the output of its
+        # row-parallel linear, which at this point is a view autograd forbids to modify
+        raise MissingDependencyError(
+            f"--num-experts {args.num_experts} with linear biases needs Transformer Engine: "
+            "megatron's local experts add the bias in place to a view (autograd's RuntimeError "
+            "in the first forward). Add --disable-bias-linear (as MoE models usually do) or "
+            "install Transformer Engine (pip install 'megagpt[te]').")
     if (args.sequence_parallel and (args.tensor_model_parallel_size or 1) > 1
             and not installed.transformer_engine and not installed.apex):
         from megagpt.fast_spec.settings import fast_path_selected
@@ -156,6 +177,21 @@ def adapt_args_to_installed(args, argv: Iterable[str], installed: Installed,
         log(line)
         lines.append(line)
     return lines
+
+
+# megatron 0.19's parser offers --rerun-mode report_stats (RerunStateMachineConfig), but its
+# RerunMode enum names that mode "report_determinism_stats": initialize_megatron's
+# RerunMode(args.rerun_mode) raises ValueError for the parser's spelling.
+RERUN_MODE_SPELLINGS = {"report_stats": "report_determinism_stats"}
+
+
+def adapt_megatron_quirks(args, log: Callable[[str], None]) -> None:
+    """Settings megatron's parser accepts that its own code then rejects."""
+    mode = getattr(args, "rerun_mode", None)
+    if mode in RERUN_MODE_SPELLINGS:
+        args.rerun_mode = RERUN_MODE_SPELLINGS[mode]
+        log(f"compat: --rerun-mode {mode} is megatron's RerunMode {args.rerun_mode!r} (its "
+            "parser and its enum spell it differently)")
 
 
 def skip_dataset_helper_compilation() -> None:

@@ -31,6 +31,11 @@ from megagpt import megatron_wrappers
 from megagpt.errors import UserError
 
 
+# The torch.cuda.memory_stats counters megatron's training_log writes to TensorBoard.
+MEMORY_STAT_KEYS = ("reserved_bytes.all.current", "allocated_bytes.all.current",
+                    "allocated_bytes.all.peak", "allocation.all.current")
+
+
 # ---------------------------------------------------------------------------
 # 1. Device rewriting
 # ---------------------------------------------------------------------------
@@ -153,7 +158,7 @@ def _returning(value):
 def _cuda_stand_ins() -> dict[str, object]:
     props = types.SimpleNamespace(name="cpu", major=0, minor=0, total_memory=0,
                                   multi_processor_count=0)
-    rng_state = lambda: torch.zeros(16, dtype=torch.uint8)  # noqa: E731
+    rng_state = _cuda_rng_state_stand_in
     stand_ins = {
         "device_count": 1,
         "current_device": 0,
@@ -165,7 +170,7 @@ def _cuda_stand_ins() -> dict[str, object]:
         "stream": contextlib.nullcontext,
         "get_rng_state": rng_state,
         "get_rng_state_all": lambda: [rng_state()],
-        "memory_stats": dict,
+        "memory_stats": lambda: dict.fromkeys(MEMORY_STAT_KEYS, 0),
     }
     for zero in ("memory_allocated", "max_memory_allocated", "memory_reserved",
                  "max_memory_reserved"):
@@ -229,19 +234,28 @@ class CpuRngTracker:
             torch.set_rng_state(outer)
 
 
+def _cuda_rng_state_stand_in(*args, **kwargs) -> torch.Tensor:
+    """What megatron's recompute saves as "the CUDA generator's state" on the CPU."""
+    return torch.zeros(16, dtype=torch.uint8)
+
+
 def _install_rng_tracker() -> tuple:
     import megatron.core.tensor_parallel.random as mrandom
 
-    saved = (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
+    saved = (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+             mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state)
     mrandom._CUDA_RNG_STATE_TRACKER = CpuRngTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mrandom._get_cuda_rng_state = _cuda_rng_state_stand_in
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
     return saved
 
 
 def _restore_rng_tracker(saved: tuple) -> None:
     import megatron.core.tensor_parallel.random as mrandom
 
-    mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved
+    (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+     mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state) = saved
 
 
 # ---------------------------------------------------------------------------
@@ -253,8 +267,6 @@ _UNSUPPORTED = (
     ("bf16", "--bf16: bfloat16 training needs a GPU (megatron's mixed-precision optimizer "
              "checks for CUDA tensors); CPU mode trains in fp32"),
     ("fp16", "--fp16: half-precision training needs a GPU; CPU mode trains in fp32"),
-    ("use_distributed_optimizer", "--use-distributed-optimizer: megatron's distributed "
-                                  "optimizer checks for CUDA tensors; drop it in CPU mode"),
     ("fp8", "--fp8-format: FP8 needs Transformer Engine on a GPU"),
 )
 
@@ -303,6 +315,24 @@ def generating():
 
 
 @contextlib.contextmanager
+def _checkpoint_writer_forked():
+    """megatron starts its persistent checkpoint writer through a fork server, or, when it
+    restarts it for the final save, by spawn: fork it instead, so it has these stand-ins."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+
+    original = PersistentAsyncCaller.__dict__["_get_process"]
+
+    def _get_process(cls, rank, mp_mode="spawn", *args, **kwargs):
+        return original.__func__(cls, rank, "fork", *args, **kwargs)
+
+    PersistentAsyncCaller._get_process = classmethod(_get_process)
+    try:
+        yield
+    finally:
+        PersistentAsyncCaller._get_process = original
+
+
+@contextlib.contextmanager
 def active():
     """Run the enclosed megatron code on the CPU (see the module docstring)."""
     import megatron.training.training as mtraining
@@ -329,7 +359,8 @@ def active():
         # torch.compile on a CPU needs a C++ toolchain and minutes of compiling, for no gain
         # in a development run; megatron's jit_fuser and the fast spec then run eagerly.
         torch._dynamo.config.disable = True
-        with megatron_wrappers.wrapped(mtraining, megatron_changes), CudaToCpu():
+        with megatron_wrappers.wrapped(mtraining, megatron_changes), \
+                _checkpoint_writer_forked(), CudaToCpu():
             yield
     finally:
         for name, original in saved_cuda.items():

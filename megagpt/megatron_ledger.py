@@ -288,6 +288,36 @@ LEDGER: tuple[Change, ...] = (
     Change("megatron.training.checkpointing.get_rng_state", COVERS, "megagpt.cpu_mode",
            "torch.cuda.get_rng_state returns the CPU-mode stand-in", CPU_PRETRAIN,
            "2ba966939c46", needle="torch.cuda.get_rng_state()"),
+    Change("megatron.core.tensor_parallel.random._get_cuda_rng_state", REPLACES,
+           "megagpt.cpu_mode",
+           "activation recompute saves a CUDA generator state; in CPU mode a stand-in (the CPU "
+           "generator's state, which dropout draws from here, is saved beside it)",
+           CPU_PRETRAIN, "0c2b8f05b864",
+           needle="torch.cuda.random.get_rng_state(device=device)"),
+    Change("megatron.core.tensor_parallel.random._set_cuda_rng_state", REPLACES,
+           "megagpt.cpu_mode",
+           "activation recompute restores the CUDA generator state it saved; in CPU mode there "
+           "is none to restore", CPU_PRETRAIN, "dea947ca0b7d"),
+    Change(T + "training_log", COVERS, "megagpt.cpu_mode",
+           "--log-memory-to-tensorboard: torch.cuda.memory_stats reports zeros for the "
+           "counters megatron logs", CPU_PRETRAIN, "7e7ebec01bcf",
+           needle='mem_stats["reserved_bytes.all.current"]'),
+    Change("megatron.training.initialize.initialize_megatron", COVERS, "megagpt.cpu_mode",
+           "--async-save: the persistent checkpoint writer is forked, so it inherits CPU "
+           "mode's stand-ins (a fork server's fresh interpreter has none)", CPU_PRETRAIN,
+           "1894d53ca729", needle="init_persistent_async_worker(args.rank, 'forkserver')"),
+    Change("megatron.core.dist_checkpointing.strategies.async_utils.PersistentAsyncCaller._get_process", REPLACES, "megagpt.cpu_mode",
+           "it starts the writer by fork server or spawn; CPU mode's stand-ins reach it only "
+           "in a forked process, so it forks", CPU_PRETRAIN, "d3c7da2097b2"),
+    Change("megatron.core.dist_checkpointing.strategies.async_utils.PersistentAsyncCaller.schedule_async_call", COVERS, "megagpt.cpu_mode",
+           "the writer restarted for the final save (megatron closes it when train() returns) "
+           "is forked too, not spawned", CPU_PRETRAIN, "efde49dd9b99",
+           needle="PersistentAsyncCaller._get_process(torch.distributed.get_rank())"),
+    Change("megatron.core.dist_checkpointing.strategies.async_utils.PersistentAsyncCaller.async_loop", COVERS, "megagpt.cpu_mode",
+           "the forked writer sees torch.cuda.device_count() == 1 (0 without CPU mode: a "
+           "division by zero, after which the trainer waits for the writer forever)",
+           CPU_PRETRAIN, "79e2ad6d3941",
+           needle="torch.cuda.set_device(rank % torch.cuda.device_count())"),
     Change("megatron.core.inference.text_generation_controllers.text_generation_controller."
            "TextGenerationController.__init__", COVERS, "megagpt.cpu_mode",
            "generating(): the current device is named 'cpu', which torch.Generator takes",

@@ -255,3 +255,18 @@ def embedded_corpus_flags():
     from bench_throughput import corpus_data_flags
 
     return fetched_or_skip(corpus_data_flags, "embedded corpus")
+
+
+@pytest.mark.slow
+def test_bench_preprocess_end_to_end_times_both_commands_with_identical_outputs(gpt2, tmp_path):
+    import subprocess
+
+    from megagpt.data.corpus import ensure_embedded_dataset
+
+    fetched_or_skip(ensure_embedded_dataset, "the embedded corpus")
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "bench_preprocess.py"),
+                        "--end-to-end", "--mb", "0.05", "--repeat", "1", "--workers", "1",
+                        "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "outputs byte-identical: True" in r.stdout
+    assert "| megagpt: tools/preprocess_data.py |" in r.stdout

@@ -29,7 +29,7 @@ def test_no_fast_spec_falls_back_to_local_and_says_why():
 
 
 def test_experts_use_the_moe_block_spec():
-    assert choose("--num-experts", "4").path == gpt_builders.MOE_BLOCK
+    assert choose("--num-experts", "4", "--disable-bias-linear").path == gpt_builders.MOE_BLOCK
 
 
 def test_user_spec_is_left_to_megatron():

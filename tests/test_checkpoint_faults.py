@@ -231,12 +231,12 @@ def test_mismatch_found_by_megatrons_loader_is_one_line_too(ckpt, tmp_path):
     assert "shape" in line.lower()
 
 
-def _kill_during_second_save(work):
+def _kill_during_second_save(work, extra=()):
     """Train with saves every 2 iterations; SIGKILL the run as soon as the save of
     iteration 4 has created its directory. The command, and whether the kill was in time."""
     ckpt = work / "ckpt"
     command = TINY_MODEL + NO_DROPOUT + ["--train-iters", "100", "--save", str(ckpt),
-                                         "--load", str(ckpt), "--save-interval", "2"]
+                                         "--load", str(ckpt), "--save-interval", "2", *extra]
     log = work / "killed.log"
     proc = start_entry(command, work, log)
     try:
@@ -252,11 +252,14 @@ def _kill_during_second_save(work):
 
 
 @pytest.mark.slow
-def test_kill_during_save_resumes_from_previous_complete(tmp_path):
+@pytest.mark.parametrize("saving", [[], ["--async-save"]], ids=["sync", "async"])
+def test_kill_during_save_resumes_from_previous_complete(tmp_path, saving):
+    """With --async-save the writer process writes the shards and the trainer finalizes
+    later (metadata.json, then the tracker): a kill in between is the same partial save."""
     for attempt in range(3):  # the save takes a fraction of a second: the kill may be late
         work = tmp_path / f"attempt{attempt}"
         work.mkdir()
-        command, in_time = _kill_during_second_save(work)
+        command, in_time = _kill_during_second_save(work, saving)
         if in_time:
             break
     assert in_time, "the kill never landed during the save"

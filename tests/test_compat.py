@@ -72,10 +72,36 @@ def test_sequence_parallelism_without_te_or_apex_needs_the_fast_spec():
         return args
 
     compat.check_required_packages(plain_install(), NOTHING)  # the fast spec serves it
-    for args in (plain_install(fast_spec=False), plain_install(["--num-experts", "4"])):
+    moe = plain_install(["--num-experts", "4", "--disable-bias-linear"])
+    for args in (plain_install(fast_spec=False), moe):
         with pytest.raises(compat.MissingDependencyError, match="--sequence-parallel without"):
             compat.check_required_packages(args, NOTHING)
         compat.check_required_packages(args, EVERYTHING)  # TE's or apex's norms serve it
+
+
+def test_settings_megatrons_torch_norm_and_local_experts_cannot_run_are_refused_early():
+    args = megatron_defaults(["--apply-layernorm-1p"])
+    with pytest.raises(compat.MissingDependencyError, match="--apply-layernorm-1p needs"):
+        compat.check_required_packages(args, NOTHING)
+    compat.check_required_packages(args, EVERYTHING)
+    args = megatron_defaults(["--num-experts", "4"])  # megatron's default: linear biases on
+    with pytest.raises(compat.MissingDependencyError, match="--disable-bias-linear"):
+        compat.check_required_packages(args, NOTHING)
+    compat.check_required_packages(args, EVERYTHING)
+    compat.check_required_packages(megatron_defaults(["--num-experts", "4",
+                                                      "--disable-bias-linear"]), NOTHING)
+    args = megatron_defaults(["--fp8-format", "hybrid"])
+    with pytest.raises(compat.MissingDependencyError, match="--fp8-format hybrid needs"):
+        compat.check_required_packages(args, NOTHING)
+    compat.check_required_packages(args, EVERYTHING)
+
+
+def test_rerun_mode_spelling_of_megatrons_parser_reaches_its_enum():
+    from megatron.core.rerun_state_machine import RerunMode
+
+    args, lines = megatron_defaults(["--rerun-mode", "report_stats"]), []
+    compat.adapt_megatron_quirks(args, lines.append)
+    assert RerunMode(args.rerun_mode) is RerunMode.REPORT_DETERMINISM_STATS and len(lines) == 1
 
 
 def test_context_parallelism_without_transformer_engine_is_refused_early():

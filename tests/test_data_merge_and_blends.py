@@ -48,6 +48,22 @@ def test_merge_keeps_order_and_every_document(tmp_path, capsys):
     assert expand_prefixes([str(tmp_path / "m")]) == [out]
 
 
+def test_merged_data_keeps_the_tokenizer_record_its_inputs_agree_on(tmp_path, capsys):
+    from megagpt.data import tokenizer_record
+
+    a = null_dataset(tmp_path, "a", [[1, 2, 3], [4]])
+    b = null_dataset(tmp_path, "b", [[5, 999]])
+    out = str(tmp_path / "ab")
+    merge_datasets([a, b], out)
+    record = tokenizer_record.read(out)
+    assert record.tokenizer == tokenizer_record.read(a).tokenizer
+    assert (record.max_token_id, record.documents, record.tokens) == (999, 3, 6)
+    other = null_dataset(tmp_path, "c", [[7]], vocab_size=2000)  # another vocabulary
+    assert merge_main(["--input", a, other, "--output-prefix", out]) == 0
+    assert "no tokenizer record written" in capsys.readouterr().err
+    assert tokenizer_record.read(out) is None  # the earlier output's record is gone
+
+
 def test_merge_refuses_bad_inputs_without_writing(tmp_path, capsys):
     a = null_dataset(tmp_path, "a", [[1, 2]])
     big = null_dataset(tmp_path, "big", [[69999]], vocab_size=70000)

@@ -323,3 +323,36 @@ def test_gpt2_without_files_uses_the_cached_ones(tmp_path, gpt2, capsys):
     assert f"GPT-2 files: {gpt2.vocab_file}, {gpt2.merge_file}" in err
     preprocess(src, tmp_path / "e", workers=1, **gpt2_opts(gpt2))
     assert (tmp_path / "d_text_document.bin").read_bytes() == (tmp_path / "e_text_document.bin").read_bytes()
+
+
+def test_gpt2_start_up_imports_no_torch_megatron_or_transformers(tmp_path, gpt2):
+    """With OpenAI's GPT-2 files the tool runs on tiktoken and numpy alone: megatron,
+    torch and transformers cost seconds to import and are not needed."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in TEXTS])
+    code = (
+        "import sys\n"
+        "from megagpt.data.preprocess import main\n"
+        f"rc = main(['--input', {src!r}, '--output-prefix', {str(tmp_path / 'o')!r},"
+        f" '--vocab-file', {gpt2.vocab_file!r}, '--merge-file', {gpt2.merge_file!r},"
+        " '--append-eod', '--workers', '2', '--log-interval', '0'])\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'megatron', 'transformers'})\n"
+        "print('heavy:', heavy); sys.exit(rc)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "heavy: []" in r.stdout
+    assert "encoder: tiktoken (OpenAI's GPT-2 files, pinned)" in r.stderr
+    # the same bytes as the path through the megatron tokenizer, taken for the same vocabulary
+    # written out again (same tokens, another sha256: not the pinned file)
+    vocab = tmp_path / "vocab.json"
+    vocab.write_text(json.dumps(json.load(open(gpt2.vocab_file, encoding="utf-8")), indent=0))
+    r2 = preprocess(src, tmp_path / "m", append_eod=True, workers=2,
+                    **gpt2_opts(gpt2) | {"vocab_file": str(vocab)})
+    assert r2.encoder == "tiktoken (GPT-2 files)"  # checked against the megatron tokenizer
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"o_text_document{ext}").read_bytes() == \
+            (tmp_path / f"m_text_document{ext}").read_bytes()
+    # a flag only megatron's parser knows still works: the whole command goes to it
+    assert main(["--input", src, "--output-prefix", str(tmp_path / "v"), "--vocab-file",
+                 gpt2.vocab_file, "--merge-file", gpt2.merge_file, "--workers", "1",
+                 "--log-interval", "0", "--tokenizer-hf-no-use-fast"]) == 0

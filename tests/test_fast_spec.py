@@ -659,7 +659,7 @@ def test_graph_asked_for_on_several_gpus(restore_optimizer, monkeypatch):
         _resolved([], cuda_graph_impl="full_iteration", overlap_param_gather=True,
                   check_for_nan_in_loss_and_grad=False)
     # by default on one GPU the graph gives way to --overlap-param-gather (and per-layer
-    # graphs, not yet measured with it, stay off)
+    # graphs, which hold the fused layer, stay off with it)
     args, lines = _resolved([], overlap_param_gather=True, use_distributed_optimizer=True)
     assert not args.fast_cuda_graph and args.cuda_graph_impl == "none"
     assert any("full-iteration CUDA graph off: --overlap-param-gather" in line

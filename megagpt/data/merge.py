@@ -16,6 +16,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from megagpt.data import tokenizer_record
+
 
 class MergeError(Exception):
     """Bad merge input or output (one line)."""
@@ -28,6 +30,7 @@ class MergeResult:
     documents: int
     tokens: int
     dtype: str
+    tokenizer_record: bool = False  # whether the output has one (the inputs agree on it)
 
 
 def _strip(path: str) -> str:
@@ -72,6 +75,24 @@ def _describe(prefix: str):
     return idx.dtype, len(idx.document_indices) - 1, tokens
 
 
+def merged_record(prefixes: list[str], dtype_name: str, documents: int, tokens: int):
+    """The tokenizer record of the merged dataset: the inputs' tokenizer when every input has
+    a record naming the same one, else None (the training entry then warns about the data)."""
+    from megagpt.data import tokenizer_record
+
+    try:
+        records = [tokenizer_record.read(p) for p in prefixes]
+    except tokenizer_record.RecordError as e:
+        raise MergeError(str(e)) from None
+    if any(r is None for r in records) or any(r.tokenizer != records[0].tokenizer
+                                              for r in records):
+        return None
+    tops = [r.max_token_id for r in records]
+    return tokenizer_record.DataRecord(
+        records[0].tokenizer, None if None in tops else max(tops), dtype_name, documents,
+        tokens, all(r.append_eod for r in records))
+
+
 def merge_datasets(prefixes: list[str], output_prefix: str) -> MergeResult:
     """Merge ``prefixes`` (in order) into ``output_prefix.bin/.idx``; returns counts."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
@@ -91,28 +112,37 @@ def merge_datasets(prefixes: list[str], output_prefix: str) -> MergeResult:
             listing = ", ".join(f"{p} ({d.__name__})" for p, d, _, _ in described)
             raise MergeError(f"inputs have different token dtypes: {listing}")
         dtype = dtypes.pop()
+        docs = sum(n for _, _, n, _ in described)
+        tokens = sum(t for _, _, _, t in described)
+        record = merged_record(prefixes, dtype.__name__, docs, tokens)
         tmp = f"{output_prefix}.tmp-{os.getpid()}"
+        record_path = tokenizer_record.record_path
         try:
             os.makedirs(os.path.dirname(out_abs), exist_ok=True)
             builder = IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
             for p, *_ in described:
                 builder.add_index(p)
             builder.finalize(tmp + ".idx")
+            if record is not None:
+                tokenizer_record.write(tmp, record)
             os.replace(tmp + ".bin", output_prefix + ".bin")
             os.replace(tmp + ".idx", output_prefix + ".idx")
+            if record is not None:  # last: a dataset with a record is whole
+                os.replace(record_path(tmp), record_path(output_prefix))
+            else:  # an earlier output's record would describe other data
+                Path(record_path(output_prefix)).unlink(missing_ok=True)
         except OSError as e:
             raise MergeError(f"{output_prefix}: cannot write: {e.strerror or e}") from None
         finally:
-            for ext in (".bin", ".idx"):
+            for ext in (".bin", ".idx", tokenizer_record.SUFFIX):
                 Path(tmp + ext).unlink(missing_ok=True)
-        docs = sum(n for _, _, n, _ in described)
-        tokens = sum(t for _, _, _, t in described)
         merged = IndexedDataset(output_prefix)
         if len(merged.document_indices) - 1 != docs:  # pragma: no cover
             raise RuntimeError("merged document count differs from the inputs' sum")
     finally:
         quiet.setLevel(level)
-    return MergeResult(output_prefix, list(prefixes), docs, tokens, dtype.__name__)
+    return MergeResult(output_prefix, list(prefixes), docs, tokens, dtype.__name__,
+                       record is not None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,6 +167,9 @@ def main(argv=None) -> int:
         return 2
     print(f"[merge] {len(r.inputs)} datasets -> {r.prefix}.bin/.idx: {r.documents:,} documents, "
           f"{r.tokens:,} tokens ({r.dtype})", file=sys.stderr)
+    if not r.tokenizer_record:
+        print("[merge] no tokenizer record written: an input has none, or they name different "
+              "tokenizers", file=sys.stderr)
     return 0
 
 

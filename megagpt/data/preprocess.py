@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megagpt.data import readers
+from megagpt.data import indexed_format, readers, tokenizer_record
 from megagpt.data.progress import Progress, Stats, summary_lines
 from megagpt.data.readers import EMPTY_DOCUMENT, BLANK_LINE, InputError
 
@@ -42,11 +42,17 @@ class OutputError(Exception):
     """The output cannot be written, or the tokenizer cannot be set up (exit code 1)."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from megagpt.data.tokenizers import add_tokenizer_args
+# The tokenizer flags the light parser knows; any other (megatron's whole tokenizer group)
+# makes the command line be parsed by megatron's own parser, which imports megatron.
+LIGHT_TOKENIZER_FLAGS = ("--tokenizer-type", "--vocab-file", "--merge-file")
+GPT2_TYPE = "GPT2BPETokenizer"
 
+
+def build_parser(light: bool = False) -> argparse.ArgumentParser:
+    """The command line: with megatron's tokenizer flags, or (``light``) only the three a
+    GPT-2 BPE run needs, so that parsing imports no megatron (seconds of start-up)."""
     p = argparse.ArgumentParser(
-        prog="megagpt-preprocess",
+        prog="megagpt-preprocess", allow_abbrev=not light,
         description="Tokenize jsonl / text files into Megatron indexed datasets "
                     "({output-prefix}_{key}_document.bin/.idx).")
     g = p.add_argument_group("input data")
@@ -61,8 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--skip-bad-lines", action="store_true",
                    help="skip bad records (malformed JSON, missing key, non-string value, invalid "
                         "UTF-8, empty document) and count them per reason, instead of failing")
-    add_tokenizer_args(p)
-    p.set_defaults(tokenizer_type="GPT2BPETokenizer")
+    if light:
+        g = p.add_argument_group("tokenizer")
+        for flag in LIGHT_TOKENIZER_FLAGS:
+            g.add_argument(flag, type=str, default=None)
+    else:
+        from megagpt.data.tokenizers import add_tokenizer_args
+
+        add_tokenizer_args(p)
+    p.set_defaults(tokenizer_type=GPT2_TYPE)
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True,
                    help="path prefix; writes {prefix}_{key}_document.bin and .idx")
@@ -77,6 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=int, default=1000,
                    help="print a progress line every this many documents (0: never)")
     return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, parsed without megatron when only GPT-2 BPE flags are given."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not {"-h", "--help"} & set(argv):
+        args, rest = build_parser(light=True).parse_known_args(argv)
+        if not rest and args.tokenizer_type == GPT2_TYPE:
+            return args
+    return build_parser().parse_args(argv)
 
 
 # --------------------------------------------------------------------------- worker side
@@ -99,6 +122,7 @@ class ChunkResult:
     ids: list  # per key: all documents' ids, concatenated, in the output dtype
     lengths: list  # per key: each document's length (EOD included)
     empty_file: bool = False
+    max_ids: list = field(default_factory=list)  # per key: the largest id, -1 if none
 
 
 def _encode_chunk(chunk: readers.Chunk) -> ChunkResult:
@@ -119,7 +143,7 @@ def _encode_chunk(chunk: readers.Chunk) -> ChunkResult:
     empty = {j for docs in encoded for j, a in enumerate(docs) if len(a) == 0}
     bad.extend((lines[j], EMPTY_DOCUMENT, "the text has no tokens") for j in sorted(empty))
     bad.sort(key=lambda b: b[0])
-    ids, lengths = [], []
+    ids, lengths, max_ids = [], [], []
     eod = np.array([_W["eod"]], dtype=np.int64) if _W["append_eod"] else None
     info = np.iinfo(dtype)
     for docs in encoded:
@@ -134,7 +158,9 @@ def _encode_chunk(chunk: readers.Chunk) -> ChunkResult:
                              f"(min {flat.min()}, max {flat.max()})")
         ids.append(flat.astype(dtype, copy=False))
         lengths.append(lens)
-    return ChunkResult(chunk.source, len(chunk.payloads), chunk.nbytes, bad, ids, lengths)
+        max_ids.append(int(flat.max()) if flat.size else -1)
+    return ChunkResult(chunk.source, len(chunk.payloads), chunk.nbytes, bad, ids, lengths,
+                       max_ids=max_ids)
 
 
 # --------------------------------------------------------------------------- main side
@@ -175,6 +201,64 @@ def _validate(args) -> None:
         raise InputError(f"--json-keys has duplicates: {args.json_keys}")
 
 
+@dataclass
+class TokenizerSetup:
+    """What the pipeline needs of the tokenizer."""
+
+    vocab_size: int
+    eod: int | None
+    encoder: object  # .encode_batch(texts) -> arrays of ids; .name
+    targs: argparse.Namespace  # the tokenizer's arguments, files resolved (for the record)
+
+
+def _pinned_gpt2(args) -> TokenizerSetup | None:
+    """GPT-2 BPE from OpenAI's files (sha256-pinned) through tiktoken, without loading the
+    megatron tokenizer: for these files the two give the same ids, which the test suite
+    checks (tests/test_data_tokenizers.py), so megatron and transformers need not be
+    imported. None for any other tokenizer, files or option."""
+    from megagpt.data import gpt2_files
+    from megagpt.data.cache import sha256_file
+
+    if args.tokenizer_type != GPT2_TYPE or getattr(args, "special_tokens", None) \
+            or getattr(args, "vocab_extra_ids", 0):
+        return None
+    vocab, merges = args.vocab_file, args.merge_file
+    if not (vocab or merges):
+        try:
+            files = gpt2_files.ensure_gpt2_files()
+        except Exception as e:
+            raise OutputError(f"cannot fetch the GPT-2 files: {e}") from None
+        vocab, merges = files.vocab_file, files.merge_file
+    if not (vocab and merges and os.path.isfile(vocab) and os.path.isfile(merges)):
+        return None  # the full path says what is wrong with them
+    if (sha256_file(vocab), sha256_file(merges)) != (gpt2_files.VOCAB_SHA256,
+                                                     gpt2_files.MERGES_SHA256):
+        return None
+    from megagpt.data.tokenizers import TiktokenEncoder, gpt2_tiktoken_encoding
+
+    encoding = gpt2_tiktoken_encoding(vocab, merges)
+    if encoding is None:  # pragma: no cover - the pinned files always fit tiktoken
+        return None
+    targs = argparse.Namespace(**vars(args))
+    targs.vocab_file, targs.merge_file = vocab, merges
+    encoder = TiktokenEncoder(encoding)
+    encoder.name = "tiktoken (OpenAI's GPT-2 files, pinned)"
+    return TokenizerSetup(gpt2_files.GPT2_VOCAB_SIZE, gpt2_files.GPT2_EOD, encoder, targs)
+
+
+def _tokenizer_setup(args) -> TokenizerSetup:
+    setup = _pinned_gpt2(args)
+    if setup is None:
+        from megagpt.data.tokenizers import fast_encoder_for
+
+        tokenizer, targs = _load_tokenizer(args)
+        setup = TokenizerSetup(tokenizer.vocab_size, getattr(tokenizer, "eod", None),
+                               fast_encoder_for(tokenizer, targs), targs)
+    if args.append_eod and setup.eod is None:
+        raise InputError(f"--append-eod: tokenizer {args.tokenizer_type} has no end-of-document token")
+    return setup
+
+
 def _load_tokenizer(args):
     from megagpt.data.tokenizers import build_tokenizer, complete_namespace
 
@@ -194,26 +278,20 @@ def _load_tokenizer(args):
     except Exception as e:  # megatron raises many kinds; the user needs the one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise OutputError(f"cannot load tokenizer {args.tokenizer_type}: {first}") from None
-    if args.append_eod and getattr(tokenizer, "eod", None) is None:
-        raise InputError(f"--append-eod: tokenizer {args.tokenizer_type} has no end-of-document token")
     return tokenizer, targs
 
 
 def run(args: argparse.Namespace, stream=None) -> PreprocessResult:
     """The whole pipeline for parsed ``args`` (see ``build_parser``). Raises InputError/OutputError."""
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
-
-    from megagpt.data.tokenizers import fast_encoder_for
-
     stream = stream or sys.stderr
     _validate(args)
     paths = readers.expand_inputs(args.input)
     _check_output_dir(args.output_prefix)
     if args.workers > 1:  # HF's Rust thread pool and fork() do not mix; workers give parallelism
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    tokenizer, targs = _load_tokenizer(args)
-    encoder = fast_encoder_for(tokenizer, targs)
-    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    setup = _tokenizer_setup(args)
+    targs, encoder = setup.targs, setup.encoder
+    dtype = indexed_format.optimal_dtype(setup.vocab_size)
     keys = list(args.json_keys)
     kinds = {readers.detect_kind(p, args.input_format) for p in paths}
     if readers.TXT in kinds and len(keys) != 1:
@@ -225,21 +303,23 @@ def run(args: argparse.Namespace, stream=None) -> PreprocessResult:
     if targs.vocab_file and not args.vocab_file:
         print(f"[preprocess] GPT-2 files: {targs.vocab_file}, {targs.merge_file}", file=stream)
     print(f"[preprocess] {len(paths)} input file(s) -> {args.output_prefix}_{{{','.join(keys)}}}"
-          f"_document; tokenizer {args.tokenizer_type} (vocab {tokenizer.vocab_size}, "
+          f"_document; tokenizer {args.tokenizer_type} (vocab {setup.vocab_size}, "
           f"{np.dtype(dtype).name}), encoder: {encoder.name}, workers {args.workers}", file=stream)
 
     finals = _output_paths(args.output_prefix, keys)
     tmp = {k: f"{p}.tmp-{os.getpid()}" for k, p in finals.items()}
     state = {"keys": keys, "encoder": encoder, "dtype": dtype, "append_eod": args.append_eod,
-             "eod": tokenizer.eod if args.append_eod else None}
+             "eod": setup.eod if args.append_eod else None}
     stats = Stats()
+    max_ids = dict.fromkeys(keys, -1)  # per key, for the tokenizer record
+    key_tokens = dict.fromkeys(keys, 0)
     progress = Progress(stats, args.log_interval, stream)
     pool = None
     builders = {}
     done = False
     try:
         try:
-            builders = {k: IndexedDatasetBuilder(tmp[k] + ".bin", dtype=dtype) for k in keys}
+            builders = {k: indexed_format.IndexedWriter(tmp[k] + ".bin", dtype) for k in keys}
         except OSError as e:
             raise OutputError(f"{tmp[keys[0]]}.bin: cannot create: {e.strerror or e}") from None
 
@@ -257,12 +337,12 @@ def run(args: argparse.Namespace, stream=None) -> PreprocessResult:
                 stats.skipped[reason] += 1
             stats.records += res.n_records
             stats.bytes_in += res.n_bytes
+            for k, top in zip(keys, res.max_ids):
+                max_ids[k] = max(max_ids[k], top)
             for k, ids, lens in zip(keys, res.ids, res.lengths):
-                b, offset = builders[k], 0
-                for n in lens.tolist():
-                    b.add_document(ids[offset:offset + n], [n])
-                    offset += n
-                stats.tokens += offset
+                builders[k].add_documents(ids, lens)
+                stats.tokens += len(ids)
+                key_tokens[k] += len(ids)
             stats.documents += len(res.lengths[0]) if res.lengths else 0
             progress.update()
 
@@ -286,12 +366,19 @@ def run(args: argparse.Namespace, stream=None) -> PreprocessResult:
         progress.close()
         if not stats.balanced():  # pragma: no cover - a bug, not bad input
             raise RuntimeError(f"invariant broken: {stats}")
+        identity = tokenizer_record.TokenizerIdentity.of(targs, setup.vocab_size)
         try:
             for k in keys:
                 builders[k].finalize(tmp[k] + ".idx")
-            for k in keys:
+                record = tokenizer_record.DataRecord(
+                    identity, max_ids[k] if max_ids[k] >= 0 else None, np.dtype(dtype).name,
+                    stats.documents, key_tokens[k], bool(args.append_eod))
+                tokenizer_record.write(tmp[k], record)
+            for k in keys:  # the record last: a dataset with a record is whole
                 os.replace(tmp[k] + ".bin", finals[k] + ".bin")
                 os.replace(tmp[k] + ".idx", finals[k] + ".idx")
+                os.replace(tokenizer_record.record_path(tmp[k]),
+                           tokenizer_record.record_path(finals[k]))
         except OSError as e:
             raise OutputError(f"{args.output_prefix}: cannot finish output: {e.strerror or e}") from None
         done = True
@@ -303,14 +390,15 @@ def run(args: argparse.Namespace, stream=None) -> PreprocessResult:
             for b in builders.values():
                 b.data_file.close()
             for k in keys:
-                for ext in (".bin", ".idx"):
+                for ext in (".bin", ".idx", tokenizer_record.SUFFIX):
                     Path(tmp[k] + ext).unlink(missing_ok=True)
 
-    for k in keys:  # the outputs must load, with every document
-        with quiet_megatron_logs():
-            n = len(IndexedDataset(finals[k]).document_indices) - 1
-        if n != stats.documents:  # pragma: no cover
-            raise RuntimeError(f"{finals[k]}: {n} documents on disk, {stats.documents} written")
+    for k in keys:  # the outputs must read back, with every document
+        facts = indexed_format.read_index(finals[k] + ".idx")
+        if facts.document_count != stats.documents or \
+                os.path.getsize(finals[k] + ".bin") != facts.bin_bytes:  # pragma: no cover
+            raise RuntimeError(f"{finals[k]}: {facts.document_count} documents on disk, "
+                               f"{stats.documents} written")
     seconds = progress.elapsed()
     sizes = {finals[k] + ext: os.path.getsize(finals[k] + ext) for k in keys for ext in (".bin", ".idx")}
     lines = summary_lines(stats, unit, sizes, seconds, np.dtype(dtype).name)
@@ -326,7 +414,10 @@ def preprocess(input, output_prefix: str, **options) -> PreprocessResult:
     ``tokenizer_type=...``, ``skip_bad_lines=True``, ``log_interval=0``, ...).
     """
     stream = options.pop("stream", None)
-    args = build_parser().parse_args(["--input", "x", "--output-prefix", "x"])
+    light = build_parser(light=True).parse_args(["--input", "x", "--output-prefix", "x"])
+    known = set(vars(light))
+    parser = build_parser(light=all(k in known for k in options))
+    args = parser.parse_args(["--input", "x", "--output-prefix", "x"])
     args.input = [input] if isinstance(input, (str, os.PathLike)) else list(input)
     args.input = [str(p) for p in args.input]
     args.output_prefix = str(output_prefix)
@@ -357,7 +448,7 @@ def quiet_imports() -> None:
 
 def main(argv=None) -> int:
     quiet_imports()
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         run(args)
     except InputError as e:

@@ -323,7 +323,8 @@ def layer_graphs_unsupported_reason(args) -> Optional[str]:
     if not fast_path_selected(args):
         return "the fast spec is not used"
     if not getattr(args, "fast_spec_fused_layer", True):
-        return "the fused layer is off (--no-fast-spec-fused-layer)"
+        return ("the fused layer is off (--no-fast-spec-fused-layer, or --overlap-param-gather; "
+                "megatron's own --cuda-graph-impl local graphs megatron's layer)")
     impl = getattr(args, "cuda_graph_impl", "none") or "none"
     if impl == "full_iteration":
         return "the full-iteration CUDA graph holds the whole step"
@@ -351,9 +352,6 @@ def layer_graphs_default_off_reason(args) -> Optional[str]:
     if (getattr(args, "pipeline_model_parallel_size", 1) or 1) != 1:
         return ("pipeline parallelism (one set of graphs and buffers per micro-batch in "
                 "flight: --fast-layer-graphs asks for them)")
-    if getattr(args, "overlap_param_gather", False):
-        return ("--overlap-param-gather (megatron's graph manager runs its all-gather hooks "
-                "before each replay; not yet measured: --fast-layer-graphs asks for them)")
     return None
 
 
@@ -454,6 +452,17 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
     ):
         if not hasattr(args, name):
             setattr(args, name, default)
+
+    # --- fused layer and overlapped parameter gathers -------------------------------------
+    # With --overlap-param-gather, megatron's DDP waits for each bucket's all-gather in a
+    # forward pre-hook of the module that owns the parameters; the fused layer reads its
+    # weights without calling those modules, so with several buckets the waits never run
+    # (on two CPU ranks: "assert self.param_gather_handle is None" at the third step).
+    if (getattr(args, "overlap_param_gather", False) and args.fast_spec_fused_layer
+            and fast_path_selected(args)):
+        args.fast_spec_fused_layer = False
+        log("fast spec: fused layer off: --overlap-param-gather waits for each parameter "
+            "bucket in its modules' forward pre-hooks, which the fused layer does not call")
 
     # --- full-iteration CUDA graph ---------------------------------------------------
     if args.fast_cuda_graph is None:

@@ -1,10 +1,11 @@
 """``--dry-run``: check a launch and print its plan without a GPU or a process group.
 
-Order: our layout checks (clear numbers) → megatron's validate_args (at the intended world
-size, with the GPU's arch given rather than asked of CUDA) → the plan: layout, batch,
-parameters, memory, FLOPs. A layout that cannot run, or whose memory estimate exceeds the
-GPU, exits non-zero with a message that names the numbers. The resolved configuration as
-YAML goes to ``--dry-run-yaml FILE`` (``-``: printed after the plan), never in its way.
+Order: our layout checks (clear numbers) → outputs and tokenizer files → megatron's
+validate_args (at the intended world size, with the GPU's arch given rather than asked of
+CUDA) → the learning-rate schedule and the data → the plan: layout, batch, parameters,
+memory, FLOPs. A layout that cannot run, or whose memory estimate exceeds the GPU, exits
+non-zero with a message that names the numbers. The resolved configuration as YAML goes to
+``--dry-run-yaml FILE`` (``-``: printed after the plan), never in its way.
 """
 
 from __future__ import annotations
@@ -18,10 +19,15 @@ from dataclasses import dataclass
 
 import yaml
 
+from megagpt.log import log
 from megagpt.preflight import estimate as est
 from megagpt.preflight.checks import LayoutError, check_layout, model_parallel_size
 from megagpt.arguments import build_tokenizer, validate_arguments
+from megagpt.data.tokenizer_files import check_tokenizer_files
 from megagpt.gpus import Gpu, resolve_gpu
+from megagpt.preflight.data_check import check_data
+from megagpt.preflight.output_check import check_outputs
+from megagpt.preflight.schedule_check import check_schedule
 
 
 class MemoryBudgetError(LayoutError):
@@ -36,14 +42,8 @@ def dry_run_world_size(args) -> int:
 
 def _validate(args, gpu: Gpu) -> None:
     """megatron's validate_args at the planned size; its argument table is kept quiet."""
-    captured = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(captured):
-            validate_arguments(args, device_arch=gpu.arch)
-    except ValueError as exc:  # megatron raises a few ValueErrors besides its assertions
-        if isinstance(exc, LayoutError) or type(exc).__module__.startswith("megagpt"):
-            raise
-        raise LayoutError(f"invalid arguments: {exc}") from None
+    with contextlib.redirect_stdout(io.StringIO()):
+        validate_arguments(args, device_arch=gpu.arch)
 
 
 @contextlib.contextmanager
@@ -69,12 +69,15 @@ def _vocab_size(args) -> int:
                           f"pass --vocab-size for the dry run") from None
 
 
-def _set_padded_vocab(args) -> None:
+def _set_padded_vocab(args) -> int:
+    """Set megatron's padded vocabulary size; return the tokenizer's own size."""
     from megatron.training.vocab_utils import calculate_padded_vocab_size
 
+    vocab_size = _vocab_size(args)
     args.padded_vocab_size = calculate_padded_vocab_size(
-        _vocab_size(args), args.make_vocab_size_divisible_by, args.tensor_model_parallel_size,
+        vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size,
         logging_enabled=False)
+    return vocab_size
 
 
 def resolved_yaml(args) -> str:
@@ -184,8 +187,12 @@ def make_plan(args) -> Plan:
     args.rank = 0
     gpu = resolve_gpu(args.gpu_type, args.gpu_memory_gb, cpu=args.cpu)
     check_layout(args, world_size)
+    check_outputs(args)
+    check_tokenizer_files(args)
     _validate(args, gpu)
-    _set_padded_vocab(args)
+    vocab_size = _set_padded_vocab(args)
+    check_schedule(args)
+    check_data(args, vocab_size, log)
     try:
         params = est.count_parameters(args)
     except NotImplementedError as exc:

@@ -1,8 +1,9 @@
 """The resolved configuration beside every checkpoint: ``iter_XXXXXXX/megagpt_config.yaml``.
 
-Written by rank 0 right after megatron's ``save_checkpoint`` returns (the checkpoint is
-complete by then; a crash in between leaves a complete checkpoint without the file,
-which the loader accepts). Two sections:
+Written by rank 0 right after megatron's ``save_checkpoint`` returns, or, with
+``--async-save``, when the trainer finalizes the save (the checkpoint is complete by then;
+a crash in between leaves a complete checkpoint without the file, which the loader
+accepts). Two sections:
 
 ``entry``      what ``checkpoint_guard`` compares before loading: the model's shape, the
                tokenizer and vocabulary, the parallel layout, the iteration, the command line;
@@ -106,17 +107,28 @@ def writing_snapshot(save_checkpoint, args, container=None):
 
     @functools.wraps(save_checkpoint)
     def wrapper(iteration, *a, **kw):
-        result = save_checkpoint(iteration, *a, **kw)
         import torch
 
         from megatron.training.checkpointing import get_checkpoint_name
 
         rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
         persistent = not kw.get("non_persistent_ckpt", False)
-        if rank0 and persistent and args.save and not args.async_save:
+
+        def write_snapshot():
             checkpoint_dir = get_checkpoint_name(args.save, iteration, return_base_dir=True)
             if os.path.isdir(checkpoint_dir):
                 write(checkpoint_dir, args, iteration, container)
+
+        if not (rank0 and persistent and args.save):
+            return save_checkpoint(iteration, *a, **kw)
+        if args.async_save:
+            from megagpt.resilience.async_save import finalize_adds
+
+            # written when the trainer finalizes the save, after metadata.json and the tracker
+            with finalize_adds(write_snapshot):
+                return save_checkpoint(iteration, *a, **kw)
+        result = save_checkpoint(iteration, *a, **kw)
+        write_snapshot()
         return result
 
     wrapper._megagpt_original = save_checkpoint

@@ -1,0 +1,105 @@
+"""``--async-save`` on a plain install: which writer saves, and where it runs.
+
+Megatron 0.19 saves a ``torch_dist`` checkpoint asynchronously only through a persistent
+writer process (``--use-persistent-ckpt-worker``; without it ``validate_args`` turns
+``--async-save`` off with a warning and saves synchronously), and its default writer,
+``--async-strategy nvrx``, is nvidia-resiliency-ext's: without that package the run stops
+before its first step with ``ModuleNotFoundError``. ``adapt_args`` makes ``--async-save``
+mean what it says:
+
+* nvidia-resiliency-ext installed (``pip install 'megagpt[resilience]'``): its writer, as
+  megatron intends;
+* not installed: megatron's own writer (``--async-strategy mcore``), with one log line;
+  an explicit ``--async-strategy nvrx`` without the package is a one-line error;
+* the persistent writer process is turned on, since that is what saves in the background.
+
+How an asynchronous save completes (``dist_checkpointing.save`` and ``save_checkpoint``):
+the writer process writes the shards and ``.metadata``; later, at an iteration boundary,
+the trainer runs the finalize functions: ``metadata.json``, then the tracker
+``latest_checkpointed_iteration.txt``. A kill before that leaves a directory without
+``metadata.json``, which ``checkpoint_guard`` already treats as incomplete, and a tracker
+that still names the previous checkpoint: the guarantees of synchronous saves hold.
+
+In CPU mode the writer process is forked (``megagpt.cpu_mode``), so that it has CPU mode's
+``torch.cuda`` stand-ins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+from typing import Callable
+
+from megagpt.errors import UserError
+
+NVRX_MODULE = "nvidia_resiliency_ext.checkpointing.async_ckpt"
+
+
+class AsyncSaveError(UserError, RuntimeError):
+    """--async-save was asked for in a form this install cannot provide."""
+
+
+def resiliency_ext_installed() -> bool:
+    try:
+        return importlib.util.find_spec(NVRX_MODULE) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def adapt_args(args, given_flags: set[str], log: Callable[[str], None],
+               nvrx_installed: bool | None = None) -> None:
+    """Choose the writer and the worker for ``--async-save`` (before megatron validates)."""
+    if not args.async_save or args.ckpt_format == "torch":
+        return  # megatron's legacy format has no asynchronous save; it says so itself
+    nvrx = resiliency_ext_installed() if nvrx_installed is None else nvrx_installed
+    explicit = "--async-strategy" in given_flags
+    if args.async_strategy == "nvrx" and not nvrx:
+        if explicit:
+            raise AsyncSaveError(
+                "--async-strategy nvrx needs nvidia-resiliency-ext, which is not installed: "
+                "pip install 'megagpt[resilience]', or --async-strategy mcore (megatron's own "
+                "writer)")
+        args.async_strategy = "mcore"
+        why = "nvidia-resiliency-ext is not installed; pip install 'megagpt[resilience]' for its writer"
+    elif args.async_strategy == "nvrx" and getattr(args, "cpu", False):
+        if explicit:
+            raise AsyncSaveError("--async-strategy nvrx: nvidia-resiliency-ext's writer process "
+                                 "needs a GPU; in CPU mode use --async-strategy mcore")
+        args.async_strategy = "mcore"
+        why = "CPU mode: nvidia-resiliency-ext's writer process needs a GPU"
+    else:
+        why = None
+    worker = ""
+    if not args.use_persistent_ckpt_worker:
+        args.use_persistent_ckpt_worker = True
+        worker = (" in a persistent writer process (--use-persistent-ckpt-worker; without it "
+                  "megatron 0.19 saves synchronously)")
+    writer = ("nvidia-resiliency-ext's writer" if args.async_strategy == "nvrx"
+              else "megatron's own writer (--async-strategy mcore)")
+    if why or worker:
+        log(f"async save: {writer}{worker}" + (f"; {why}" if why else ""))
+
+
+@contextlib.contextmanager
+def finalize_adds(fn: Callable[[], None]):
+    """Add ``fn`` to the finalize functions of the asynchronous save scheduled inside.
+
+    The request's finalize functions run in the trainer once the writer has finished
+    (after ``metadata.json`` and the tracker); they cannot be added after scheduling
+    (megatron freezes the request), so the scheduling call is wrapped.
+    """
+    import megatron.training.checkpointing as mckpt
+
+    original = mckpt.schedule_async_save
+
+    @functools.wraps(original)
+    def schedule_async_save(request):
+        request.add_finalize_fn(fn)
+        return original(request)
+
+    mckpt.schedule_async_save = schedule_async_save
+    try:
+        yield
+    finally:
+        mckpt.schedule_async_save = original

@@ -1,0 +1,77 @@
+"""--async-save on a plain install: the writer chosen, the persistent worker, the log line.
+
+The real asynchronous save and resume are in test_resume.py (losses equal an uninterrupted
+run's) and test_checkpoint_faults.py (a kill during the save)."""
+
+import argparse
+
+import pytest
+
+from megagpt.resilience import async_save
+
+
+def megatron_args(argv=()):
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_megatron_arguments(parser)
+    args = parser.parse_args(list(argv))
+    args.cpu = False
+    return args
+
+
+def test_megatrons_defaults_need_both_changes_on_a_plain_install():
+    # what megatron 0.19 would do with --async-save alone: nvrx's writer, and no worker
+    args = megatron_args(["--async-save"])
+    assert args.async_strategy == "nvrx" and not args.use_persistent_ckpt_worker
+    lines = []
+    async_save.adapt_args(args, {"--async-save"}, lines.append, nvrx_installed=False)
+    assert args.async_strategy == "mcore" and args.use_persistent_ckpt_worker
+    assert lines == ["async save: megatron's own writer (--async-strategy mcore) in a persistent "
+                     "writer process (--use-persistent-ckpt-worker; without it megatron 0.19 "
+                     "saves synchronously); nvidia-resiliency-ext is not installed; pip install "
+                     "'megagpt[resilience]' for its writer"]
+
+
+def test_nvidia_resiliency_ext_is_used_when_installed():
+    args, lines = megatron_args(["--async-save", "--use-persistent-ckpt-worker"]), []
+    async_save.adapt_args(args, {"--async-save", "--use-persistent-ckpt-worker"}, lines.append,
+                          nvrx_installed=True)
+    assert args.async_strategy == "nvrx" and lines == []
+
+
+def test_explicit_nvrx_without_the_package_is_one_line():
+    args = megatron_args(["--async-save", "--async-strategy", "nvrx"])
+    with pytest.raises(async_save.AsyncSaveError, match=r"needs nvidia-resiliency-ext.*"
+                                                        r"--async-strategy mcore"):
+        async_save.adapt_args(args, {"--async-save", "--async-strategy"}, print,
+                              nvrx_installed=False)
+
+
+def test_cpu_mode_uses_megatrons_writer_even_with_the_package():
+    args, lines = megatron_args(["--async-save"]), []
+    args.cpu = True
+    async_save.adapt_args(args, {"--async-save"}, lines.append, nvrx_installed=True)
+    assert args.async_strategy == "mcore" and "CPU mode" in lines[0]
+
+
+def test_nothing_changes_without_async_save_or_for_the_legacy_format():
+    for argv in ([], ["--async-save", "--ckpt-format", "torch"]):
+        args, lines = megatron_args(argv), []
+        before = vars(args).copy()
+        async_save.adapt_args(args, set(argv), lines.append, nvrx_installed=False)
+        assert vars(args) == before and lines == []
+
+
+def test_the_entry_makes_the_choice_while_parsing():
+    from megagpt import arguments
+
+    args = arguments.parse_arguments([
+        "--cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "64",
+        "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
+        "--micro-batch-size", "2", "--lr", "1e-3", "--train-iters", "4", "--save", "ckpt",
+        "--save-interval", "2", "--async-save"])
+    arguments.validate_arguments(args, device_arch=0)
+    assert args.async_save  # megatron's validate_args kept it on (the worker is on)
+    expected = "nvrx" if async_save.resiliency_ext_installed() and not args.cpu else "mcore"
+    assert args.async_strategy == expected
