@@ -20,7 +20,6 @@ import argparse
 import json
 import sys
 
-from megagpt.errors import UserError
 from megagpt.inference.generation import ENGINES
 from megagpt.inference.sampling import Sampling, SamplingError
 
@@ -120,15 +119,9 @@ def run(opts, overrides: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megagpt.inference.world import quiet_megatron
+    from megagpt.inference.world import run_tool
 
-    quiet_megatron()
-    opts, overrides = build_parser().parse_known_args(argv)
-    try:
-        return run(opts, overrides)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_tool(build_parser, run, argv)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,23 @@ def quiet_megatron() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def run_tool(build_parser, run, argv=None) -> int:
+    """A tool's ``main``: megatron kept quiet, the tool's options parsed (megatron flags after
+    them are handed to ``run`` as overrides), a ``UserError`` printed as one ``error:`` line
+    with exit status 2."""
+    import sys
+
+    from megagpt.errors import UserError
+
+    quiet_megatron()
+    opts, overrides = build_parser().parse_known_args(argv)
+    try:
+        return run(opts, overrides)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
 @contextlib.contextmanager
 def megatron_world(args, seed: int = 1234):
     """Yield this rank's device with megatron's parallel state set up for ``args``' layout
