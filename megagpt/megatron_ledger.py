@@ -191,7 +191,9 @@ LEDGER: tuple[Change, ...] = (
            "01aa652d523b"),
     Change(DDP + "zero_grad_buffer", WRAPS, "megagpt.fast_spec.grad_write",
            "it fills the whole gradient buffer with zeros every step (2.6 GB at 1.3B); where "
-           "gradients are written it resets megatron's bookkeeping only",
+           "gradients are written it resets megatron's bookkeeping only (whether to write is "
+           "one process-wide setting, grad_write.set_grad_write, because these wrappers and "
+           "the hooks made under them are process-wide; install turns it on at launch)",
            FAST_LAUNCH + ", with --fast-grad-write", "3e76d9a34a92"),
     Change(DDP + "finish_grad_sync", WRAPS, "megagpt.fast_spec.grad_write",
            "before any reduction, parameters that got no gradient this step are zeroed and "
