@@ -6,9 +6,12 @@
 #
 # In priority order, each with a time cap so the whole fits in SECONDS (default 560):
 #   1. bench/layouts.py at 345M on real text: one GPU, then TP=2, TP=2 with sequence
-#      parallelism, PP=2, interleaved PP=2, DP=2 (distributed optimizer), CP=2 (refused
-#      without TE), losses against one GPU and TFLOP/s per GPU; and a checkpoint saved under
-#      TP=2 resumed under PP=2 (the vocabulary padded alike);
+#      parallelism, PP=2, interleaved PP=2, DP=2 (distributed optimizer, overlapped gradient
+#      reduce: per-layer graphs by default), the same without per-layer graphs (dp2eager),
+#      with the full-iteration graph (dp2graph, --fast-cuda-graph: the capture under its
+#      deadline), TP=2 with per-layer graphs (tp2graphs), CP=2 (refused without TE), losses
+#      against one GPU and TFLOP/s per GPU; and a checkpoint saved under TP=2 resumed under
+#      PP=2 (the vocabulary padded alike);
 #   2. a TP=2 profile: megatron's timers and torch.profiler over iterations 10-12 of rank 0
 #      (OUT_DIR/profile_tp2/torch_profile/rank-0.json.gz), summarised by
 #      bench/profile_entry.py --analyse (GPU busy share, kernel time by kind).
@@ -38,7 +41,7 @@ DATA=(--data-path "$PREFIX" --tokenizer-type GPT2BPETokenizer --vocab-file "$VOC
 } > "$OUT/gpu.txt" 2>&1
 
 echo "== 1. layouts ($(left)s left)"
-timeout $(( $(left) - 100 )) $PY bench/layouts.py --gpus 2 --layouts "${LAYOUTS:-tp2,tp2sp,pp2,vpp2,dp2,cp2}" \
+timeout $(( $(left) - 100 )) $PY bench/layouts.py --gpus 2 --layouts "${LAYOUTS:-dp2,dp2eager,dp2graph,tp2,tp2graphs,tp2sp,pp2,vpp2,cp2}" \
     --iters 50 --resume-check tp2,pp2 --timeout 120 --out "$OUT/layouts" -- "${DATA[@]}" \
     > "$OUT/layouts.txt" 2>&1
 tail -14 "$OUT/layouts.txt"

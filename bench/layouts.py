@@ -58,7 +58,14 @@ LAYOUTS = {  # name: (processes, flags)
     "tp2sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "vpp2": (2, ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]),
-    "dp2": (2, ["--use-distributed-optimizer"]),
+    # data parallelism as a launch gives it; the fast path holds the layers in per-layer graphs
+    "dp2": (2, ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
+    "dp2eager": (2, ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                     "--no-fast-layer-graphs"]),
+    # the full-iteration graph with the data-parallel collectives inside (asked for)
+    "dp2graph": (2, ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                     "--fast-cuda-graph"]),
+    "tp2graphs": (2, ["--tensor-model-parallel-size", "2", "--fast-layer-graphs"]),
     "cp2": (2, ["--context-parallel-size", "2"]),
     "tp2pp2dp2": (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                       "--use-distributed-optimizer"]),
