@@ -14,6 +14,7 @@ size, the same random prompts go through
   transformers  ``model.generate`` (greedy, KV cache, ``min_new_tokens`` = ``max_new_tokens``)
   megatron      tools/generate.py's ``--engine megatron`` (megatron.core.inference static engine)
   kv            tools/generate.py's ``--engine kv`` (the KV decoder, a CUDA graph per step)
+  kv-compiled   the same with ``--compile`` (its step through torch.compile, then graphed)
 
 each warmed up once (the KV decoder captures its graph there), then timed ``--repeats``
 times from prompt tokens to every new token on the host, the end-of-document token ignored
@@ -118,8 +119,10 @@ def main(argv=None) -> int:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--engines", default="transformers,megatron,kv",
-                   help="comma-separated; transformers is the reference of the ratios")
+    p.add_argument("--engines", default=None,
+                   help="comma-separated; transformers is the reference of the ratios "
+                        "(default transformers,megatron,kv,kv-compiled; with --cpu, where "
+                        "nothing is compiled, the first three)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--seed", type=int, default=1234)
@@ -139,7 +142,8 @@ def main(argv=None) -> int:
     from megagpt.inference.world import megatron_world, quiet_megatron
 
     quiet_megatron()
-    engines = a.engines.split(",")
+    engines = (a.engines or ("transformers,megatron,kv" if a.cpu else
+                             "transformers,megatron,kv,kv-compiled")).split(",")
     args, tokenizer = build_model(a.shape, a.dtype, a.seed, a.cpu)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     eod, greedy = int(tokenizer.eod), Sampling(greedy=True)
@@ -166,7 +170,9 @@ def main(argv=None) -> int:
                         return out[:, ids.shape[1]:].tolist()
                     run(8)  # warm-up
                 else:
-                    generator = Generator(model, tokenizer, GPT2_VOCAB, device, engine, batch)
+                    generator = Generator(model, tokenizer, GPT2_VOCAB, device,
+                                          engine.removesuffix("-compiled"), batch,
+                                          compile_step=engine.endswith("-compiled"))
 
                     def run(n=a.new_tokens, generator=generator, batch_prompts=batch_prompts):
                         return generator.token_ids(batch_prompts, n, greedy, stop_at_eod=False)

@@ -152,6 +152,8 @@ def tiny_gpt(variant: str, vocab_size: int = 96, max_length: int = 32, hidden: i
                 p.copy_(1 + 0.2 * torch.randn_like(p))
             else:
                 p.copy_(0.2 * torch.randn_like(p))
+    if on_gpu:  # torch's own modules (position embedding, norms) are built on the CPU
+        model.cuda(torch.cuda.current_device())
     return model.eval()
 
 

@@ -83,5 +83,5 @@ def test_bench_generate_runs_on_a_gpu(tmp_path):
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     record = json.loads((tmp_path / "bench_generate.json").read_text())
     assert [(r["engine"], r["batch"]) for r in record["rows"]] == [
-        (e, b) for b in (1, 16) for e in ("transformers", "megatron", "kv")]
+        (e, b) for b in (1, 16) for e in ("transformers", "megatron", "kv", "kv-compiled")]
     assert "goal at batch 1" in out.stdout

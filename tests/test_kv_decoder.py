@@ -116,3 +116,18 @@ def test_models_the_decoder_does_not_cover_are_named(features, named):
         assert kv_decoder.unsupported_reason(model) == named
         with pytest.raises(ValueError, match=f"does not cover {named[:10]}"):
             kv_decoder.KVDecoder(model, 1, 8)
+
+
+def test_compiled_step_gives_the_eager_steps_tokens():
+    """``compile_step``: the decode step through torch.compile (inductor on the CPU here)
+    gives the eager step's greedy and seeded tokens. (CPU mode switches dynamo off for
+    development runs; the test switches it back on.)"""
+    prompts = [[3, 14, 15, 92, 65], [35, 89]]
+    with cpu_megatron(), torch._dynamo.config.patch(disable=False):
+        model = tiny_gpt("gpt2", vocab_size=VOCAB)
+        eager = kv_decoder.KVDecoder(model, 2, 24, use_graphs=False)
+        compiled = kv_decoder.KVDecoder(model, 2, 24, use_graphs=False, compile_step=True)
+        for sampling in (Sampling(greedy=True), Sampling(temperature=1.3, top_k=20, seed=4)):
+            args = (prompts, 10, sampling, VOCAB, EOD, False)
+            assert compiled.generate(*args) == eager.generate(*args)
+        assert compiled._compiled_forward is not None

@@ -86,17 +86,26 @@ class Generator:
     """One loaded model and tokenizer, ready to complete prompts with one engine."""
 
     def __init__(self, model, tokenizer, vocab_size: int, device: torch.device,
-                 engine: str = "auto", batch_size: int = 16):
+                 engine: str = "auto", batch_size: int = 16, compile_step: bool = False):
+        """``compile_step``: the KV decoder's step through ``torch.compile`` (``--compile``)."""
         self.model, self.tokenizer, self.vocab_size = model, tokenizer, vocab_size
         self.device, self.batch_size = device, batch_size
         self.engine, self.engine_reason = choose_engine(engine, model, device)
+        if compile_step and device.type != "cuda":
+            raise EngineError("--compile: the KV decoder's step is compiled on a GPU only "
+                              "(on the CPU it runs eagerly)")
+        if compile_step and self.engine != "kv":
+            raise EngineError(f"--compile compiles the KV decoder's step; the engine here is "
+                              f"{self.engine} ({self.engine_reason})")
+        self.compile_step = compile_step
         self._decoder = None
         self.eod = int(tokenizer.eod)
 
     def describe(self) -> str:
         dtype = str(self.model.embedding.word_embeddings.weight.dtype).replace("torch.", "")
         where = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "CPU"
-        name = {"kv": "KV decoder" + (", CUDA graphs" if self.device.type == "cuda" else ""),
+        name = {"kv": "KV decoder" + (", CUDA graphs" if self.device.type == "cuda" else "")
+                + (", compiled step" if self.compile_step else ""),
                 "megatron": "megatron.core.inference static engine"}[self.engine]
         return f"{name}, {dtype}, {where}"
 
@@ -104,7 +113,8 @@ class Generator:
         """The decoder, kept across calls (its CUDA graphs with it) while it is big enough."""
         d = self._decoder
         if d is None or d.max_batch < batch or d.max_length < max_length:
-            self._decoder = kv_decoder.KVDecoder(self.model, batch, max_length)
+            self._decoder = kv_decoder.KVDecoder(self.model, batch, max_length,
+                                                 compile_step=self.compile_step)
         return self._decoder
 
     def token_ids(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,

@@ -82,7 +82,12 @@ def _rotate_half(x: Tensor) -> Tensor:
 class KVDecoder:
     """Prefill and decode for up to ``max_batch`` rows of up to ``max_length`` tokens."""
 
-    def __init__(self, model, max_batch: int, max_length: int, use_graphs: bool | None = None):
+    def __init__(self, model, max_batch: int, max_length: int, use_graphs: bool | None = None,
+                 compile_step: bool = False):
+        """``compile_step``: the decode step's forward through ``torch.compile`` (inductor
+        fuses each layer's norms, bias adds, activation and attention softmax; at batch 1 a
+        step is bound by how many kernels it runs, not by their arithmetic). Its compile
+        takes tens of seconds, once per batch size: worth it for long generations."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the KV decoder does not cover {reason}")
@@ -116,6 +121,8 @@ class KVDecoder:
             self.rope_cos = torch.cos(freqs).to(self.dtype)
             self.rope_sin = torch.sin(freqs).to(self.dtype)
         self._graphs: dict[int, tuple] = {}
+        self.compile_step = compile_step
+        self._compiled_forward = None
 
     # ------------------------------------------------------------------ the forward pass
 
@@ -184,6 +191,14 @@ class KVDecoder:
 
     # ------------------------------------------------------------------ one decode step
 
+    def _step_forward(self):
+        """The decode step's forward: ``forward`` itself, or compiled (``compile_step``)."""
+        if not self.compile_step:
+            return self.forward
+        if self._compiled_forward is None:
+            self._compiled_forward = torch.compile(self.forward, fullgraph=True, dynamic=False)
+        return self._compiled_forward
+
     def _step(self, batch: int):
         """The decode step for ``batch`` rows: (tokens [b, 1], positions [b, 1], run), where
         ``run()`` returns the logits for the tokens and positions currently in the buffers."""
@@ -192,8 +207,9 @@ class KVDecoder:
         tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         positions = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         last = torch.zeros(batch, dtype=torch.long, device=self.device)
+        forward = self._step_forward()
         if not self.use_graphs:
-            return tokens, positions, lambda: self.forward(tokens, positions, last)
+            return tokens, positions, lambda: forward(tokens, positions, last)
         state = {"graph": None, "logits": None}
 
         def run():
@@ -203,11 +219,11 @@ class KVDecoder:
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
-                    logits = self.forward(tokens, positions, last)
+                    logits = forward(tokens, positions, last)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    state["logits"] = self.forward(tokens, positions, last)
+                    state["logits"] = forward(tokens, positions, last)
                 state["graph"] = graph
                 return logits
             state["graph"].replay()

@@ -61,7 +61,8 @@ def prepare(load: str, overrides: list[str], cpu: bool, bf16: bool = True) -> Pr
 
 
 def build_model(args):
-    """This rank's GPT stage for ``args`` (megatron's local spec; weights uninitialised)."""
+    """This rank's GPT stage for ``args`` (megatron's local spec; weights uninitialised), on
+    its device in its precision."""
     from megatron.core import parallel_state
     from megatron.training.argument_utils import gpt_config_from_args
 
@@ -76,6 +77,18 @@ def build_model(args):
     model = model_provider.model_provider(
         model_config, pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage())
+    if not args.cpu:
+        # as megatron's get_model leaves a model for training: every parameter and buffer
+        # on this rank's GPU (torch's own modules, such as the position embedding and the
+        # norms, are built on the CPU) and, under --bf16 / --fp16, in that precision (its
+        # Float16Module casts the whole model)
+        import torch
+
+        model.cuda(torch.cuda.current_device())
+        if args.bf16:
+            model.bfloat16()
+        elif args.fp16:
+            model.half()
     return model
 
 
