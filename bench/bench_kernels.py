@@ -12,7 +12,7 @@
    gradient-accumulation fusion: ``main_grad.addmm_(g.T, x)`` into a bf16 buffer (one GEMM,
    beta=1) against GEMM + add, with a check that onto zeros it equals the plain GEMM.
 
-  python bench/bench_kernels.py
+  python bench/bench_kernels.py [--parts attention,wgrad] [--out F.json]
 """
 
 from __future__ import annotations
@@ -116,10 +116,20 @@ def wgrad(tokens: int = 8192, shapes=((1024, 3072), (1024, 4096), (4096, 1024),
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--parts", default="attention,wgrad",
+                   help="which of attention, wgrad (comma-separated)")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
+    parts = [n for n in a.parts.split(",") if n]
+    unknown = sorted(set(parts) - {"attention", "wgrad"})
+    if unknown:
+        p.error(f"--parts: unknown {', '.join(unknown)} (attention, wgrad)")
     print(torch.__version__, torch.cuda.get_device_name(), "cudnn", torch.backends.cudnn.version())
-    res = {"attention_ms_per_24_layers": attention(), "wgrad_ms": wgrad()}
+    res = {}
+    if "attention" in parts:
+        res["attention_ms_per_24_layers"] = attention()
+    if "wgrad" in parts:
+        res["wgrad_ms"] = wgrad()
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

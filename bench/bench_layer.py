@@ -2,8 +2,8 @@
 """The fast spec's compiled layer, forward + backward, under inductor settings (one GPU).
 
 Times ``megagpt.fast_spec.layer.fused_layer_forward`` (torch.compile'd, bf16, weight
-gradients written into ``main_grad`` views as in a training step, no dropout) at the 345M and
-1.3B shapes, once per inductor setting:
+gradients written into ``main_grad`` views as in a training step, no dropout unless a setting
+says so) at the 345M and 1.3B shapes, once per inductor setting:
 
   default              what the fast path compiles with (norm rows of up to 4096 elements
                        reduced in one block: megagpt.fast_spec.norm_rows)
@@ -19,6 +19,11 @@ gradients written into ``main_grad`` views as in a training step, no dropout) at
   multi-kernel         persistent and looped variants of each reduction, picked by timing
   looped rows          inductor's own choice: rows longer than 1024 reduced in a loop
                        (--no-fast-one-block-rows)
+  dropout, attention dropout, hidden dropout
+                       megatron's dropout 0.1 in attention and after the projection and fc2,
+                       and each alone (not run unless named)
+  hidden dropout eager random
+                       the residual dropouts with aten's random numbers (fallback_random)
 
   python bench/bench_layer.py [--shapes 345M,1.3B] [--settings default,...] [--split-sizes N,...]
                               [--out F.json]
@@ -80,8 +85,10 @@ def capture_layer(shape: str, inductor_options: dict) -> torch.cuda.CUDAGraph:
     # as the fast path compiles it (megagpt.fast_spec.layer.layer_function), unless "looped rows"
     compile_ = (norm_rows.compile_with_one_block_rows if options.pop("_one_block_rows", True)
                 else torch.compile)
+    dropout = {"attn_p": options.pop("_attn_p", 0.0), "hidden_p": options.pop("_hidden_p", 0.0)}
     fn = compile_(fused_layer_forward, dynamic=False, fullgraph=True, options=options)
     x, weights, main_grads, static = _layer_inputs(*SHAPES[shape])
+    static.update(dropout)
     grad_out = torch.randn_like(x)
 
     def step():
@@ -161,7 +168,15 @@ SETTINGS = {
     "no split reductions": {"split_reductions": False},
     "multi-kernel": {"triton.multi_kernel": 1},
     "looped rows": {"_one_block_rows": False},
+    # megatron's default dropout 0.1, in attention and after the projection and fc2; and each
+    # alone (what each costs); "eager random": inductor takes its random numbers from aten's
+    # kernels instead of drawing them inside its own (fallback_random)
+    "dropout": {"_attn_p": 0.1, "_hidden_p": 0.1},
+    "attention dropout": {"_attn_p": 0.1},
+    "hidden dropout": {"_hidden_p": 0.1},
+    "hidden dropout eager random": {"_hidden_p": 0.1, "fallback_random": True},
 }
+DEFAULT_SETTINGS = [name for name in SETTINGS if "dropout" not in name]
 
 
 def settings(names, split_sizes) -> dict:
@@ -174,7 +189,7 @@ def settings(names, split_sizes) -> dict:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="345M,1.3B")
-    p.add_argument("--settings", default=",".join(SETTINGS),
+    p.add_argument("--settings", default=",".join(DEFAULT_SETTINGS),
                    help=f"which of {', '.join(SETTINGS)} (comma-separated)")
     p.add_argument("--split-sizes", default="",
                    help="mix-order reduction split sizes to try as well, e.g. 16,32,64,128")

@@ -270,3 +270,26 @@ def test_bench_preprocess_end_to_end_times_both_commands_with_identical_outputs(
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "outputs byte-identical: True" in r.stdout
     assert "| megagpt: tools/preprocess_data.py |" in r.stdout
+
+
+@pytest.mark.gpu
+def test_bench_dropout_forms_drop_what_they_should_on_a_gpu(tmp_path):
+    """Every residual-dropout form of bench_dropout.py keeps ~90 % of the elements (all of
+    them without dropout), and each mask kernel is timed."""
+    import json
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import bench_dropout
+
+    assert bench_dropout.main(["--shapes", "345M", "--out", str(tmp_path / "d.json")]) == 0
+    forms = json.loads((tmp_path / "d.json").read_text())["345M"]
+    for name, row in forms.items():
+        if "kept" in row:
+            expected = 1.0 if "no dropout" in name else 0.9
+            assert abs(row["kept"] - expected) < 0.005, (name, row)
+            assert row["us_fwd_bwd"] > 0
+        else:
+            assert row["us"] > 0, name
