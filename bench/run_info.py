@@ -23,9 +23,13 @@ def utc_now() -> str:
 
 
 def commit() -> str | None:
-    """The checkout's commit (short), ``+changes`` when tracked files differ from it;
-    ``MEGAGPT_COMMIT`` where the code was copied without its git history (a device
-    machine); None when neither says."""
+    """``MEGAGPT_COMMIT`` when set: the code was copied where its git history is missing or
+    stale (a device machine gets the working tree over an older checkout, whose HEAD is not
+    the code that runs). Else the checkout's commit (short), ``+changes`` when tracked files
+    differ from it; None when neither says."""
+    given = os.environ.get("MEGAGPT_COMMIT")
+    if given:
+        return given
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                               capture_output=True, text=True, timeout=10)
@@ -35,7 +39,7 @@ def commit() -> str | None:
         head = None
     if head is not None and head.returncode == 0 and head.stdout.strip():
         return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
-    return os.environ.get("MEGAGPT_COMMIT") or None
+    return None
 
 
 def _version(package: str) -> str | None:

@@ -293,3 +293,20 @@ def test_bench_dropout_forms_drop_what_they_should_on_a_gpu(tmp_path):
             assert row["us_fwd_bwd"] > 0
         else:
             assert row["us"] > 0, name
+
+
+def test_run_info_names_the_given_commit_else_the_checkouts(monkeypatch):
+    """A record's commit: MEGAGPT_COMMIT where it is set (a copy over a stale checkout), else
+    the checkout's HEAD (with +changes when tracked files differ)."""
+    import subprocess
+
+    from run_info import ROOT, commit
+
+    monkeypatch.setenv("MEGAGPT_COMMIT", "abc1234")
+    assert commit() == "abc1234"
+    monkeypatch.delenv("MEGAGPT_COMMIT")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                          capture_output=True, text=True).stdout.strip()
+    if not head:
+        pytest.skip("not a git checkout")
+    assert commit().removesuffix("+changes") == head
