@@ -342,6 +342,16 @@ def test_a_load_with_no_checkpoint(tmp_path):
     assert not (tmp_path / "out").exists() and nothing_beside(tmp_path / "out") == []
 
 
+def test_compile_where_no_step_is_compiled(tmp_path):
+    """--compile is the KV decoder's, on a GPU: refused before any checkpoint is read."""
+    missing = tmp_path / "nothing"
+    for extra, reason in ((["--cpu"], "--cpu runs it eagerly"),
+                          (["--engine", "megatron"], "--engine megatron has no such step")):
+        line = one_error_line(run_tool("generate", ["--load", str(missing), "--prompt", "x",
+                                                    "--compile", *extra], cwd=tmp_path))
+        assert line == f"error: --compile compiles the KV decoder's step on a GPU; {reason}"
+
+
 def test_an_architecture_without_a_transformers_class(work, exported, tmp_path):
     folder = tmp_path / "mistral"
     folder.mkdir()

@@ -93,12 +93,16 @@ def check_lengths(prompts, tokenizer, max_new_tokens: int, positions: int) -> No
 
 def run(opts, overrides: list[str]) -> int:
     from megagpt.inference import loading, prompts as prompt_source
-    from megagpt.inference.generation import Generator
+    from megagpt.inference.generation import EngineError, Generator
 
     if opts.max_new_tokens < 1:
         raise SamplingError(f"--max-new-tokens {opts.max_new_tokens}: must be at least 1")
     if opts.batch_size < 1:
         raise SamplingError(f"--batch-size {opts.batch_size}: must be at least 1")
+    if opts.compile and (opts.cpu or opts.engine == "megatron"):
+        raise EngineError("--compile compiles the KV decoder's step on a GPU; "
+                          + ("--cpu runs it eagerly" if opts.cpu else
+                             "--engine megatron has no such step"))
     sampling = sampling_from(opts)
     prompts = prompt_source.gather(opts.prompt, opts.prompts)
     loading.require_device(opts.cpu)
