@@ -4,9 +4,11 @@ GPU, and a checkpoint resumed under another layout.
 
 Each layout runs ``pretrain_gpt.py`` under torchrun with the same model, data, seed and global
 batch; its per-iteration losses are compared with the one-process run's, and megatron's
-logged throughput per GPU gives the scaling. ``--resume-check FROM,TO`` also saves a
-checkpoint under layout FROM half-way, resumes it under layout TO (megatron's torch_dist
-format reshards), and compares the resumed losses with FROM's uninterrupted run.
+logged throughput per GPU gives the scaling. ``--resume-check FROM,TO`` (repeatable) also
+saves a checkpoint under layout FROM half-way, resumes it under layout TO (megatron's
+torch_dist format reshards), and compares the resumed losses with FROM's uninterrupted run.
+``--micro-batch`` and ``--micro-batches`` set the batch (the global batch, which every layout
+shares: DP=N takes 1/N of its micro-batches per rank).
 
   # on a host with 2 GPUs, the 345M shape on the embedded corpus:
   python bench/layouts.py --gpus 2 --out /tmp/layouts --resume-check tp2,pp2 -- \\
@@ -16,9 +18,11 @@ format reshards), and compares the resumed losses with FROM's uninterrupted run.
 
 Layouts (``--layouts``; those that need more GPUs than ``--gpus`` are skipped): ``tp2``,
 ``tp2sp`` (with sequence parallelism), ``pp2``, ``vpp2`` (interleaved pipeline, 2 virtual
-stages per rank), ``dp2`` (distributed optimizer), ``cp2`` (context parallelism at twice the
-sequence; needs Transformer Engine, else "not run" with the entry's reason), ``tp2pp2dp2`` (8
-GPUs). Exit status 1 when a run fails, a layout's losses differ from one process's by
+stages per rank), ``dp2`` / ``dp4`` / ``dp8`` (distributed optimizer, overlapped gradient
+reduce; ``dp2eager`` without per-layer graphs, ``dp2graph`` / ``dp4graph`` / ``dp8graph`` with
+the full-iteration graph), ``tp2graphs``, ``cp2`` (context parallelism at twice the sequence;
+needs Transformer Engine, else "not run" with the entry's reason), ``tp2pp2dp2`` (8 GPUs).
+A layout the global batch does not split over is skipped, with the reason. Exit status 1 when a run fails, a layout's losses differ from one process's by
 more than ``--tolerance`` (relative), or the resumed run's from the uninterrupted one's.
 """
 
@@ -45,12 +49,14 @@ ROOT = HERE.parent
 
 SHAPES = {  # layers, hidden, heads, seq, micro-batch
     "345M": (24, 1024, 16, 1024, 4),
+    "1.3B": (24, 2048, 16, 2048, 4),
     "tiny": (4, 64, 4, 64, 2),
 }
-# one global batch for every layout: 4 micro-batches of the one-process run, so that DP=2 and
-# both pipeline schedules (the interleaved one needs micro-batches in multiples of the stages)
-# all see the same samples per step
+# one global batch for every layout, by default 4 micro-batches of the one-process run, so that
+# DP=2 and both pipeline schedules (the interleaved one needs micro-batches in multiples of the
+# stages) all see the same samples per step (--micro-batches: more, for DP=4 and 8)
 MICRO_BATCHES = 4
+DP_FLAGS = ["--use-distributed-optimizer", "--overlap-grad-reduce"]
 
 LAYOUTS = {  # name: (processes, flags)
     "one": (1, []),
@@ -59,12 +65,14 @@ LAYOUTS = {  # name: (processes, flags)
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "vpp2": (2, ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]),
     # data parallelism as a launch gives it; the fast path holds the layers in per-layer graphs
-    "dp2": (2, ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
-    "dp2eager": (2, ["--use-distributed-optimizer", "--overlap-grad-reduce",
-                     "--no-fast-layer-graphs"]),
+    "dp2": (2, DP_FLAGS),
+    "dp2eager": (2, DP_FLAGS + ["--no-fast-layer-graphs"]),
     # the full-iteration graph with the data-parallel collectives inside (asked for)
-    "dp2graph": (2, ["--use-distributed-optimizer", "--overlap-grad-reduce",
-                     "--fast-cuda-graph"]),
+    "dp2graph": (2, DP_FLAGS + ["--fast-cuda-graph"]),
+    "dp4": (4, DP_FLAGS),
+    "dp4graph": (4, DP_FLAGS + ["--fast-cuda-graph"]),
+    "dp8": (8, DP_FLAGS),
+    "dp8graph": (8, DP_FLAGS + ["--fast-cuda-graph"]),
     "tp2graphs": (2, ["--tensor-model-parallel-size", "2", "--fast-layer-graphs"]),
     "cp2": (2, ["--context-parallel-size", "2"]),
     "tp2pp2dp2": (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
@@ -74,14 +82,19 @@ LAYOUTS = {  # name: (processes, flags)
 ERROR_RE = re.compile(r"^error: (.*)$", re.M)
 
 
-def model_flags(shape: str, seed: int, iters: int, cpu: bool, cp: int = 1) -> list[str]:
+def model_flags(shape: str, seed: int, iters: int, cpu: bool, cp: int = 1,
+                micro_batch: int | None = None, micro_batches: int = MICRO_BATCHES) -> list[str]:
+    """The flags every layout shares: the shape, ``micro_batches`` micro-batches of
+    ``micro_batch`` samples (default: the shape's) per step, the schedule, bf16 (fp32 on the
+    CPU), no dropout, a log line per iteration."""
     layers, hidden, heads, seq, mb = SHAPES[shape]
+    mb = micro_batch or mb
     seq *= cp  # context parallelism is for long sequences: each rank keeps the base length
     flags = [
         "--num-layers", str(layers), "--hidden-size", str(hidden),
         "--num-attention-heads", str(heads), "--seq-length", str(seq),
         "--max-position-embeddings", str(seq),
-        "--micro-batch-size", str(mb), "--global-batch-size", str(mb * MICRO_BATCHES),
+        "--micro-batch-size", str(mb), "--global-batch-size", str(mb * micro_batches),
         "--train-iters", str(iters), "--lr", "3e-4", "--min-lr", "3e-5",
         "--lr-decay-style", "cosine", "--lr-warmup-iters", str(max(1, iters // 5)),
         "--weight-decay", "0.1", "--clip-grad", "1.0", "--seed", str(seed),
@@ -107,13 +120,39 @@ def parse_log(text: str, skip: int) -> dict:
     return out
 
 
+def _size(flags: list[str], flag: str) -> int:
+    return int(flags[flags.index(flag) + 1]) if flag in flags else 1
+
+
+def data_parallel_size(layout: str) -> int:
+    nproc, flags = LAYOUTS[layout]
+    return nproc // (_size(flags, "--tensor-model-parallel-size")
+                     * _size(flags, "--pipeline-model-parallel-size")
+                     * _size(flags, "--context-parallel-size"))
+
+
+def batch_unsplittable_reason(layout: str, micro_batches: int) -> str | None:
+    """Why the global batch of ``micro_batches`` micro-batches cannot run under ``layout``
+    (None when it can): each data-parallel rank takes an equal share of whole micro-batches,
+    and the interleaved schedule wants a multiple of its pipeline stages per rank."""
+    dp = data_parallel_size(layout)
+    if micro_batches % dp:
+        return f"{micro_batches} micro-batches per step do not split over DP={dp}"
+    flags = LAYOUTS[layout][1]
+    pp = _size(flags, "--pipeline-model-parallel-size")
+    if "--num-virtual-stages-per-pipeline-rank" in flags and (micro_batches // dp) % pp:
+        return (f"the interleaved schedule needs a multiple of {pp} micro-batches per "
+                f"data-parallel rank, not {micro_batches // dp}")
+    return None
+
+
 def run_layout(a, name: str, out_dir: Path, extra: list[str], tag: str = "") -> dict:
     nproc, flags = LAYOUTS[name]
     cp = 2 if name == "cp2" else 1
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
               "--nproc-per-node", str(nproc), str(ROOT / "pretrain_gpt.py")]
-    cmd = (launch + model_flags(a.shape, a.seed, a.iters, a.cpu, cp) + flags
-           + a.data_args + extra)
+    cmd = (launch + model_flags(a.shape, a.seed, a.iters, a.cpu, cp, a.micro_batch,
+                                a.micro_batches) + flags + a.data_args + extra)
     # CPU ranks share two cores: one intra-op thread each
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")} if a.cpu else None
     print(f"[layouts] {name}{tag}: {shlex.join(cmd)}", flush=True)
@@ -141,9 +180,7 @@ def compare(base: dict, other: dict, first: int = 1) -> dict:
 
 
 def tensor_parallel_size(layout: str) -> int:
-    flags = LAYOUTS[layout][1]
-    return int(flags[flags.index("--tensor-model-parallel-size") + 1]) \
-        if "--tensor-model-parallel-size" in flags else 1
+    return _size(LAYOUTS[layout][1], "--tensor-model-parallel-size")
 
 
 def tokenizer_vocab_size(data_args: list[str]) -> int | None:
@@ -176,6 +213,21 @@ def same_vocab_padding(src: str, dst: str, vocab_size: int | None) -> list[str]:
     return ["--make-vocab-size-divisible-by", str(divisor)]
 
 
+def same_optimizer(src: str, dst: str) -> list[str]:
+    """Flags under which ``src`` saves the optimizer state ``dst`` loads: megatron loads the
+    distributed optimizer's state only into the distributed optimizer (and the plain one's
+    only into the plain one), so where either layout uses it both do (at DP=1 it shards
+    nothing); saved in the format that reloads under another TP x PP where they differ."""
+    uses = lambda layout: "--use-distributed-optimizer" in LAYOUTS[layout][1]  # noqa: E731
+    flags = ["--use-distributed-optimizer"] if uses(src) != uses(dst) else []
+    model_parallel = lambda layout: (tensor_parallel_size(layout),  # noqa: E731
+                                     _size(LAYOUTS[layout][1], "--pipeline-model-parallel-size"))
+    if (uses(src) or uses(dst)) and model_parallel(src) != model_parallel(dst):
+        # its default format reloads only under the same TP x PP
+        flags.append("--dist-ckpt-optim-fully-reshardable")
+    return flags
+
+
 def resume_check(a, out_dir: Path, src: str, dst: str, uninterrupted: dict | None) -> dict:
     """Save under ``src`` at half the run, resume under ``dst``, compare with ``src``
     uninterrupted (``uninterrupted``: that run when it exists already with these flags)."""
@@ -184,18 +236,20 @@ def resume_check(a, out_dir: Path, src: str, dst: str, uninterrupted: dict | Non
     half = a.iters // 2
     save = ["--save", str(ckpt), "--save-interval", str(half), "--exit-interval", str(half)]
     padding = same_vocab_padding(src, dst, tokenizer_vocab_size(a.data_args))
-    if padding:  # the uninterrupted run pads as the two below do (it changes the init)
-        uninterrupted = run_layout(a, src, out_dir, padding, tag="_padded_alike")
+    alike = padding + same_optimizer(src, dst)
+    if alike:  # the uninterrupted run as the two below run (padding changes the init)
+        uninterrupted = run_layout(a, src, out_dir, alike,
+                                   tag=f"_as_saved_for_{dst}")
     elif uninterrupted is None:
         uninterrupted = run_layout(a, src, out_dir, [])
-    first = run_layout(a, src, out_dir, save + padding, tag=f"_saved_at_{half}")
+    first = run_layout(a, src, out_dir, save + alike, tag=f"_saved_at_{half}_for_{dst}")
     resumed = run_layout(a, dst, out_dir, ["--load", str(ckpt), "--save", str(ckpt),
-                                            "--save-interval", str(10 * a.iters)] + padding,
+                                            "--save-interval", str(10 * a.iters)] + alike,
                          tag=f"_resumed_from_{src}")
     shutil.rmtree(ckpt, ignore_errors=True)  # checkpoints stay out of the results
     ok = first["rc"] == 0 and resumed["rc"] == 0
     res = dict(saved_under=src, resumed_under=dst, saved_at=half, runs_ok=ok,
-               vocab_padding=padding,
+               vocab_padding=padding, flags_alike=alike,
                resumed_iterations=sorted(i for i in resumed.get("losses", {}) if i > half))
     res["against_uninterrupted"] = compare(uninterrupted, resumed, first=half + 1)
     return res
@@ -211,13 +265,19 @@ def main(argv=None) -> int:
     p.add_argument("--gpus", type=int, default=2, help="processes available (GPUs, or CPU ranks)")
     p.add_argument("--layouts", default="tp2,tp2sp,pp2,vpp2,dp2,cp2,tp2pp2dp2")
     p.add_argument("--shape", default="345M", choices=sorted(SHAPES))
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="samples per micro-batch (default: the shape's)")
+    p.add_argument("--micro-batches", type=int, default=MICRO_BATCHES,
+                   help=f"micro-batches per step, the global batch of every layout (default "
+                        f"{MICRO_BATCHES}; the one-process run takes them all)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--skip", type=int, default=10, help="iterations left out of the timing")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--cpu", action="store_true", help="gloo processes on the CPU (fp32)")
     p.add_argument("--tolerance", type=float, default=0.02,
                    help="max relative loss difference counted as agreement (bf16 noise)")
-    p.add_argument("--resume-check", default="", metavar="FROM,TO")
+    p.add_argument("--resume-check", action="append", default=[], metavar="FROM,TO",
+                   help="save under FROM half-way, resume under TO (repeatable)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--one-log", default="", metavar="LOG",
                    help="compare with this earlier one-process log instead of running it again")
@@ -226,7 +286,11 @@ def main(argv=None) -> int:
     a.data_args = data_args or ["--mock-data"]
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    unknown = [n for n in a.layouts.split(",") if n and n not in LAYOUTS]
+    pairs = [spec.split(",") for spec in a.resume_check]
+    if any(len(pair) != 2 for pair in pairs):
+        p.error("--resume-check takes FROM,TO")
+    unknown = [n for n in a.layouts.split(",") + [n for pair in pairs for n in pair]
+               if n and n not in LAYOUTS]
     if unknown:
         p.error(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
 
@@ -241,19 +305,28 @@ def main(argv=None) -> int:
         if nproc > a.gpus:
             results[name] = dict(layout=name, skipped=f"needs {nproc} processes, --gpus {a.gpus}")
             continue
+        unsplittable = batch_unsplittable_reason(name, a.micro_batches)
+        if unsplittable:
+            results[name] = dict(layout=name, skipped=unsplittable)
+            continue
         res = run_layout(a, name, out_dir, [])
         if name != "cp2":  # a longer sequence: not the same losses
             res["against_one"] = compare(base, res)
         results[name] = res
     # date, commit, machine, versions, command: what bench/records.py makes rows of
     report = dict(info=run_info(), shape=a.shape, cpu=a.cpu, gpus=a.gpus, iterations=a.iters,
-                  tolerance=a.tolerance, layouts=results)
-    if a.resume_check:
-        src, dst = a.resume_check.split(",")
+                  micro_batch=a.micro_batch or SHAPES[a.shape][4],
+                  micro_batches=a.micro_batches, tolerance=a.tolerance, layouts=results,
+                  resumes=[])
+    for src, dst in pairs:
+        reason = next((r for r in (batch_unsplittable_reason(src, a.micro_batches),
+                                   batch_unsplittable_reason(dst, a.micro_batches)) if r), None)
         if max(LAYOUTS[src][0], LAYOUTS[dst][0]) > a.gpus:
-            report["resume"] = dict(skipped=f"needs more than --gpus {a.gpus}")
+            reason = f"needs more than --gpus {a.gpus}"
+        if reason:
+            report["resumes"].append(dict(saved_under=src, resumed_under=dst, skipped=reason))
         else:
-            report["resume"] = resume_check(a, out_dir, src, dst, results.get(src))
+            report["resumes"].append(resume_check(a, out_dir, src, dst, results.get(src)))
 
     (out_dir / "layouts.json").write_text(json.dumps(report, indent=1))
     print_table(report)
@@ -261,10 +334,9 @@ def main(argv=None) -> int:
               if r.get("rc") not in (0, None) and "skipped" not in r and "refused" not in r]
     disagree = [n for n, r in results.items()
                 if r.get("against_one") and r["against_one"]["max_rel_diff"] > a.tolerance]
-    resume = report.get("resume", {})
-    resume_bad = bool(resume) and "skipped" not in resume and (
-        not resume["runs_ok"] or not resume["against_uninterrupted"]
-        or resume["against_uninterrupted"]["max_rel_diff"] > a.tolerance)
+    resume_bad = any("skipped" not in r and (
+        not r["runs_ok"] or not r["against_uninterrupted"]
+        or r["against_uninterrupted"]["max_rel_diff"] > a.tolerance) for r in report["resumes"])
     if failed or disagree or resume_bad:
         print(f"[layouts] FAILED runs: {failed}; losses apart: {disagree}; "
               f"resume: {'bad' if resume_bad else 'ok'}", flush=True)
@@ -275,7 +347,8 @@ def main(argv=None) -> int:
 def print_table(report: dict) -> None:
     one = report["layouts"]["one"]
     base_tf = one.get("tflops_per_gpu")
-    print(f"\nshape {report['shape']}, {report['iterations']} iterations, "
+    print(f"\nshape {report['shape']}, {report['iterations']} iterations of "
+          f"{report.get('micro_batches', MICRO_BATCHES)} micro-batches, "
           f"{'CPU (gloo, fp32)' if report['cpu'] else 'GPU (bf16)'}")
     print(f"{'layout':10s} {'procs':>5s} {'ms/iter':>8s} {'TFLOP/s/GPU':>11s} {'vs one':>6s} "
           f"{'max |dloss|':>11s} {'max rel':>8s}")
@@ -295,10 +368,10 @@ def print_table(report: dict) -> None:
         print(f"{name:10s} {r['processes']:5d} {r.get('ms_per_iter', float('nan')):8.1f} "
               f"{(tf or float('nan')):11.1f} {scale} "
               f"{c.get('max_abs_diff', float('nan')):11.4f} {c.get('max_rel_diff', float('nan')):8.4f}")
-    res = report.get("resume")
-    if res:
+    for res in report.get("resumes", []):
         if "skipped" in res:
-            print(f"resume: skipped ({res['skipped']})")
+            print(f"resume: {res['saved_under']} to {res['resumed_under']} skipped "
+                  f"({res['skipped']})")
         else:
             c = res["against_uninterrupted"]
             print(f"resume: saved under {res['saved_under']} at {res['saved_at']}, resumed under "

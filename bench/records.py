@@ -253,7 +253,7 @@ def from_throughput(summary: dict) -> list[dict]:
 
 def from_layouts(report: dict) -> list[dict]:
     """``layouts.py``'s ``layouts.json``: one ``layouts`` record per layout run (or refused),
-    one ``resume`` record for ``--resume-check``."""
+    one ``resume`` record per ``--resume-check``."""
     base = _provenance(report["info"])
     one_tf = report["layouts"]["one"].get("tflops_per_gpu")
     records = []
@@ -274,8 +274,9 @@ def from_layouts(report: dict) -> list[dict]:
                 max_rel_loss_diff=c.get("max_rel_diff"), max_abs_loss_diff=c.get("max_abs_diff"),
                 iterations=report.get("iterations")))
         records.append(dict(table="layouts", row=row, figures=figures, **base))
-    resume = report.get("resume")
-    if resume and "skipped" not in resume:
+    # "resume": one check, as layouts.json had it before --resume-check was repeatable
+    resumes = report.get("resumes", [report["resume"]] if report.get("resume") else [])
+    for resume in [r for r in resumes if "skipped" not in r]:
         c = resume.get("against_uninterrupted") or {}
         records.append(dict(table="resume", **base, row=dict(
             shape=report["shape"], saved_under=resume["saved_under"],

@@ -18,6 +18,7 @@ changed silently: if it needs something missing, ``MissingDependencyError`` says
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import warnings
 from dataclasses import dataclass
@@ -218,6 +219,80 @@ def skip_dataset_helper_compilation() -> None:
         return compile_helpers
 
     megatron_wrappers.install(dataset_utils, "compile_helpers", __name__, already_built)
+
+
+_DISTRIBUTED_OPTIMIZER_ORIGINALS: dict = {}
+
+
+def distributed_optimizer_resumes_without_apex(log: Callable[[str], None] = lambda s: None
+                                               ) -> None:
+    """Let megatron's distributed optimizer load a checkpoint without TE or apex.
+
+    Building the state dict it loads into, ``DistributedOptimizer.sharded_state_dict`` asks
+    ``state_dict()`` for the optimizer's step; without TE/apex that reads the step of each
+    parameter's state in torch's optimizer, which a freshly built optimizer does not have
+    yet, and ``assert len(steps) == 1`` stops every resume (any layout, any checkpoint
+    format). megatron's own remedy for its FSDP format is
+    ``_init_optimizer_states_with_dummy_values`` (one step on zero gradients, so that the
+    state exists to be overwritten by the load); the wrapper runs it first when a fresh
+    torch optimizer is asked for a state dict to load into. Then the loaded values are
+    copied into the state by ``_set_main_param_and_optimizer_states``, which expects every
+    tensor of the state in the checkpoint (torch's per-parameter ``step`` is not: it is
+    restored from the parameter groups) and copies into leaf tensors that require
+    gradients outside ``no_grad``; its wrapper keeps ``step`` and copies under ``no_grad``.
+    With TE or apex installed, nothing changes.
+    """
+    import inspect
+
+    import torch
+    from megatron.core.optimizer import distrib_optimizer
+
+    if _DISTRIBUTED_OPTIMIZER_ORIGINALS or distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    cls = distrib_optimizer.DistributedOptimizer
+    original = cls.sharded_state_dict
+    _DISTRIBUTED_OPTIMIZER_ORIGINALS["sharded_state_dict"] = original
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def sharded_state_dict(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        inner = getattr(self, "optimizer", None)
+        if (bound.arguments.get("is_loading") and isinstance(inner, torch.optim.Optimizer)
+                and not inner.state
+                and any(p.numel() for g in inner.param_groups for p in g["params"])):
+            self._init_optimizer_states_with_dummy_values()
+            if not getattr(self, "_megagpt_said_resume", False):
+                self._megagpt_said_resume = True
+                log("resume: the distributed optimizer's state loads through a workaround "
+                    "of megatron's (no TE/apex: megagpt.compat); tiny fp32 models on the CPU "
+                    "continue within 1e-3 of an uninterrupted run, not bit for bit")
+        return original(self, *args, **kwargs)
+
+    cls.sharded_state_dict = sharded_state_dict
+
+    set_states = cls._set_main_param_and_optimizer_states
+    _DISTRIBUTED_OPTIMIZER_ORIGINALS["_set_main_param_and_optimizer_states"] = set_states
+
+    @functools.wraps(set_states)
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        # megatron copies the loaded values into every tensor of the parameter's state, but
+        # torch's optimizer keeps its "step" there too, which the checkpoint holds in the
+        # parameter groups (load_state_dict has put it back from there); what arrives here
+        # under "step" is not it (the fully reshardable format has none, the other one the
+        # value of the state the load was prepared with): the restored step keeps its value.
+        # And the copies go into leaf tensors that require gradients: outside no_grad torch
+        # refuses them.
+        with torch.no_grad():
+            if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+                return set_states(self, model_param, tensors)
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            kept = {key: value for key, value in self.optimizer.state[main_param].items()
+                    if isinstance(value, torch.Tensor) and (key == "step" or key not in tensors)}
+            return set_states(self, model_param, {**tensors, **kept})
+
+    cls._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
 
 
 def quiet_fallback_warnings() -> None:

@@ -140,6 +140,27 @@ LEDGER: tuple[Change, ...] = (
            "initialize_megatron runs make on megatron/core/datasets, which the wheel ships "
            "without a Makefile (its helpers_cpp is prebuilt): make fails and the run exits; "
            "skipped only where helpers_cpp imports", LAUNCH, "02c160f0fa9c"),
+    Change("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.sharded_state_dict",
+           WRAPS, "megagpt.compat",
+           "without TE/apex its state_dict() reads the step from torch's optimizer state, which "
+           "an optimizer built to resume has not made yet (assert len(steps) == 1): every "
+           "resume of a distributed-optimizer checkpoint stopped. A fresh optimizer asked for "
+           "a state dict to load into first takes megatron's own dummy step "
+           "(_init_optimizer_states_with_dummy_values); with TE or apex it is not installed",
+           LAUNCH, "044b9c3b3b9a", needle="state_dict = self.state_dict()"),
+    Change("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer."
+           "_set_main_param_and_optimizer_states", WRAPS, "megagpt.compat",
+           "loading, it copies the checkpoint's values into every tensor of a parameter's "
+           "state, which for torch's optimizer includes the step the checkpoint keeps in the "
+           "parameter groups (KeyError: 'step'), and into leaf tensors that require gradients "
+           "outside no_grad (RuntimeError); the wrapper keeps the step and copies under "
+           "no_grad; with TE or apex it is not installed",
+           LAUNCH, "20b6b8ac2fd8", needle="dst_tensors[key].copy_(tensors[key])"),
+    Change("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer."
+           "_init_optimizer_states_with_dummy_values", RELIES_ON, "megagpt.compat",
+           "called before loading into a fresh distributed optimizer without TE/apex (above): "
+           "one step on zero gradients, so that the state the load overwrites exists",
+           LAUNCH, "f19e040b13b0"),
     Change("megatron.training.arguments.get_device_arch_version", REPLACES, "megagpt.arguments",
            "validate_args asks the GPU for its architecture when TP or CP > 1; a dry run or a "
            "CPU run answers with the planned GPU's (or 0)", VALIDATION, "076b134d5b1f"),

@@ -62,6 +62,7 @@ def main() -> int:
     grad_write.install()
     capture_watchdog.install(300.0)
     compat.skip_dataset_helper_compilation()
+    compat.distributed_optimizer_resumes_without_apex()
     launched = megatron_attributes()
     report["launch"] = changed(before, launched)
 

@@ -193,6 +193,54 @@ def test_vocabulary_padding_arithmetic():
     assert vp.tensor_parallel_sizes_with(50257, 64, 50304) == [1, 2]
 
 
+def _optimizer_run(**kw):
+    """The attributes of a run that the optimizer check reads."""
+    base = dict(use_distributed_optimizer=False, optimizer="adam", no_load_optim=False,
+                finetune=False, ckpt_format="torch_dist")
+    base.update(kw)
+    return Namespace(**base)
+
+
+def test_another_optimizer_is_named_before_megatron_loads(ckpt):
+    """The checkpoint's optimizer state (plain adam) against the run's: the distributed
+    optimizer or another algorithm is refused, unless the run loads no optimizer state."""
+    where = it_dir(ckpt, 8)
+    assert guard.optimizer_state_mismatch(where, _optimizer_run()) is None
+    line = guard.optimizer_state_mismatch(where, _optimizer_run(use_distributed_optimizer=True))
+    assert line == (f"--load {where}: its optimizer state does not load into this run's "
+                    "optimizer (saved without --use-distributed-optimizer, and this run is with "
+                    "it): launch with the optimizer flags it was saved with, or pass "
+                    "--no-load-optim to resume its weights with a fresh optimizer")
+    assert "--optimizer adam there, sgd here" in guard.optimizer_state_mismatch(
+        where, _optimizer_run(optimizer="sgd"))
+    for loads_no_optimizer in (dict(no_load_optim=True), dict(finetune=True)):
+        assert guard.optimizer_state_mismatch(where, _optimizer_run(
+            use_distributed_optimizer=True, **loads_no_optimizer)) is None
+    # the distributed optimizer's default format reloads only under the TP x PP it was saved with
+    snapshot = os.path.join(where, "megagpt_config.yaml")
+    data = yaml.safe_load(open(snapshot))
+    data["entry"]["optimizer"].update(use_distributed_optimizer=True,
+                                      dist_ckpt_optim_fully_reshardable=False)
+    with open(snapshot, "w") as f:
+        yaml.safe_dump(data, f)
+    distributed = dict(use_distributed_optimizer=True)
+    assert guard.optimizer_state_mismatch(where, _optimizer_run(**distributed)) is None
+    line = guard.optimizer_state_mismatch(where, _optimizer_run(
+        tensor_model_parallel_size=2, **distributed))
+    assert "loads only under the TP x PP it was saved with (1 x 1 there, 2 x 1 here)" in line
+    assert "--dist-ckpt-optim-fully-reshardable" in line
+    data["entry"]["optimizer"]["dist_ckpt_optim_fully_reshardable"] = True
+    with open(snapshot, "w") as f:
+        yaml.safe_dump(data, f)
+    assert guard.optimizer_state_mismatch(where, _optimizer_run(
+        tensor_model_parallel_size=2, **distributed)) is None
+    # a snapshot written before it recorded the optimizer: megatron's loader decides
+    with open(snapshot, "w") as f:
+        yaml.safe_dump(data, f)
+    assert guard.optimizer_state_mismatch(
+        where, _optimizer_run(use_distributed_optimizer=True)) is None
+
+
 # ---------------------------------------------------------------------------
 # The entry, end to end
 # ---------------------------------------------------------------------------
@@ -216,6 +264,14 @@ def test_bad_checkpoints_stop_with_one_line(ckpt, tmp_path):
     empty.mkdir()
     line = _one_line_error(run_entry(base + ["--load", str(empty)], cwd=tmp_path))
     assert f"--load {empty} has no checkpoint" in line
+    # the plain optimizer's state into the distributed optimizer: refused, or weights only
+    line = _one_line_error(run_entry(base + ["--load", ckpt, "--use-distributed-optimizer"],
+                                     cwd=tmp_path))
+    assert f"--load {it_dir(ckpt, 8)}: its optimizer state does not load" in line
+    proc = run_entry(base + ["--load", ckpt, "--use-distributed-optimizer", "--no-load-optim"],
+                     cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert sorted(parse_losses(proc.stdout)) == [9, 10]
 
 
 @pytest.mark.slow
@@ -383,3 +439,27 @@ def test_grad_norm_guard_stops_a_run_whose_in_step_checks_are_off():
         off_by_fast_path, ["--no-check-for-nan-in-loss-and-grad"])  # the user's choice
     assert not divergence.needs_grad_norm_guard(
         Namespace(check_for_nan_in_loss_and_grad=True), [])
+
+
+@pytest.mark.slow
+def test_a_distributed_optimizer_checkpoint_resumes_without_te_or_apex(tmp_path):
+    """megatron's distributed optimizer on torch's optimizer could not load its own
+    checkpoints (megagpt.compat's workaround): saved at iteration 2 and resumed, the run
+    continues from the saved weights (iteration 3's loss is the uninterrupted run's) and
+    within 1e-3 of the uninterrupted losses after it."""
+    base = TINY_MODEL + NO_DROPOUT + ["--train-iters", "5", "--use-distributed-optimizer"]
+    uninterrupted = run_entry(base, cwd=tmp_path)
+    assert uninterrupted.returncode == 0, uninterrupted.stdout[-3000:]
+    ckpt = str(tmp_path / "ckpt")
+    saved = run_entry(base + ["--save", ckpt, "--save-interval", "2", "--exit-interval", "2"],
+                      cwd=tmp_path)
+    assert saved.returncode == 0, saved.stdout[-3000:]
+    resumed = run_entry(base + ["--load", ckpt, "--save", ckpt, "--save-interval", "10"],
+                        cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert "the distributed optimizer's state loads through a workaround" in resumed.stdout
+    before, after = parse_losses(uninterrupted.stdout), parse_losses(resumed.stdout)
+    assert sorted(after) == [3, 4, 5]
+    assert after[3] == before[3]
+    for i in (4, 5):
+        assert abs(after[i] - before[i]) / before[i] < 1e-3, (i, before[i], after[i])

@@ -17,7 +17,8 @@ def test_layouts_bench_runs_compares_and_resumes_across_layouts(tmp_path):
     out = tmp_path / "layouts"
     cmd = [sys.executable, str(REPO / "bench" / "layouts.py"), "--cpu", "--shape", "tiny",
            "--gpus", "2", "--iters", "4", "--skip", "1", "--layouts", "tp2,dp2,cp2,tp2pp2dp2",
-           "--resume-check", "tp2,pp2", "--out", str(out), "--", "--mock-data",
+           "--resume-check", "tp2,pp2", "--resume-check", "tp2,dp2", "--out", str(out), "--",
+           "--mock-data",
            "--vocab-size", "512"]
     p = subprocess.run(cmd, cwd=REPO, env=entry_env(), stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True, timeout=900)
@@ -31,11 +32,14 @@ def test_layouts_bench_runs_compares_and_resumes_across_layouts(tmp_path):
         assert layouts[name]["against_one"]["max_rel_diff"] < 1e-3
     assert "Transformer Engine" in layouts["cp2"]["refused"]
     assert "needs 8 processes" in layouts["tp2pp2dp2"]["skipped"]
-    resume = report["resume"]
-    assert resume["runs_ok"] and resume["resumed_iterations"] == [3, 4]
-    assert resume["against_uninterrupted"]["max_rel_diff"] < 1e-3
+    # under PP=2, and under DP=2 with the distributed optimizer (its optimizer state resharded)
+    assert [(r["saved_under"], r["resumed_under"]) for r in report["resumes"]] == [
+        ("tp2", "pp2"), ("tp2", "dp2")]
+    for resume in report["resumes"]:
+        assert resume["runs_ok"] and resume["resumed_iterations"] == [3, 4]
+        assert resume["against_uninterrupted"]["max_rel_diff"] < 1e-3
     assert not list(out.glob("ckpt_*")), "checkpoints are removed after the check"
-    assert "resumed under pp2" in p.stdout
+    assert "resumed under pp2" in p.stdout and "resumed under dp2" in p.stdout
 
     # the report becomes rows of docs/benchmarks.md (bench/records.py)
     sys.path.insert(0, str(REPO / "bench"))
@@ -49,9 +53,10 @@ def test_layouts_bench_runs_compares_and_resumes_across_layouts(tmp_path):
     assert tp2["max_rel_loss_diff"] < 1e-3 and tp2["ms_per_iter"] > 0
     assert "Transformer Engine" in rows["cp2"]["figures"]["not_run"]
     assert rows["one"]["command"].startswith("python bench/layouts.py --cpu --shape tiny")
-    (resume,) = [r for r in made if r["table"] == "resume"]
-    assert (resume["row"]["saved_under"], resume["row"]["resumed_under"]) == ("tp2", "pp2")
-    assert resume["figures"]["iterations"] == 2
+    resumes = [r for r in made if r["table"] == "resume"]
+    assert [(r["row"]["saved_under"], r["row"]["resumed_under"]) for r in resumes] == [
+        ("tp2", "pp2"), ("tp2", "dp2")]
+    assert all(r["figures"]["iterations"] == 2 for r in resumes)
 
     # a later invocation compares with that one-process log instead of running it again
     again = tmp_path / "again"
@@ -64,3 +69,28 @@ def test_layouts_bench_runs_compares_and_resumes_across_layouts(tmp_path):
     reused = json.loads((again / "layouts.json").read_text())["layouts"]["one"]
     assert reused["losses"] == layouts["one"]["losses"]
     assert not (again / "one.log").exists()  # not run
+
+
+def test_a_global_batch_each_layout_can_split():
+    """Every data-parallel rank takes whole micro-batches, and the interleaved schedule a
+    multiple of its stages per rank; layouts that cannot are skipped with the reason."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import layouts
+
+    assert [layouts.data_parallel_size(n) for n in ("one", "tp2", "pp2", "dp2", "dp8",
+                                                    "tp2pp2dp2", "cp2")] == [1, 1, 1, 2, 8, 2, 1]
+    assert layouts.batch_unsplittable_reason("dp4", 8) is None
+    assert layouts.batch_unsplittable_reason("dp8", 4) == \
+        "4 micro-batches per step do not split over DP=8"
+    assert layouts.batch_unsplittable_reason("vpp2", 4) is None
+    assert "multiple of 2 micro-batches per data-parallel rank, not 3" in \
+        layouts.batch_unsplittable_reason("vpp2", 3)
+    assert "--global-batch-size" in (flags := layouts.model_flags("1.3B", 1, 10, False,
+                                                                 micro_batch=8, micro_batches=16))
+    assert flags[flags.index("--global-batch-size") + 1] == "128"
+    assert flags[flags.index("--hidden-size") + 1] == "2048"
+    # a resume across optimizers or TP x PP saves what the other layout loads
+    assert layouts.same_optimizer("tp2", "pp2") == []
+    assert layouts.same_optimizer("dp2", "dp2eager") == []
+    assert layouts.same_optimizer("tp2", "dp2") == ["--use-distributed-optimizer",
+                                                    "--dist-ckpt-optim-fully-reshardable"]

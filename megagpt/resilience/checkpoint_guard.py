@@ -29,8 +29,10 @@ Rules applied by ``prepare_load`` (all ranks compute the same answer; rank 0 wri
   directory: the usual "same command for the first launch and every resume" then starts
   fresh, and says so.
 - A checkpoint with a ``megagpt_config.yaml`` is compared with this run: another model
-  shape, tokenizer or vocabulary is an error naming each difference; another parallel
-  layout is fine (the distributed format reshards) and is logged.
+  shape, tokenizer or vocabulary is an error naming each difference; so is another
+  optimizer (the distributed optimizer's state and the plain one's do not load into each
+  other) unless the run loads no optimizer state (``--no-load-optim``, ``--finetune``);
+  another parallel layout is fine (the distributed format reshards) and is logged.
 """
 
 from __future__ import annotations
@@ -237,6 +239,53 @@ def compare_with_run(ckpt_dir: str, args) -> tuple[list[str], list[str]]:
     return blocking, layout
 
 
+def optimizer_state_mismatch(ckpt_dir: str, args) -> str | None:
+    """Why the checkpoint's optimizer state cannot load into this run's optimizer (None when
+    it can, when this run loads no optimizer state, or when the checkpoint does not say).
+
+    megatron loads the plain optimizer's state only into the plain optimizer and the
+    distributed optimizer's only into the distributed one (each way it fails deep in its
+    loader: a bare AssertionError, a KeyError on a missing state key); the optimizer's
+    algorithm has to match too; and the distributed optimizer's default checkpoint format
+    (``dp_reshardable``) loads only under the same TP x PP (megatron says so after the model
+    is built, advising a flag that does not change the format). The weights load in every
+    case, with a fresh optimizer."""
+    if getattr(args, "no_load_optim", False) or getattr(args, "finetune", False):
+        return None
+    saved = (config_snapshot.read(ckpt_dir) or {}).get("optimizer")
+    if not isinstance(saved, dict):
+        return None  # saved before the snapshot recorded its optimizer
+    now = config_snapshot.entry_section(args, 0)["optimizer"]
+    differences = []
+    if "use_distributed_optimizer" in saved and \
+            bool(saved["use_distributed_optimizer"]) != bool(now["use_distributed_optimizer"]):
+        with_ = lambda on: "with" if on else "without"  # noqa: E731
+        differences.append(f"saved {with_(saved['use_distributed_optimizer'])} "
+                           f"--use-distributed-optimizer, and this run is "
+                           f"{with_(now['use_distributed_optimizer'])} it")
+    if saved.get("optimizer") and now.get("optimizer") and saved["optimizer"] != now["optimizer"]:
+        differences.append(f"--optimizer {saved['optimizer']} there, {now['optimizer']} here")
+    if differences:
+        return (f"--load {ckpt_dir}: its optimizer state does not load into this run's "
+                f"optimizer ({'; '.join(differences)}): launch with the optimizer flags it was "
+                f"saved with, or pass --no-load-optim to resume its weights with a fresh "
+                f"optimizer")
+    layout = (config_snapshot.read(ckpt_dir) or {}).get("layout") or {}
+    tp_pp = lambda d: (d.get("tensor_model_parallel_size") or 1,  # noqa: E731
+                       d.get("pipeline_model_parallel_size") or 1)
+    saved_tp_pp, run_tp_pp = tp_pp(layout), tp_pp(config_snapshot.entry_section(args, 0)["layout"])
+    if (saved.get("use_distributed_optimizer") and now["use_distributed_optimizer"]
+            and "dist_ckpt_optim_fully_reshardable" in saved
+            and not saved["dist_ckpt_optim_fully_reshardable"] and saved_tp_pp != run_tp_pp):
+        return (f"--load {ckpt_dir}: its distributed optimizer's state was saved in megatron's "
+                f"default format, which loads only under the TP x PP it was saved with "
+                f"({saved_tp_pp[0]} x {saved_tp_pp[1]} there, {run_tp_pp[0]} x {run_tp_pp[1]} "
+                f"here): resume under {saved_tp_pp[0]} x {saved_tp_pp[1]}, or pass "
+                f"--no-load-optim to resume its weights with a fresh optimizer (a run that "
+                f"saves with --dist-ckpt-optim-fully-reshardable can change its layout later)")
+    return None
+
+
 def _vocab_padding_hint(saved: dict, args) -> str:
     """Why the embedding's rows differ, and what resumes it: megatron pads the vocabulary
     to a multiple of --make-vocab-size-divisible-by x TP and loads only the same divisor
@@ -309,6 +358,9 @@ def prepare_load(args, log: Callable[[str], None]) -> LoadPlan | None:
     if blocking:
         raise CheckpointError(f"--load {ckpt_dir} was saved for another model: "
                               + "; ".join(blocking))
+    optimizer = optimizer_state_mismatch(ckpt_dir, args)
+    if optimizer:
+        raise CheckpointError(optimizer)
     if plan.tracker != plan.iteration:
         args.ckpt_step = plan.iteration  # what megatron loads; the tracker is only repaired
         # in our own --save directory, or where megatron could not read it at all.

@@ -6,7 +6,8 @@ a crash in between leaves a complete checkpoint without the file, which the load
 accepts). Two sections:
 
 ``entry``      what ``checkpoint_guard`` compares before loading: the model's shape, the
-               tokenizer and vocabulary, the parallel layout, the iteration, the command line;
+               tokenizer and vocabulary, the optimizer, the parallel layout, the iteration,
+               the command line;
 ``container``  megatron's ``PretrainConfigContainer`` as its own ``to_dict`` writes it (the
                same content as ``container.to_yaml``); omitted if it does not serialise.
 """
@@ -30,6 +31,10 @@ MODEL_KEYS = (
     "num_experts", "padded_vocab_size", "make_vocab_size_divisible_by",
 )
 TOKENIZER_KEYS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
+# What the optimizer's saved state is: megatron loads the plain optimizer's state only into
+# the plain optimizer, and the distributed optimizer's only into the distributed one; that
+# one's default format (not fully reshardable) only under the same TP x PP.
+OPTIMIZER_KEYS = ("optimizer", "use_distributed_optimizer", "dist_ckpt_optim_fully_reshardable")
 # Free to change between save and load (the distributed format reshards).
 LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                "context_parallel_size", "data_parallel_size", "world_size")
@@ -55,6 +60,7 @@ def entry_section(args, iteration: int) -> dict:
         "consumed_train_samples": int(getattr(args, "consumed_train_samples", 0) or 0),
         "model": model,
         "tokenizer": pick(TOKENIZER_KEYS),
+        "optimizer": pick(OPTIMIZER_KEYS),
         "layout": pick(LAYOUT_KEYS),
         "ckpt_format": args.ckpt_format,
         "argv": [str(a) for a in (getattr(args, "entry_argv", None) or [])],
