@@ -33,6 +33,14 @@ class InputError(Exception):
     """Bad input that stops the run; the message is one line naming the file (and line)."""
 
 
+class RecordError(InputError):
+    """A record that does not give the text asked for (``iter_texts``): where and why."""
+
+    def __init__(self, source: str, line: int, reason: str, detail: str):
+        super().__init__(f"{source}:{line}: {reason}: {detail}")
+        self.source, self.line, self.reason, self.detail = source, line, reason, detail
+
+
 @dataclass
 class Chunk:
     """Consecutive records of one file."""
@@ -201,3 +209,19 @@ def parse_record(payload: bytes, kind: str, keys: list[str]):
                                            f"(a \\u escape that is not text)", 0
         texts.append(value)
     return texts, None, None, 0
+
+
+def iter_texts(paths: list[str], key: str, input_format: str = "auto"
+               ) -> Iterator[tuple[str, str, int]]:
+    """(text, source, line) for ``key`` of every record of ``paths`` (text files: the whole
+    record), in order; blank lines are skipped. The files are read before the first record is
+    parsed (``InputError``); the first record that does not parse raises ``RecordError``."""
+    chunks = list(iter_chunks(paths, input_format=input_format))
+    for chunk in chunks:
+        for line_no, payload in zip(chunk.line_nos, chunk.payloads):
+            texts, reason, detail, extra = parse_record(payload, chunk.kind, [key])
+            if reason == BLANK_LINE:
+                continue
+            if reason is not None:
+                raise RecordError(chunk.source, line_no + extra, reason, detail)
+            yield texts[0], chunk.source, line_no

@@ -52,21 +52,13 @@ def text_token_stream(paths: list[str], key: str, tokenizer) -> np.ndarray:
     """Every document of ``paths`` tokenized, each followed by the end-of-document token."""
     from megagpt.data import readers
 
-    try:
-        files = readers.expand_inputs(paths)
-        chunks = list(readers.iter_chunks(files))
-    except readers.InputError as exc:
-        raise PerplexityError(str(exc)) from None
     pieces = []
-    for chunk in chunks:
-        for line_no, payload in zip(chunk.line_nos, chunk.payloads):
-            texts, reason, detail, extra = readers.parse_record(payload, chunk.kind, [key])
-            if reason == readers.BLANK_LINE:
-                continue
-            if reason is not None:
-                raise PerplexityError(f"{chunk.source}:{line_no + extra}: {reason}: {detail}")
-            pieces.append(np.asarray(tokenizer.tokenize(texts[0]), dtype=np.int64))
+    try:
+        for text, _, _ in readers.iter_texts(readers.expand_inputs(paths), key):
+            pieces.append(np.asarray(tokenizer.tokenize(text), dtype=np.int64))
             pieces.append(np.asarray([tokenizer.eod], dtype=np.int64))
+    except readers.InputError as exc:  # a RecordError says "file:line: reason: detail"
+        raise PerplexityError(str(exc)) from None
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
 
 

@@ -25,20 +25,15 @@ class Prompt:
 
 
 def from_file(path: str) -> list[Prompt]:
+    prompts = []
     try:
-        chunks = list(readers.iter_chunks([path], input_format="jsonl"))
+        for text, _, line in readers.iter_texts([path], PROMPT_KEY, input_format="jsonl"):
+            prompts.append(Prompt(text, f"{path}:{line}"))
+    except readers.RecordError as exc:
+        raise PromptError(f"--prompts {path}:{exc.line}: {exc.reason}: {exc.detail} "
+                          f"(each line: {{\"{PROMPT_KEY}\": \"...\"}})") from None
     except readers.InputError as exc:
         raise PromptError(str(exc)) from None
-    prompts = []
-    for chunk in chunks:
-        for line_no, payload in zip(chunk.line_nos, chunk.payloads):
-            texts, reason, detail, _ = readers.parse_record(payload, readers.JSONL, [PROMPT_KEY])
-            if reason == readers.BLANK_LINE:
-                continue
-            if reason is not None:
-                raise PromptError(f"--prompts {path}:{line_no}: {reason}: {detail} "
-                                  f"(each line: {{\"{PROMPT_KEY}\": \"...\"}})")
-            prompts.append(Prompt(texts[0], f"{path}:{line_no}"))
     if not prompts:
         raise PromptError(f"--prompts {path}: no prompt in the file")
     return prompts

@@ -252,10 +252,12 @@ def optimizer_state_mismatch(ckpt_dir: str, args) -> str | None:
     case, with a fresh optimizer."""
     if getattr(args, "no_load_optim", False) or getattr(args, "finetune", False):
         return None
-    saved = (config_snapshot.read(ckpt_dir) or {}).get("optimizer")
+    snapshot = config_snapshot.read(ckpt_dir) or {}
+    saved = snapshot.get("optimizer")
     if not isinstance(saved, dict):
         return None  # saved before the snapshot recorded its optimizer
-    now = config_snapshot.entry_section(args, 0)["optimizer"]
+    run = config_snapshot.entry_section(args, 0)
+    now = run["optimizer"]
     differences = []
     if "use_distributed_optimizer" in saved and \
             bool(saved["use_distributed_optimizer"]) != bool(now["use_distributed_optimizer"]):
@@ -270,10 +272,9 @@ def optimizer_state_mismatch(ckpt_dir: str, args) -> str | None:
                 f"optimizer ({'; '.join(differences)}): launch with the optimizer flags it was "
                 f"saved with, or pass --no-load-optim to resume its weights with a fresh "
                 f"optimizer")
-    layout = (config_snapshot.read(ckpt_dir) or {}).get("layout") or {}
     tp_pp = lambda d: (d.get("tensor_model_parallel_size") or 1,  # noqa: E731
                        d.get("pipeline_model_parallel_size") or 1)
-    saved_tp_pp, run_tp_pp = tp_pp(layout), tp_pp(config_snapshot.entry_section(args, 0)["layout"])
+    saved_tp_pp, run_tp_pp = tp_pp(snapshot.get("layout") or {}), tp_pp(run["layout"])
     if (saved.get("use_distributed_optimizer") and now["use_distributed_optimizer"]
             and "dist_ckpt_optim_fully_reshardable" in saved
             and not saved["dist_ckpt_optim_fully_reshardable"] and saved_tp_pp != run_tp_pp):
