@@ -130,18 +130,26 @@ def main(argv=None) -> int:
     p.add_argument("--cpu", action="store_true",
                    help="run on the CPU in fp32 (no CUDA graphs): checks the script, times nothing "
                         "of interest")
+    p.add_argument("--profile-step", action="store_true",
+                   help="also profile 10 replays of each KV engine's captured decode step: "
+                        "kernels per step, their time, the costliest kernels")
+    p.add_argument("--gemv-max-rows", type=int, default=None,
+                   help="override kv_decoder.GEMV_MAX_ROWS (a compiled step's linear layers "
+                        "run as reductions up to this many rows; 0: always cuBLAS)")
     a = p.parse_args(argv)
     if a.cpu:
         a.dtype = "fp32"
     elif not torch.cuda.is_available():
         print("error: bench_generate.py needs a CUDA GPU (or --cpu to check it)", file=sys.stderr)
         return 2
-    from megagpt.inference import loading
+    from megagpt.inference import kv_decoder, loading
     from megagpt.inference.generation import Generator
     from megagpt.inference.sampling import Sampling
     from megagpt.inference.world import megatron_world, quiet_megatron
 
     quiet_megatron()
+    if a.gemv_max_rows is not None:
+        kv_decoder.GEMV_MAX_ROWS = a.gemv_max_rows
     engines = (a.engines or ("transformers,megatron,kv" if a.cpu else
                              "transformers,megatron,kv,kv-compiled")).split(",")
     args, tokenizer = build_model(a.shape, a.dtype, a.seed, a.cpu)
@@ -184,14 +192,45 @@ def main(argv=None) -> int:
                              "tokens_per_second": batch * a.new_tokens / seconds})
                 print(f"  {engine:12s} batch {batch:3d}: {seconds:8.3f} s, "
                       f"{rows[-1]['tokens_per_second']:10.1f} new tokens/s", flush=True)
+                if a.profile_step and engine.startswith("kv") and device.type == "cuda":
+                    rows[-1]["step_profile"] = profile_step(generator._decoder, batch)
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     report(rows, outputs, engines, a, gpu)
     return 0
 
 
+def profile_step(decoder, batch: int, replays: int = 10) -> dict:
+    """Kernels per replay of the decoder's captured step, their time, the costliest ones."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _, _, run = decoder._step(batch)
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            run()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.device_time)
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:8]
+    result = {"kernels_per_step": len(kernels) / replays,
+              "kernel_us_per_step": sum(e.device_time for e in kernels) / replays,
+              "top": [{"kernel": name[:90], "calls_per_step": len(t) / replays,
+                       "mean_us": sum(t) / len(t)} for name, t in top]}
+    print(f"    step: {result['kernels_per_step']:.0f} kernels, "
+          f"{result['kernel_us_per_step']:.1f} us of kernel time")
+    for k in result["top"]:
+        print(f"      {k['calls_per_step']:5.0f} x {k['mean_us']:6.2f} us  {k['kernel']}")
+    return result
+
+
 def report(rows, outputs, engines, a, gpu) -> None:
     import megatron.core
     import transformers
+
+    from megagpt.inference import kv_decoder
 
     reference = {r["batch"]: r["tokens_per_second"] for r in rows
                  if r["engine"] == "transformers"}
@@ -217,15 +256,16 @@ def report(rows, outputs, engines, a, gpu) -> None:
             print(f"kv against megatron at batch {batch}: agree for {low} / {mean:.1f} tokens")
     for r in rows:
         goal = GOALS.get(r["batch"])
-        if r["engine"] == "kv" and goal and r.get("x_transformers"):
+        if r["engine"].startswith("kv") and goal and r.get("x_transformers"):
             verdict = "met" if r["x_transformers"] >= goal else "NOT met"
-            print(f"goal at batch {r['batch']}: >= {goal:g}x transformers: "
+            print(f"goal at batch {r['batch']}: >= {goal:g}x transformers ({r['engine']}): "
                   f"{r['x_transformers']:.1f}x, {verdict}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     record = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gpu": gpu,
               "shape": a.shape, "dtype": a.dtype, "prompt_tokens": a.prompt_tokens,
               "new_tokens": a.new_tokens, "repeats": a.repeats, "rows": rows,
+              "gemv_max_rows": kv_decoder.GEMV_MAX_ROWS,
               "versions": {"python": platform.python_version(), "torch": torch.__version__,
                            "transformers": transformers.__version__,
                            "megatron-core": getattr(megatron.core, "__version__", "?")},

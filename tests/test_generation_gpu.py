@@ -78,10 +78,15 @@ def test_bench_generate_runs_on_a_gpu(tmp_path):
 
     out = subprocess.run([PYTHON, str(REPO / "bench" / "bench_generate.py"), "--shape", "tiny",
                           "--prompt-tokens", "16", "--new-tokens", "24", "--repeats", "1",
-                          "--out", str(tmp_path)], cwd=tmp_path, env=entry_env(),
+                          "--profile-step", "--out", str(tmp_path)], cwd=tmp_path, env=entry_env(),
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     record = json.loads((tmp_path / "bench_generate.json").read_text())
     assert [(r["engine"], r["batch"]) for r in record["rows"]] == [
         (e, b) for b in (1, 16) for e in ("transformers", "megatron", "kv", "kv-compiled")]
     assert "goal at batch 1" in out.stdout
+    for row in record["rows"]:  # the captured step's kernels, profiled
+        profiled = row.get("step_profile")
+        assert (profiled is not None) == row["engine"].startswith("kv")
+        if profiled:
+            assert profiled["kernels_per_step"] > 10 and profiled["kernel_us_per_step"] > 0

@@ -131,3 +131,20 @@ def test_compiled_step_gives_the_eager_steps_tokens():
             args = (prompts, 10, sampling, VOCAB, EOD, False)
             assert compiled.generate(*args) == eager.generate(*args)
         assert compiled._compiled_forward is not None
+
+
+@pytest.mark.parametrize("variant", ["gpt2", "llama_gqa"])
+def test_compiled_decode_step_gives_the_eager_steps_logits(variant):
+    """A compiled decode step of two rows computes its linear layers as reductions
+    (``GEMV_MAX_ROWS``); its logits equal the eager step's on the same cache."""
+    assert 2 <= kv_decoder.GEMV_MAX_ROWS
+    with cpu_megatron(), torch._dynamo.config.patch(disable=False), torch.inference_mode():
+        model = tiny_gpt(variant, vocab_size=VOCAB)
+        decoder = kv_decoder.KVDecoder(model, 2, 24, use_graphs=False, compile_step=True)
+        prompt = torch.tensor([[3, 14, 15, 92, 65], [35, 89, 7, 7, 1]])
+        decoder.forward(prompt, torch.arange(5).expand(2, -1), torch.tensor([4, 4]))
+        step = (torch.tensor([[9], [4]]), torch.tensor([[5], [5]]), torch.tensor([0, 0]))
+        eager = decoder.forward(*step)
+        compiled = decoder._step_forward()(*step)  # rewrites the same cache entries
+        assert compiled.shape == eager.shape == (2, model.vocab_size)
+        torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)

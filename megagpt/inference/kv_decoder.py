@@ -8,11 +8,17 @@ the cache, so on a GPU one step is captured once as a CUDA graph and replayed: o
 per token, no host wait until the end (or every ``EOD_CHECK_EVERY`` tokens when stopping at
 the end-of-document token).
 
-The cache holds keys and values for every position of every row (``[batch, groups,
-max_length, head_dim]`` per layer). A step writes its keys and values at each row's own
+The cache holds keys and values for every position of every row (``[batch, max_length,
+groups, 2, head_dim]`` per layer). A step writes its keys and values at each row's own
 position and attends to the cache positions at or before it, so rows of different lengths
 share a batch, and a prompt shorter than the batch's longest, right-padded, is exact: its
 padding writes positions that a later step overwrites before any query can see them.
+Attention is ``F.scaled_dot_product_attention`` over the cache with a mask of the visible
+positions (one fused kernel at decode).
+
+With ``compile_step`` the step goes through ``torch.compile`` before it is captured, and its
+linear layers at batch <= ``GEMV_MAX_ROWS`` become reductions (``_linear``): at batch 1 the
+step is bound by how many kernels it runs and how fast each small one reads its weights.
 
 What it covers: dense pre-norm GPT layers (LayerNorm or RMSNorm), learned absolute
 positions, RoPE (also partial, and llama3 scaling as megatron applies it) or none, grouped
@@ -34,6 +40,11 @@ from megagpt.inference.sampling import Sampling, generator_for, next_tokens
 # With stopping at the end-of-document token, the host looks whether every row has
 # finished once per this many tokens: one synchronisation per 32 steps instead of each.
 EOD_CHECK_EVERY = 32
+
+# A compiled step computes its linear layers as reductions up to this many rows (batch x
+# tokens); see ``_linear``. At 345M on one H200 (2026-12-01) the reductions cut a batch-1
+# step from 1.10 to 0.73 ms, and at 16 rows they took 4.0 ms against cuBLAS's 1.1.
+GEMV_MAX_ROWS = 4
 
 
 def unsupported_reason(model) -> str | None:
@@ -74,6 +85,25 @@ def _activation(x: Tensor, name: str) -> Tensor:
     raise ValueError(f"activation {name!r}")
 
 
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear``; inside a compiled step with at most ``GEMV_MAX_ROWS`` rows, the same
+    product as a multiply-and-sum in fp32, which inductor turns into one reduction kernel
+    with the bias, the norm before it and the activation after it fused in.
+
+    Why: at batch 1 cuBLAS runs each of a layer's four products as its own matrix-vector
+    kernel that reads 2-8 MB of weights in 5-8 us (0.4-1.1 TB/s of the H200's 4.8), plus
+    the separate kernels around it; the reductions read them faster and need fewer kernels.
+    With more rows each row reads the weights again, and cuBLAS wins (figures:
+    docs/inference.md). Eagerly the product would be materialised, so only when compiling."""
+    rows = x.numel() // x.shape[-1]
+    if rows > GEMV_MAX_ROWS or not torch.compiler.is_compiling():
+        return F.linear(x, weight, bias)
+    y = (x.unsqueeze(-2).float() * weight.float()).sum(-1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
 def _rotate_half(x: Tensor) -> Tensor:
     x1, x2 = torch.chunk(x, 2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -108,10 +138,10 @@ class KVDecoder:
         self.layers = list(model.decoder.layers)
         self.final_norm = model.decoder.final_layernorm
         a = self.arch
-        shape = (max_batch, a.num_query_groups, max_length, a.kv_channels)
-        self.keys = [torch.zeros(shape, device=self.device, dtype=self.dtype)
-                     for _ in self.layers]
-        self.values = [torch.zeros(shape, device=self.device, dtype=self.dtype)
+        # per layer [batch, position, group, key | value, head_dim]: a step's keys and values
+        # sit side by side in its QKV output, so one scatter writes both
+        shape = (max_batch, max_length, a.num_query_groups, 2, a.kv_channels)
+        self.caches = [torch.zeros(shape, device=self.device, dtype=self.dtype)
                        for _ in self.layers]
         self.cache_positions = torch.arange(max_length, device=self.device)
         self.rope_cos = self.rope_sin = None
@@ -142,7 +172,7 @@ class KVDecoder:
         groups, per_group, d = a.num_query_groups, a.num_heads // a.num_query_groups, \
             a.kv_channels
         qkv_linear = layer.self_attention.linear_qkv
-        qkv = F.linear(x, qkv_linear.weight, qkv_linear.bias)
+        qkv = _linear(x, qkv_linear.weight, qkv_linear.bias)
         # megatron's layout: per query group, its query heads, then one key, one value
         qkv = qkv.view(b, s, groups, per_group + 2, d)
         q, k, v = qkv[:, :, :, :per_group], qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
@@ -150,30 +180,29 @@ class KVDecoder:
             q = self._rope(q.reshape(b, s, groups * per_group, d), positions)
             q = q.view(b, s, groups, per_group, d)
             k = self._rope(k, positions)
-        rows = torch.arange(b, device=x.device).unsqueeze(1)
-        keys, values = self.keys[i][:b], self.values[i][:b]
-        keys[rows, :, positions] = k
-        values[rows, :, positions] = v
-        # [b, groups, per_group * s, d] x [b, groups, d, L] -> scores per query and position
-        queries = q.permute(0, 2, 3, 1, 4).reshape(b, groups, per_group * s, d)
-        scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * a.softmax_scale
-        scores = scores.view(b, groups, per_group, s, -1)
-        scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(self.dtype).view(b, groups, per_group * s, -1)
-        context = torch.matmul(probs, values).view(b, groups, per_group, s, d)
-        context = context.permute(0, 3, 1, 2, 4).reshape(b, s, a.num_heads * d)
+        # one write of this step's keys and values: [b, s, groups, 2, d] at each row's positions
+        kv = qkv[:, :, :, per_group:] if a.position != "rope" else torch.stack((k, v), dim=3)
+        cache = self.caches[i][:b]
+        cache[torch.arange(b, device=x.device).unsqueeze(1), positions] = kv
+        keys, values = cache[:, :, :, 0].transpose(1, 2), cache[:, :, :, 1].transpose(1, 2)
+        # query head h reads key group h // per_group: megatron's order, and SDPA's for GQA
+        queries = q.reshape(b, s, groups * per_group, d).transpose(1, 2)
+        context = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=visible[:, None], scale=a.softmax_scale,
+            enable_gqa=groups != a.num_heads)
+        context = context.transpose(1, 2).reshape(b, s, a.num_heads * d)
         proj = layer.self_attention.linear_proj
-        return F.linear(context, proj.weight, proj.bias)
+        return _linear(context, proj.weight, proj.bias)
 
     def _mlp(self, layer, x: Tensor) -> Tensor:
         fc1, fc2 = layer.mlp.linear_fc1, layer.mlp.linear_fc2
-        h = F.linear(x, fc1.weight, fc1.bias)
+        h = _linear(x, fc1.weight, fc1.bias)
         if self.arch.gated:
             gate, up = torch.chunk(h, 2, dim=-1)
             h = _activation(gate, self.arch.activation) * up
         else:
             h = _activation(h, self.arch.activation)
-        return F.linear(h, fc2.weight, fc2.bias)
+        return _linear(h, fc2.weight, fc2.bias)
 
     def forward(self, tokens: Tensor, positions: Tensor, last: Tensor) -> Tensor:
         """Logits [b, padded vocab] after token ``last[r]`` of each row ``r``, for ``tokens``
@@ -187,7 +216,7 @@ class KVDecoder:
             x = x + self._mlp(layer, layer.pre_mlp_layernorm(x))
         rows = torch.arange(x.shape[0], device=x.device)
         h = self.final_norm(x[rows, last])
-        return F.linear(h, self.output_weight)
+        return _linear(h, self.output_weight)
 
     # ------------------------------------------------------------------ one decode step
 
@@ -196,7 +225,11 @@ class KVDecoder:
         if not self.compile_step:
             return self.forward
         if self._compiled_forward is None:
-            self._compiled_forward = torch.compile(self.forward, fullgraph=True, dynamic=False)
+            # coordinate-descent tuning of inductor's reduction kernels: 3-4 % of a step at
+            # batch 1 (345M, one H200, 2026-12-01), for a few more seconds of compile
+            self._compiled_forward = torch.compile(
+                self.forward, fullgraph=True, dynamic=False,
+                options={"coordinate_descent_tuning": True})
         return self._compiled_forward
 
     def _step(self, batch: int):
