@@ -42,8 +42,10 @@ from megagpt.inference.sampling import Sampling, generator_for, next_tokens
 EOD_CHECK_EVERY = 32
 
 # A compiled step computes its linear layers as reductions up to this many rows (batch x
-# tokens); see ``_linear``. At 345M on one H200 (2026-12-01) the reductions cut a batch-1
-# step from 1.10 to 0.73 ms, and at 16 rows they took 4.0 ms against cuBLAS's 1.1.
+# tokens); see ``_linear``. 345M on one H200, 2026-12-01 (docs/benchmarks.md): with them, and
+# SDPA over a cache written by one scatter, the compiled step went from 855 to 1,067 new
+# tokens/s at batch 1; forced up to 16 rows (bench_generate.py --gemv-max-rows 16) batch 16
+# fell from 13,146 to 3,886.
 GEMV_MAX_ROWS = 4
 
 
@@ -225,8 +227,8 @@ class KVDecoder:
         if not self.compile_step:
             return self.forward
         if self._compiled_forward is None:
-            # coordinate-descent tuning of inductor's reduction kernels: 3-4 % of a step at
-            # batch 1 (345M, one H200, 2026-12-01), for a few more seconds of compile
+            # coordinate-descent tuning of inductor's reduction kernels (the GEMV reductions
+            # above), for a few more seconds of compile
             self._compiled_forward = torch.compile(
                 self.forward, fullgraph=True, dynamic=False,
                 options={"coordinate_descent_tuning": True})
