@@ -238,8 +238,12 @@ def distributed_optimizer_resumes_without_apex(log: Callable[[str], None] = lamb
     torch optimizer is asked for a state dict to load into. Then the loaded values are
     copied into the state by ``_set_main_param_and_optimizer_states``, which expects every
     tensor of the state in the checkpoint (torch's per-parameter ``step`` is not: it is
-    restored from the parameter groups) and copies into leaf tensors that require
-    gradients outside ``no_grad``; its wrapper keeps ``step`` and copies under ``no_grad``.
+    restored from the parameter groups) and copies into leaf tensors that require gradients
+    outside ``no_grad``; its wrapper keeps ``step`` and copies under ``no_grad``. And
+    ``load_state_dict`` puts one step tensor into every parameter's state; torch's AdamW
+    increments each state's step in place, so the shared one ran ahead by the number of
+    parameters per step, and so did Adam's bias correction: its wrapper gives each state
+    its own copy. Resumed, a run then continues bit for bit on the CPU in fp32.
     With TE or apex installed, nothing changes.
     """
     import inspect
@@ -264,9 +268,8 @@ def distributed_optimizer_resumes_without_apex(log: Callable[[str], None] = lamb
             self._init_optimizer_states_with_dummy_values()
             if not getattr(self, "_megagpt_said_resume", False):
                 self._megagpt_said_resume = True
-                log("resume: the distributed optimizer's state loads through a workaround "
-                    "of megatron's (no TE/apex: megagpt.compat); tiny fp32 models on the CPU "
-                    "continue within 1e-3 of an uninterrupted run, not bit for bit")
+                log("resume: the distributed optimizer's state loads through workarounds "
+                    "of megatron's loader (no TE/apex: megagpt.compat)")
         return original(self, *args, **kwargs)
 
     cls.sharded_state_dict = sharded_state_dict
@@ -293,6 +296,22 @@ def distributed_optimizer_resumes_without_apex(log: Callable[[str], None] = lamb
             return set_states(self, model_param, {**tensors, **kept})
 
     cls._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+
+    load = cls.load_state_dict
+    _DISTRIBUTED_OPTIMIZER_ORIGINALS["load_state_dict"] = load
+
+    @functools.wraps(load)
+    def load_state_dict(self, state_dict):
+        # megatron sets s["step"] = step, one tensor, for every parameter's state
+        result = load(self, state_dict)
+        inner = getattr(self, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            for state in inner.state.values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = state["step"].clone()
+        return result
+
+    cls.load_state_dict = load_state_dict
 
 
 def quiet_fallback_warnings() -> None:

@@ -156,6 +156,13 @@ LEDGER: tuple[Change, ...] = (
            "outside no_grad (RuntimeError); the wrapper keeps the step and copies under "
            "no_grad; with TE or apex it is not installed",
            LAUNCH, "20b6b8ac2fd8", needle="dst_tensors[key].copy_(tensors[key])"),
+    Change("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.load_state_dict",
+           WRAPS, "megagpt.compat",
+           "without TE/apex it gives every parameter's state one shared step tensor, which "
+           "torch's AdamW then advances once per parameter per step: Adam's bias correction "
+           "after a resume ran ahead of the uninterrupted run's. The wrapper gives each state "
+           "its own copy; with TE or apex it is not installed",
+           LAUNCH, "707490502424", needle='s["step"] = step'),
     Change("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer."
            "_init_optimizer_states_with_dummy_values", RELIES_ON, "megagpt.compat",
            "called before loading into a fresh distributed optimizer without TE/apex (above): "

@@ -444,9 +444,10 @@ def test_grad_norm_guard_stops_a_run_whose_in_step_checks_are_off():
 @pytest.mark.slow
 def test_a_distributed_optimizer_checkpoint_resumes_without_te_or_apex(tmp_path):
     """megatron's distributed optimizer on torch's optimizer could not load its own
-    checkpoints (megagpt.compat's workaround): saved at iteration 2 and resumed, the run
-    continues from the saved weights (iteration 3's loss is the uninterrupted run's) and
-    within 1e-3 of the uninterrupted losses after it."""
+    checkpoints (megagpt.compat's workarounds): saved at iteration 2 and resumed, the run
+    continues bit for bit: iteration 3's loss (the saved weights) and those after it (the
+    optimizer's moments and step; a step shared by every parameter ran Adam's bias
+    correction ahead) are the uninterrupted run's."""
     base = TINY_MODEL + NO_DROPOUT + ["--train-iters", "5", "--use-distributed-optimizer"]
     uninterrupted = run_entry(base, cwd=tmp_path)
     assert uninterrupted.returncode == 0, uninterrupted.stdout[-3000:]
@@ -457,9 +458,7 @@ def test_a_distributed_optimizer_checkpoint_resumes_without_te_or_apex(tmp_path)
     resumed = run_entry(base + ["--load", ckpt, "--save", ckpt, "--save-interval", "10"],
                         cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
-    assert "the distributed optimizer's state loads through a workaround" in resumed.stdout
+    assert "the distributed optimizer's state loads through workarounds" in resumed.stdout
     before, after = parse_losses(uninterrupted.stdout), parse_losses(resumed.stdout)
     assert sorted(after) == [3, 4, 5]
-    assert after[3] == before[3]
-    for i in (4, 5):
-        assert abs(after[i] - before[i]) / before[i] < 1e-3, (i, before[i], after[i])
+    assert after == {i: before[i] for i in (3, 4, 5)}
