@@ -78,6 +78,17 @@ def residual_with_mask(x, a, b, keep):
     return x + (a + b) * keep * (1.0 / (1.0 - P))
 
 
+def replay_us(graph, reps: int) -> float:
+    """Microseconds per repetition of one replay of a graph that holds ``reps`` of them."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps * 1000
+
+
 def time_form(shape, fn, make_mask=None, reps: int = 20, rounds: int = 5) -> dict:
     x, a = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             for _ in range(2))
@@ -100,15 +111,7 @@ def time_form(shape, fn, make_mask=None, reps: int = 20, rounds: int = 5) -> dic
     with torch.cuda.graph(graph):
         for _ in range(reps):
             step()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / reps * 1000)
+    times = [replay_us(graph, reps) for _ in range(rounds)]
     return {"us_fwd_bwd": statistics.median(times),
             "kept": (a.grad != 0).float().mean().item()}
 
@@ -121,13 +124,7 @@ def time_alone(fn, reps: int = 50) -> float:
         for _ in range(reps):
             fn()
     graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps * 1000
+    return replay_us(graph, reps)
 
 
 def forms(shape) -> dict:

@@ -146,6 +146,7 @@ class KVDecoder:
         self.caches = [torch.zeros(shape, device=self.device, dtype=self.dtype)
                        for _ in self.layers]
         self.cache_positions = torch.arange(max_length, device=self.device)
+        self.row_ids = torch.arange(max_batch, device=self.device)  # sliced per step: no kernel
         self.rope_cos = self.rope_sin = None
         if a.position == "rope":
             # megatron's table for these positions: [max_length, 1, 1, rotary dim]
@@ -185,7 +186,7 @@ class KVDecoder:
         # one write of this step's keys and values: [b, s, groups, 2, d] at each row's positions
         kv = qkv[:, :, :, per_group:] if a.position != "rope" else torch.stack((k, v), dim=3)
         cache = self.caches[i][:b]
-        cache[torch.arange(b, device=x.device).unsqueeze(1), positions] = kv
+        cache[self.row_ids[:b, None], positions] = kv
         keys, values = cache[:, :, :, 0].transpose(1, 2), cache[:, :, :, 1].transpose(1, 2)
         # query head h reads key group h // per_group: megatron's order, and SDPA's for GQA
         queries = q.reshape(b, s, groups * per_group, d).transpose(1, 2)
@@ -216,8 +217,7 @@ class KVDecoder:
         for i, layer in enumerate(self.layers):
             x = x + self._attention(i, layer, layer.input_layernorm(x), positions, visible)
             x = x + self._mlp(layer, layer.pre_mlp_layernorm(x))
-        rows = torch.arange(x.shape[0], device=x.device)
-        h = self.final_norm(x[rows, last])
+        h = self.final_norm(x[self.row_ids[:x.shape[0]], last])
         return _linear(h, self.output_weight)
 
     # ------------------------------------------------------------------ one decode step
