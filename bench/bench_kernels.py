@@ -4,6 +4,8 @@
 1. Core attention: forward+backward of ``scaled_dot_product_attention`` (causal, bf16) for
    each backend torch offers — flash, cuDNN, memory-efficient — with and without dropout,
    at the 345M and 1.3B shapes. Which one torch picks by default is what the fast path gets.
+   Beside them torch's FlexAttention (a Triton flash attention, compiled; no dropout): how
+   near a Triton kernel comes to cuDNN at these shapes.
 2. Weight-gradient GEMM: ``grad_out^T @ input`` in bf16 then added into an fp32 gradient
    (what megatron's DDP hook does without TE/apex), against one GEMM that accumulates into
    the fp32 tensor directly (``torch.addmm(..., out_dtype=torch.float32)``, written into the
@@ -11,8 +13,15 @@
    a non-zero accumulator must give three times one product. And the bf16 form of
    gradient-accumulation fusion: ``main_grad.addmm_(g.T, x)`` into a bf16 buffer (one GEMM,
    beta=1) against GEMM + add, with a check that onto zeros it equals the plain GEMM.
+3. The floor of attention dropout (``dropout-floor``): the random numbers alone that an
+   attention dropout of p = 0.1 needs in one training step — one decision per causal score,
+   b·h·s(s+1)/2 per layer, drawn in the forward and again in the backward, 24 layers —
+   drawn the cheapest way a Philox kernel can (16 one-byte decisions from each 4×32-bit call,
+   as FlashAttention-2 does), with 10 rounds (the standard) and 7, and counted rather than
+   stored. An attention kernel that draws them pays at least this much integer work unless
+   it hides it behind its matrix products.
 
-  python bench/bench_kernels.py [--parts attention,wgrad] [--out F.json]
+  python bench/bench_kernels.py [--parts attention,wgrad,dropout-floor] [--out F.json]
 """
 
 from __future__ import annotations
@@ -66,6 +75,73 @@ def attention(layers: int = 24) -> dict:
                 results[f"{shape} dropout={p} {name}"] = val
                 print(f"attention {shape} dropout={p} {name:9s} fwd+bwd x{layers} layers:"
                       f" {val} ms", flush=True)
+        val = round(flex_attention_ms(q, k, v, grad) * layers, 2)
+        results[f"{shape} dropout=0.0 flex"] = val
+        print(f"attention {shape} dropout=0.0 flex      fwd+bwd x{layers} layers: {val} ms",
+              flush=True)
+    return results
+
+
+def flex_attention_ms(q, k, v, grad) -> float:
+    """Forward + backward of torch's FlexAttention, causal, compiled (it has no dropout)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    s = q.shape[2]
+    block_mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, s, s,
+                                   device="cuda")
+    flex = torch.compile(flex_attention, fullgraph=True)
+
+    def step():
+        flex(q, k, v, block_mask=block_mask).backward(grad)
+
+    return cuda_time(step)
+
+
+def _keep_count_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def keep_count(key, out_ptr, drop_below, N_ROUNDS: tl.constexpr, CALLS: tl.constexpr):
+        counters = tl.program_id(0) * CALLS + tl.arange(0, CALLS)
+        r0, r1, r2, r3 = tl.randint4x(key, counters, N_ROUNDS)
+        words = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), [CALLS * 4])
+        words = words.to(tl.uint32, bitcast=True)
+        kept = ((words & 0xFF) >= drop_below).to(tl.int32)
+        kept += (((words >> 8) & 0xFF) >= drop_below).to(tl.int32)
+        kept += (((words >> 16) & 0xFF) >= drop_below).to(tl.int32)
+        kept += ((words >> 24) >= drop_below).to(tl.int32)
+        tl.store(out_ptr + tl.program_id(0), tl.sum(kept))
+
+    def draw(decisions: int, p: float, rounds: int, calls: int = 1024):
+        programs = triton.cdiv(triton.cdiv(decisions, 16), calls)
+        out = torch.empty(programs, device="cuda" if torch.cuda.is_available() else "cpu",
+                          dtype=torch.int32)
+        keep_count[(programs,)](12345, out, int(round(p * 256)), N_ROUNDS=rounds, CALLS=calls)
+        return out
+
+    return draw
+
+
+def attention_dropout_decisions(b: int, h: int, s: int, layers: int = 24) -> int:
+    """Keep-or-drop decisions per training step: the causal scores of every layer, drawn in
+    the forward and again in the backward (which regenerates the mask rather than store it)."""
+    return b * h * s * (s + 1) // 2 * 2 * layers
+
+
+def dropout_floor(p: float = 0.1) -> dict:
+    draw = _keep_count_kernel()
+    results = {}
+    for shape, (b, h, s, _d) in ATTENTION_SHAPES.items():
+        decisions = attention_dropout_decisions(b, h, s)
+        for rounds in (10, 7):
+            ms = cuda_time(lambda: draw(decisions, p, rounds), reps=10)
+            counts = draw(decisions, p, rounds)
+            kept = counts.double().sum().item() / (counts.numel() * 1024 * 16)
+            results[f"{shape} philox-{rounds} ms"] = round(ms, 3)
+            results[f"{shape} philox-{rounds} kept"] = round(kept, 5)
+            print(f"dropout floor {shape}: {decisions / 1e9:.2f} G decisions per step,"
+                  f" Philox-{rounds}, 16 per call: {ms:.3f} ms, kept {kept:.5f}", flush=True)
     return results
 
 
@@ -117,19 +193,21 @@ def wgrad(tokens: int = 8192, shapes=((1024, 3072), (1024, 4096), (4096, 1024),
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--parts", default="attention,wgrad",
-                   help="which of attention, wgrad (comma-separated)")
+                   help="which of attention, wgrad, dropout-floor (comma-separated)")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     parts = [n for n in a.parts.split(",") if n]
-    unknown = sorted(set(parts) - {"attention", "wgrad"})
+    unknown = sorted(set(parts) - {"attention", "wgrad", "dropout-floor"})
     if unknown:
-        p.error(f"--parts: unknown {', '.join(unknown)} (attention, wgrad)")
+        p.error(f"--parts: unknown {', '.join(unknown)} (attention, wgrad, dropout-floor)")
     print(torch.__version__, torch.cuda.get_device_name(), "cudnn", torch.backends.cudnn.version())
     res = {}
     if "attention" in parts:
         res["attention_ms_per_24_layers"] = attention()
     if "wgrad" in parts:
         res["wgrad_ms"] = wgrad()
+    if "dropout-floor" in parts:
+        res["attention_dropout_floor"] = dropout_floor()
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
