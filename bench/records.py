@@ -42,6 +42,9 @@ is shown with its keys as headers):
                     figures: iterations, max_abs_diff, max_rel_diff, mean_abs_diff, identical
     resume          row: shape, saved_under, resumed_under
                     figures: saved_at, iterations, identical, max_abs_diff
+    dropout         row: shape, path (local | fast), attention_dropout, hidden_dropout
+                    figures: ms_per_iter, tflops_per_gpu, cost (ms_per_iter / the same path's
+                    without any dropout, same invocation, − 1)
     preprocess      row: tool (baseline | megagpt), workers
                     figures: wall_s, documents_per_s, tokens_per_s, mb_per_s, cpu_s
 
@@ -163,7 +166,13 @@ def _provenance(info: dict) -> dict:
             versions.setdefault(name, info[key])
     return dict(date=info["date"], commit=info.get("commit"),
                 machine=info.get("machine") or info.get("gpu") or "unknown",
-                versions=versions, command=info.get("command") or "")
+                versions=versions, command=_portable_command(info.get("command") or ""))
+
+
+def _portable_command(command: str) -> str:
+    """The command as a reader would run it: the output folder of the machine that ran it
+    (``--out /root/out/tp``) becomes ``OUT``."""
+    return re.sub(r"(--out[ =])\S+", r"\1OUT", command)
 
 
 def _flag(tokens: list[str], flag: str) -> str | None:
@@ -192,8 +201,10 @@ def _rounded(figures: dict) -> dict:
 
 def from_throughput(summary: dict) -> list[dict]:
     """``bench_throughput.py``'s ``bench_<shape>.json``: one ``train-1gpu`` record per path
-    run as the shape's default (any dropout), one ``switches`` record per path that adds
-    other flags (against the default path with the same dropout, same invocation), one
+    run as the shape's default (the same dropout in attention and on the residuals), one
+    ``switches`` record per path that adds other flags (against the default path with the
+    same dropout, same invocation), one ``dropout`` record per path that differs from a run
+    without dropout in the same invocation by its dropout flags alone, one
     ``loss-agreement`` record for ``--compare-losses``."""
     info = summary["info"]
     base = _provenance(info)
@@ -201,7 +212,7 @@ def from_throughput(summary: dict) -> list[dict]:
     data = summary.get("data", "mock")
     path_flags = summary.get("path_flags", {})
     entry_args = shlex.split(summary.get("entry_args", ""))
-    train, records = {}, []
+    train, records, by_dropout = {}, [], {}
     for path, r in summary.get("results", {}).items():
         if not r.get("ms_per_iter"):
             continue
@@ -215,9 +226,14 @@ def from_throughput(summary: dict) -> list[dict]:
         else:
             flags = path_flags.get(path, []) + entry_args
             dropout = float(_flag(flags, "--hidden-dropout") or 0.1)
+            attention = float(_flag(flags, "--attention-dropout") or 0.1)
             other = _without_dropout_flags(flags if path != "local" else entry_args)
         kind = {"local": "local", "reference": "reference"}.get(path, "fast")
         row = dict(shape=shape, path=kind, dropout=dropout)
+        if path != "reference" and not other:
+            by_dropout[(kind, attention, dropout)] = figures
+            if attention != dropout:
+                continue  # only the dropout table has a row for it
         if other:
             records.append(dict(table="switches", _against=(kind, dropout), _figures=figures,
                                 row=dict(shape=shape, switch=shlex.join(other), dropout=dropout),
@@ -239,6 +255,7 @@ def from_throughput(summary: dict) -> list[dict]:
                                           switch_ms=figures["ms_per_iter"],
                                           default_mib=default.get("peak_mib"),
                                           switch_mib=figures.get("peak_mib")))
+    records += _dropout_records(by_dropout, shape, base, data)
     cmp = summary.get("loss_comparison")
     if cmp:
         a, b = cmp["paths"]
@@ -248,6 +265,25 @@ def from_throughput(summary: dict) -> list[dict]:
                                   max_rel_diff=cmp["max_rel_diff"],
                                   mean_abs_diff=cmp["mean_abs_diff"],
                                   identical=cmp.get("identical")))))
+    return records
+
+
+def _dropout_records(by_dropout: dict, shape: str, base: dict, data: str) -> list[dict]:
+    """What each dropout setting costs against the same path without dropout, measured in
+    the same invocation (the runs in ``by_dropout``, keyed by path and the two dropouts)."""
+    if data != "mock":
+        return []
+    records = []
+    for (kind, attention, hidden), figures in sorted(by_dropout.items()):
+        none = by_dropout.get((kind, 0.0, 0.0))
+        if none is None or len([k for k in by_dropout if k[0] == kind]) < 2:
+            continue
+        records.append(dict(
+            table="dropout", **base,
+            row=dict(shape=shape, path=kind, attention_dropout=attention, hidden_dropout=hidden),
+            figures=dict(_rounded(dict(ms_per_iter=figures["ms_per_iter"],
+                                       tflops_per_gpu=figures.get("tflops_per_gpu"))),
+                         cost=round(figures["ms_per_iter"] / none["ms_per_iter"] - 1, 4))))
     return records
 
 

@@ -183,6 +183,37 @@ TABLES = (
                            f"{_switch_delta(r) or '?'} ms/iter against the default"),
     ),
     Table(
+        "dropout", "What dropout costs",
+        "megatron's dropout (0.1 by default: `--attention-dropout` on the attention "
+        "probabilities inside the attention kernel, `--hidden-dropout` on both residual "
+        "branches of every layer) against the same path without any dropout, in one "
+        "invocation of `bench/bench_throughput.py`; cost = ms/iter ÷ ms/iter without "
+        "dropout − 1. Shapes and counting as in the first table. Where the time goes: "
+        "[speed.md](speed.md#dropout).",
+        columns=(("shape", rowval("shape")), ("path", rowval("path", PATHS)),
+                 ("attention dropout", rowval("attention_dropout")),
+                 ("hidden dropout", rowval("hidden_dropout")), ("ms/iter", fig("ms_per_iter")),
+                 ("TFLOP/s/GPU", fig("tflops_per_gpu")),
+                 ("cost", lambda r: f"{100 * r['figures']['cost']:+.1f} %")),
+        sort=lambda r: (SHAPE_ORDER.get(r["shape"], 9), PATH_ORDER.get(r["path"], 9),
+                        float(r["attention_dropout"]) + float(r["hidden_dropout"]),
+                        float(r["attention_dropout"])),
+        text_columns=4,
+        summary=lambda r: (f"{r['row']['shape']} {PATHS[r['row']['path']]}, attention "
+                           f"{rowval('attention_dropout')(r)}, hidden "
+                           f"{rowval('hidden_dropout')(r)}: "
+                           f"{number(r['figures'].get('ms_per_iter'))} ms/iter, "
+                           f"{100 * r['figures']['cost']:+.1f} %"),
+        expected=tuple(
+            (dict(shape="345M", path="fast", attention_dropout=attention, hidden_dropout=hidden),
+             "python bench/bench_throughput.py --shape 345M --paths "
+             "nodrop,attention-only,hidden-only,fast --variant \"nodrop=--hidden-dropout 0 "
+             "--attention-dropout 0\" --variant \"attention-only=--hidden-dropout 0\" "
+             "--variant \"hidden-only=--attention-dropout 0\" --baseline nodrop "
+             "--train-iters 40 --warmup-iters 10")
+            for attention, hidden in ((0.0, 0.0), (0.1, 0.0), (0.0, 0.1), (0.1, 0.1))),
+    ),
+    Table(
         "layouts", "Several GPUs: megatron's parallel layouts through the entry",
         "`bench/layouts.py`: the 345M shape at micro-batch 4 and a global batch of 16 "
         "(4 micro-batches of the one-GPU run), bf16, dropout 0, the embedded corpus (GPT-2 BPE "

@@ -130,6 +130,35 @@ def test_throughput_output_becomes_training_switch_and_loss_records():
     assert all(not records.problems(r) for r in made)
 
 
+def test_dropout_runs_become_cost_records_and_only_uniform_dropout_trains_a_row():
+    """Paths differing from a no-dropout run by their dropout flags alone give the dropout
+    table's rows, each costed against that run; a path with attention and hidden dropout
+    unequal is in no training row (that table's rows are keyed by one dropout)."""
+    from run_info import run_info
+
+    info = dict(run_info(), gpu="NVIDIA H200", shape="345M",
+                command="python bench/bench_throughput.py --shape 345M --out /root/out/tp")
+    entry = dict(ms_per_iter=44.0, tokens_per_s=1.0, tflops_per_gpu=423.0, peak_mem_mib=1.0)
+    summary = dict(
+        info=info, entry_args="", data="mock",
+        path_flags={"fast": [], "nodrop": ["--hidden-dropout", "0", "--attention-dropout", "0"],
+                    "attention-only": ["--hidden-dropout", "0"],
+                    "hidden-only": ["--attention-dropout", "0"]},
+        results={"nodrop": entry, "attention-only": dict(entry, ms_per_iter=46.5),
+                 "hidden-only": dict(entry, ms_per_iter=45.9),
+                 "fast": dict(entry, ms_per_iter=48.2)})
+    made = records.from_throughput(summary)
+    cost = {(r["row"]["attention_dropout"], r["row"]["hidden_dropout"]): r["figures"]["cost"]
+            for r in made if r["table"] == "dropout"}
+    assert cost == {(0.0, 0.0): 0.0, (0.1, 0.0): round(46.5 / 44 - 1, 4),
+                    (0.0, 0.1): round(45.9 / 44 - 1, 4), (0.1, 0.1): round(48.2 / 44 - 1, 4)}
+    trained = {r["row"]["dropout"]: r["figures"]["ms_per_iter"] for r in made
+               if r["table"] == "train-1gpu"}
+    assert trained == {0.0: 44.0, 0.1: 48.2}
+    assert all(r["command"].endswith("--out OUT") for r in made)
+    assert all(not records.problems(r) for r in made)
+
+
 def test_resume_output_becomes_a_resume_record():
     """resume_fidelity.py's JSON as it writes it (the keys of its ``result``)."""
     from run_info import run_info
