@@ -24,9 +24,6 @@ says so) at the 345M and 1.3B shapes, once per inductor setting:
                        and each alone (not run unless named)
   hidden dropout eager random
                        the residual dropouts with aten's random numbers (fallback_random)
-  hidden dropout functional rng
-                       the residual dropouts' random numbers as functional Philox ops
-                       (functorch's functionalize_rng_ops), which the backward may redraw
 
   python bench/bench_layer.py [--shapes 345M,1.3B] [--settings default,...] [--split-sizes N,...]
                               [--out F.json]
@@ -89,7 +86,6 @@ def capture_layer(shape: str, inductor_options: dict) -> torch.cuda.CUDAGraph:
     compile_ = (norm_rows.compile_with_one_block_rows if options.pop("_one_block_rows", True)
                 else torch.compile)
     dropout = {"attn_p": options.pop("_attn_p", 0.0), "hidden_p": options.pop("_hidden_p", 0.0)}
-    functional_rng = options.pop("_functional_rng", False)
     fn = compile_(fused_layer_forward, dynamic=False, fullgraph=True, options=options)
     x, weights, main_grads, static = _layer_inputs(*SHAPES[shape])
     static.update(dropout)
@@ -103,8 +99,7 @@ def capture_layer(shape: str, inductor_options: dict) -> torch.cuda.CUDAGraph:
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with (torch.cuda.stream(side),  # forward and backward compile in the first step
-          torch._functorch.config.patch(functionalize_rng_ops=functional_rng)):
+    with torch.cuda.stream(side):  # forward and backward compile in the first step
         for _ in range(3):
             step()
     torch.cuda.current_stream().wait_stream(side)
@@ -180,9 +175,6 @@ SETTINGS = {
     "attention dropout": {"_attn_p": 0.1},
     "hidden dropout": {"_hidden_p": 0.1},
     "hidden dropout eager random": {"_hidden_p": 0.1, "fallback_random": True},
-    # the random numbers as functional Philox ops (seed and offset as inputs), which the
-    # partitioner may recompute in the backward rather than save the mask
-    "hidden dropout functional rng": {"_hidden_p": 0.1, "_functional_rng": True},
 }
 DEFAULT_SETTINGS = [name for name in SETTINGS if "dropout" not in name]
 

@@ -1,5 +1,7 @@
 """Pieces of the benchmark scripts that run without a GPU."""
 
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -91,7 +93,6 @@ def test_run_logged_timeout_ends_the_launchers_workers_too(tmp_path):
     """A launcher that times out takes its workers with it, also workers in sessions of
     their own, as torchrun starts them (they would otherwise keep the GPUs busy through the
     runs after it: seen on two H200s)."""
-    import os
     import time
 
     from bench_throughput import run_logged
@@ -125,7 +126,6 @@ def test_run_logged_returns_output_and_exit_status(tmp_path):
 
 
 def test_layouts_resume_pads_the_vocabulary_alike_under_both_layouts(tmp_path):
-    import json
 
     from layouts import same_vocab_padding, tokenizer_vocab_size
 
@@ -146,7 +146,6 @@ def test_analyse_reports_on_a_trace_megatron_wrote(tmp_path):
     annotations: the report gives the busy share of the whole window and per-iteration
     kernel times for the iterations the caller says it spans."""
     import gzip
-    import json
 
     from profile_entry import main
 
@@ -272,11 +271,35 @@ def test_bench_preprocess_end_to_end_times_both_commands_with_identical_outputs(
     assert "| megagpt: tools/preprocess_data.py |" in r.stdout
 
 
+def test_dropout_floor_counts_the_decisions_an_attention_dropout_draws():
+    """bench_kernels' floor: one decision per causal score, forward and backward, 24 layers;
+    its Philox kernel, run by Triton's interpreter on a CPU (in a process of its own: the
+    interpreter is chosen when Triton is imported), keeps 230 of 256 byte values (p = 0.1
+    to a byte) with 10 rounds and with 7, and the two draw different numbers."""
+    pytest.importorskip("triton")
+    import subprocess
+
+    import bench_kernels
+
+    assert bench_kernels.attention_dropout_decisions(8, 16, 1024) == 8 * 16 * 524800 * 2 * 24
+    script = (
+        "import json, sys; sys.path.insert(0, 'bench'); import bench_kernels\n"
+        "draw = bench_kernels._keep_count_kernel()\n"
+        "print(json.dumps({r: draw(16 * 1024 * 8, 0.1, r).tolist() for r in (10, 7)}))\n")
+    r = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    counts = json.loads(r.stdout.splitlines()[-1])
+    for rounds, per_program in counts.items():
+        kept = sum(per_program) / (len(per_program) * 1024 * 16)
+        assert len(per_program) == 8 and abs(kept - 230 / 256) < 0.003, (rounds, kept)
+    assert counts["10"] != counts["7"]
+
+
 @pytest.mark.gpu
 def test_bench_dropout_forms_drop_what_they_should_on_a_gpu(tmp_path):
     """Every residual-dropout form of bench_dropout.py keeps ~90 % of the elements (all of
     them without dropout), and each mask kernel is timed."""
-    import json
 
     import torch
 
