@@ -409,16 +409,18 @@ def main(argv=None) -> int:
           "(megatron's count)")
     print(f"{info['gpu']}, torch {info['torch']}, megatron-core {info['megatron_core']}, "
           f"bf16 matmul peak {peak:.0f} TFLOP/s (8192^3, measured)")
-    hdr = f"{'path':10s} {'ms/iter':>8s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'logged':>7s} " \
-          f"{'%peak':>6s} {'peak GB':>8s} {'vs ' + a.baseline[:6]:>10s}"
+    width = max([10, *(len(path) for path in results)])
+    hdr = f"{'path':{width}s} {'ms/iter':>8s} {'tokens/s':>10s} {'TFLOP/s':>8s} " \
+          f"{'logged':>7s} {'%peak':>6s} {'peak GB':>8s} {'vs ' + a.baseline[:6]:>10s}"
     print(hdr)
     for path, r in results.items():
         if not r.get("ms_per_iter"):
-            print(f"{path:10s} FAILED (rc={r.get('rc')}); see {r.get('log', 'stderr')}")
+            print(f"{path:{width}s} FAILED (rc={r.get('rc')}); see {r.get('log', 'stderr')}")
             continue
         logged = r.get("tflops_logged")
-        print(f"{path:10s} {r['ms_per_iter']:8.1f} {r['tokens_per_s']:10.0f} "
-              f"{r['tflops_per_gpu']:8.1f} {logged if logged is not None else '-':>7} "
+        print(f"{path:{width}s} {r['ms_per_iter']:8.1f} {r['tokens_per_s']:10.0f} "
+              f"{r['tflops_per_gpu']:8.1f} "
+              f"{f'{logged:.1f}' if logged is not None else '-':>7} "
               f"{100 * r['peak_share']:5.1f}% "
               f"{r['peak_mem_gb'] if r.get('peak_mem_gb') is not None else float('nan'):8.2f} "
               f"{(r['tflops_per_gpu'] / ref) if ref else float('nan'):10.3f}")

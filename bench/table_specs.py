@@ -205,12 +205,13 @@ TABLES = (
                            f"{number(r['figures'].get('ms_per_iter'))} ms/iter, "
                            f"{100 * r['figures']['cost']:+.1f} %"),
         expected=tuple(
-            (dict(shape="345M", path="fast", attention_dropout=attention, hidden_dropout=hidden),
-             "python bench/bench_throughput.py --shape 345M --paths "
+            (dict(shape=shape, path="fast", attention_dropout=attention, hidden_dropout=hidden),
+             f"python bench/bench_throughput.py --shape {shape} --paths "
              "nodrop,attention-only,hidden-only,fast --variant \"nodrop=--hidden-dropout 0 "
              "--attention-dropout 0\" --variant \"attention-only=--hidden-dropout 0\" "
              "--variant \"hidden-only=--attention-dropout 0\" --baseline nodrop "
-             "--train-iters 40 --warmup-iters 10")
+             "--train-iters 30 --warmup-iters 10")
+            for shape in ("345M", "1.3B")
             for attention, hidden in ((0.0, 0.0), (0.1, 0.0), (0.0, 0.1), (0.1, 0.1))),
     ),
     Table(
