@@ -289,6 +289,34 @@ def test_dropout_is_applied_in_training_and_not_in_eval(cpu_buffers):
     assert not torch.allclose(a, c)
 
 
+def test_only_a_compiled_layer_draws_hash_dropout_seeds(cpu_buffers, monkeypatch):
+    """The fast spec's layer draws two seeds per forward where its function is compiled and
+    hash dropout is on; eagerly (CPU mode, tensor parallelism) and with
+    ``--no-fast-hash-dropout`` it keeps F.dropout."""
+    import torch._dynamo
+
+    import megagpt.fast_spec.layer as layer_mod
+    from megagpt.fast_spec import hash_dropout
+
+    drawn = []
+    real = hash_dropout.draw_seeds
+    monkeypatch.setattr(hash_dropout, "draw_seeds",
+                        lambda count, device: drawn.append(count) or real(count, device))
+    _, fast = _models(_config(num_layers=2, hidden_dropout=0.2), _args())
+    batch = _batch(1)
+    _loss_and_grads(fast, batch)
+    assert drawn == []  # eager layers
+    torch._dynamo.reset()
+    _with_fused_options(fast, compile=True, options={"backend": "eager"})
+    _loss_and_grads(fast, batch)
+    assert drawn == [2, 2]  # one pair per layer
+    drawn.clear()
+    _with_fused_options(fast, compile=True, options={"backend": "eager"}, hash_dropout=False)
+    _loss_and_grads(fast, batch)
+    assert drawn == []
+    assert layer_mod.FusedLayerOptions().hash_dropout
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-layer", "sdpa-only"])
 def test_attention_is_causal(cpu_buffers, fused):
     """Changing token t changes no output before t, and changes the output at t."""

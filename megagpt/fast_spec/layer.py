@@ -63,7 +63,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
-from . import grad_write, norm_rows
+from . import grad_write, hash_dropout, norm_rows
 from .attention import SDPADotProductAttention
 
 logger = logging.getLogger(__name__)
@@ -76,19 +76,23 @@ class FusedLayerOptions:
     ``compile``: ``torch.compile`` the fused function (``compile_options``: its keyword
     arguments, as ``(name, value)`` pairs); ``one_block_rows``: inductor reduces the norms'
     rows of up to 4096 elements in one block (``norm_rows``); ``wgrad_fusion``: the four
-    weight GEMMs accumulate their gradients into ``main_grad`` (``--fast-wgrad-fusion``).
+    weight GEMMs accumulate their gradients into ``main_grad`` (``--fast-wgrad-fusion``);
+    ``hash_dropout``: a compiled layer's residual dropouts take their masks from
+    ``hash_dropout`` rather than ``F.dropout`` (``--no-fast-hash-dropout``).
     """
 
     compile: bool = False
     compile_options: tuple = ()
     one_block_rows: bool = True
     wgrad_fusion: bool = False
+    hash_dropout: bool = True
 
     @classmethod
     def make(cls, compile: bool = False, options: Optional[dict] = None,
-             one_block_rows: bool = True, wgrad_fusion: bool = False) -> "FusedLayerOptions":
+             one_block_rows: bool = True, wgrad_fusion: bool = False,
+             hash_dropout: bool = True) -> "FusedLayerOptions":
         return cls(bool(compile), tuple(sorted((options or {}).items())), bool(one_block_rows),
-                   bool(wgrad_fusion))
+                   bool(wgrad_fusion), bool(hash_dropout))
 
 
 # One compiled function per compile setting, shared by every layer that runs under it
@@ -246,6 +250,7 @@ def fused_layer_forward(
     wgrad_write: bool = False,
     tp_group=None,
     sequence_parallel: bool = False,
+    dropout_seeds: Optional[Tensor] = None,
 ) -> Tensor:
     """One dense pre-norm GPT layer on ``x`` of shape [s, b, h]; megatron's layouts.
 
@@ -256,7 +261,9 @@ def fused_layer_forward(
     (megatron's column-parallel QKV and fc1, row-parallel projection and fc2);
     ``groups`` then counts this rank's query groups. ``sequence_parallel``: ``x`` is this
     rank's slice of the sequence, gathered before QKV and fc1 and scattered after the
-    projection and fc2, as megatron's parallel linears do."""
+    projection and fc2, as megatron's parallel linears do. ``dropout_seeds``: two int32
+    seeds, one per residual dropout, whose masks then come from ``hash_dropout`` (None:
+    ``F.dropout``)."""
     y = _norm(x, ln1_w, ln1_b, eps, rms)
     qkv = _column_linear(y, qkv_w, qkv_b, qkv_main_grad, tp_group, sequence_parallel,
                          wgrad_write)
@@ -284,7 +291,7 @@ def fused_layer_forward(
                              sequence_parallel)
     if proj_b is not None:
         a = a + proj_b
-    x = x + F.dropout(a, hidden_p, training)
+    x = x + _residual_dropout(a, hidden_p, training, dropout_seeds, 0)
     y = _norm(x, ln2_w, ln2_b, eps, rms)
     f = _activation(_column_linear(y, fc1_w, fc1_b, fc1_main_grad, tp_group,
                                    sequence_parallel, wgrad_write), act)
@@ -292,7 +299,14 @@ def fused_layer_forward(
                              sequence_parallel)
     if fc2_b is not None:
         m = m + fc2_b
-    return x + F.dropout(m, hidden_p, training)
+    return x + _residual_dropout(m, hidden_p, training, dropout_seeds, 1)
+
+
+def _residual_dropout(x: Tensor, p: float, training: bool, seeds: Optional[Tensor],
+                      which: int) -> Tensor:
+    if seeds is None or not training:
+        return F.dropout(x, p, training)
+    return hash_dropout.dropout(x, p, seeds[which])
 
 
 def layer_function(options: FusedLayerOptions) -> Callable:
@@ -567,6 +581,11 @@ class FastTransformerLayer(TransformerLayer):
             fn = fused_layer_forward
         else:
             fn = layer_function(self.fused_options)
+            if (self.fused_options.hash_dropout and fn is not fused_layer_forward
+                    and consts["training"] and consts["hidden_p"] > 0.0
+                    and hash_dropout.usable(hidden_states.shape)):
+                # drawn here, outside the compiled function: the seeds are its inputs
+                consts["dropout_seeds"] = hash_dropout.draw_seeds(2, hidden_states.device)
         try:
             out = fn(hidden_states, *tensors, **consts)
         except Exception as e:  # noqa: BLE001

@@ -11,6 +11,9 @@
   --no-fast-one-block-rows       compiled layer: leave inductor's limit of 1024 elements for
                                  rows reduced in one block (by default rows of up to 4096,
                                  the norms at hidden 2048..4096, are read once, not twice)
+  --no-fast-hash-dropout         compiled layer: residual dropouts through F.dropout (one
+                                 Philox number per element) instead of masks hashed from
+                                 each element's index and a seed (fast_spec.hash_dropout)
   --fast-cuda-graph / --no-fast-cuda-graph
                                  capture forward+backward of each iteration as one CUDA graph
                                  (megatron's --cuda-graph-impl full_iteration); default: on for
@@ -99,6 +102,15 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
         "reduced by one block of threads. By default rows of up to 4096 elements are, so "
         "that the layer norms at hidden sizes 1025..4096 read each row once instead of twice "
         "(megagpt.fast_spec.norm_rows).",
+    )
+    group.add_argument(
+        "--no-fast-hash-dropout",
+        action="store_false",
+        dest="fast_hash_dropout",
+        help="Compiled fused layer: draw the residual dropouts' masks with F.dropout (inductor "
+        "draws a Philox number per element) instead of hashing each element's index with a "
+        "seed drawn per dropout (megagpt.fast_spec.hash_dropout; the same keep rate, fewer "
+        "integer operations per element).",
     )
     group.add_argument(
         "--fast-cuda-graph",
@@ -436,6 +448,7 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
         ("fast_spec_fused_layer", True),
         ("fast_spec_compile", None),
         ("fast_one_block_rows", True),
+        ("fast_hash_dropout", True),
         ("fast_cuda_graph", None),
         ("fast_layer_graphs", None),
         ("fast_cuda_graph_capture_timeout", 300.0),
@@ -592,6 +605,10 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
             log(f"fast spec: compiled layer: each norm row of {hidden} reduced in one block "
                 f"(inductor alone loops over rows longer than {norm_rows.INDUCTOR_MAX_ROW}; "
                 "--no-fast-one-block-rows)")
+        if (getattr(args, "hidden_dropout", 0.0) or 0.0) > 0.0:
+            log("fast spec: compiled layer: residual dropout masks "
+                + ("hashed from each element's index and a seed (--no-fast-hash-dropout)"
+                   if args.fast_hash_dropout else "from F.dropout (--no-fast-hash-dropout)"))
 
 
 def _resolve_layer_graphs(args, log: Callable[[str], None]) -> None:

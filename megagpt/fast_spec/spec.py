@@ -121,7 +121,8 @@ def fused_layer_options(args) -> FusedLayerOptions:
     return FusedLayerOptions.make(
         compile=compile_requested(args),
         one_block_rows=bool(_get(args, "fast_one_block_rows", True)),
-        wgrad_fusion=bool(_get(args, "fast_wgrad_fusion", False)))
+        wgrad_fusion=bool(_get(args, "fast_wgrad_fusion", False)),
+        hash_dropout=bool(_get(args, "fast_hash_dropout", True)))
 
 
 def compile_requested(args) -> bool:
