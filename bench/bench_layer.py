@@ -24,6 +24,10 @@ says so) at the 345M and 1.3B shapes, once per inductor setting:
                        and each alone (not run unless named)
   hidden dropout eager random
                        the residual dropouts with aten's random numbers (fallback_random)
+  hidden dropout hashed
+                       the residual dropouts with masks hashed from each element's index and
+                       a seed drawn per step, as the fast path's compiled layer runs them
+                       (megagpt.fast_spec.hash_dropout; the other dropout settings: F.dropout)
 
   python bench/bench_layer.py [--shapes 345M,1.3B] [--settings default,...] [--split-sizes N,...]
                               [--out F.json]
@@ -77,7 +81,7 @@ def capture_layer(shape: str, inductor_options: dict) -> torch.cuda.CUDAGraph:
     """One compiled layer's forward + backward under ``inductor_options``, captured as a
     CUDA graph (as the fast path runs its step: the GPU's time, not the host's launch rate;
     at 345M launching the layer's kernels eagerly takes longer than running them)."""
-    from megagpt.fast_spec import norm_rows
+    from megagpt.fast_spec import hash_dropout, norm_rows
     from megagpt.fast_spec.layer import fused_layer_forward
 
     torch._dynamo.reset()
@@ -86,6 +90,7 @@ def capture_layer(shape: str, inductor_options: dict) -> torch.cuda.CUDAGraph:
     compile_ = (norm_rows.compile_with_one_block_rows if options.pop("_one_block_rows", True)
                 else torch.compile)
     dropout = {"attn_p": options.pop("_attn_p", 0.0), "hidden_p": options.pop("_hidden_p", 0.0)}
+    hashed = options.pop("_hashed", False)
     fn = compile_(fused_layer_forward, dynamic=False, fullgraph=True, options=options)
     x, weights, main_grads, static = _layer_inputs(*SHAPES[shape])
     static.update(dropout)
@@ -94,7 +99,8 @@ def capture_layer(shape: str, inductor_options: dict) -> torch.cuda.CUDAGraph:
     def step():
         for t in (x, *weights.values()):  # gradients assigned, not accumulated
             t.grad = None
-        out = fn(x, **weights, **static, **main_grads)
+        seeds = hash_dropout.draw_seeds(2, x.device) if hashed else None
+        out = fn(x, **weights, **static, **main_grads, dropout_seeds=seeds)
         out.backward(grad_out)
 
     side = torch.cuda.Stream()
@@ -175,6 +181,7 @@ SETTINGS = {
     "attention dropout": {"_attn_p": 0.1},
     "hidden dropout": {"_hidden_p": 0.1},
     "hidden dropout eager random": {"_hidden_p": 0.1, "fallback_random": True},
+    "hidden dropout hashed": {"_hidden_p": 0.1, "_hashed": True},
 }
 DEFAULT_SETTINGS = [name for name in SETTINGS if "dropout" not in name]
 

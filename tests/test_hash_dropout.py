@@ -5,6 +5,7 @@ test_fast_spec.py)."""
 
 import pytest
 import torch
+import torch._dynamo
 
 from megagpt.fast_spec import hash_dropout
 from megagpt.fast_spec.hash_dropout import draw_seeds, keep_mask
@@ -63,8 +64,6 @@ def test_seeds_come_from_torchs_generator():
 def test_inductor_compiles_the_same_masks_as_eager():
     """Inductor's generated code (C++ on a CPU) wraps the hash's int32 products as eager
     torch does: the same mask bit for bit."""
-    import torch._dynamo
-
     torch._dynamo.reset()
     compiled = torch.compile(lambda s: keep_mask((128, 4, 96), 0.1, s), fullgraph=True)
     for value in (0, 1, -(1 << 31), 123456789):
@@ -91,8 +90,6 @@ def _layer_inputs(hidden=64, heads=4, seq=32, batch=2):
 def test_fused_layer_takes_its_residual_masks_from_the_seeds():
     """Same seeds, same output; other seeds, another; out of training no dropout at all; and
     the layer compiled by inductor gives the eager layer's output and gradients."""
-    import torch._dynamo
-
     from megagpt.fast_spec.layer import fused_layer_forward
 
     x, tensors, consts = _layer_inputs()
@@ -140,8 +137,6 @@ def test_gpu_compiled_masks_equal_eager_and_keep_the_rate():
     """On a GPU, Triton's int32 products wrap like eager CUDA's: the same masks."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    import torch._dynamo
-
     torch._dynamo.reset()
     shape = (1024, 8, 1024)
     compiled = torch.compile(lambda s: keep_mask(shape, 0.1, s), fullgraph=True)
