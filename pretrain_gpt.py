@@ -17,6 +17,7 @@ import time
 _PROGRAM_START = time.time()  # before the heavy imports, for megatron's start-up report
 
 import contextlib
+import copy
 import sys
 from dataclasses import dataclass
 from functools import partial
@@ -42,6 +43,7 @@ from megagpt.fast_spec.lm_loss import get_output_processor
 from megagpt.fast_spec.settings import install_fast_path_patches
 from megagpt.fast_spec.spec import describe_fast_spec
 from megagpt.log import log
+from megagpt.megatron_errors import INPUT_ERRORS
 from megagpt.rendezvous import default_single_process_env
 
 # A loss ten times the largest seen so far counts as a spike (--check-for-spiky-loss).
@@ -92,14 +94,18 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
                                        dataset_config: GPTDatasetConfig, mock_data: bool):
     """Train, validation and test datasets of at least the requested sample counts.
 
-    A split that holds no whole sample where none was asked of it (``--eval-iters 0``, or a
-    small corpus whose 1/1000 test share is shorter than one sequence) is left out, with a
-    log line, rather than handed to megatron's sampler, which stops on an assertion.
+    A split of ``--split`` asked for no samples (``--eval-iters 0``) is not built: megatron
+    would build its index all the same, and for a share that rounds to no document (the
+    1/1000 test share of a small corpus) it loops forever. A split that holds no whole
+    sample where none was asked of it is left out, with a log line, rather than handed to
+    megatron's sampler, which stops on an assertion.
     """
     from megagpt.megatron_errors import explain, raised_by_megatron
     from megagpt.preflight import DataError
 
     dataset_type = MockGPTDataset if mock_data else GPTDataset
+    if not mock_data:
+        dataset_config = without_unrequested_splits(dataset_config, train_val_test_num_samples)
     try:
         datasets = BlendedMegatronDatasetBuilder(
             dataset_type, train_val_test_num_samples,
@@ -111,6 +117,20 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
         raise DataError(explain(exc, what="cannot build the datasets")) from None
     return drop_empty_unrequested_splits(datasets, train_val_test_num_samples,
                                          dataset_config.sequence_length)
+
+
+def without_unrequested_splits(config: GPTDatasetConfig, requested) -> GPTDatasetConfig:
+    """``config`` with no share of ``--split`` for the splits asked for 0 samples."""
+    matrix = config.split_matrix
+    if matrix is None or not any(n == 0 and b is not None for n, b in zip(requested, matrix)):
+        return config
+    config = copy.copy(config)
+    config.split_matrix = [None if n == 0 else bookends for n, bookends in zip(requested, matrix)]
+    unbuilt = [name for name, n, bookends in zip(("train", "validation", "test"), requested,
+                                                 matrix) if n == 0 and bookends is not None]
+    log(f"data: no samples asked of the {' and '.join(unbuilt)} split"
+        f"{'s' if len(unbuilt) > 1 else ''}: not built")
+    return config
 
 
 def drop_empty_unrequested_splits(datasets, requested, seq_length: int):
@@ -299,7 +319,7 @@ def run(args) -> None:
     install_fast_path_patches(args, log)
     try:
         model_config, container, choice = build_configs(args)
-    except (AssertionError, ValueError) as exc:  # megatron's config dataclasses check here
+    except INPUT_ERRORS as exc:  # megatron's config dataclasses check here
         from megagpt.megatron_errors import explain, raised_by_megatron
 
         if not raised_by_megatron(exc):

@@ -129,8 +129,13 @@ def parse_arguments(argv: list[str] | None = None,
         _escape_stray_percent_signs(parser)
         return parser
 
-    with _argv(argv):
-        args = parse_args(extra_args_provider=provider)
+    from megagpt.megatron_errors import INPUT_ERRORS
+
+    try:
+        with _argv(argv):
+            args = parse_args(extra_args_provider=provider)
+    except INPUT_ERRORS as exc:  # megatron reads --yaml-cfg and checks a few flags here
+        raise _as_argument_error(exc) from None
     args.config = config_path
     args.entry_argv = argv
 
@@ -145,6 +150,7 @@ def parse_arguments(argv: list[str] | None = None,
 
     async_save.adapt_args(args, compat.explicit_flags(argv), log)
     _default_tokenizer(args, argv)
+    check_entry_limits(args)
     if args.eval_interval is None:
         # megatron 0.19 has no default and fails deep in training; upstream's was 1000.
         args.eval_interval = 1000
@@ -152,6 +158,42 @@ def parse_arguments(argv: list[str] | None = None,
 
     apply_fast_path_defaults(args, log)
     return args
+
+
+def check_entry_limits(args) -> None:
+    """Settings megatron accepts that this entry cannot honour, or that megatron itself
+    fails on only once training has started; ArgumentError naming the flag."""
+    spec = getattr(args, "spec", None)
+    if spec is not None:
+        _check_user_spec(spec)
+    if getattr(args, "dataloader_type", None) == "external":
+        raise ArgumentError(
+            "--dataloader-type external: megatron then takes what the datasets provider "
+            "returns as iterators, and pretrain_gpt.py's provider returns datasets; use single "
+            "(the default) or cyclic")
+    if getattr(args, "multiple_validation_sets", False) and not getattr(
+            args, "full_validation", False) and not getattr(args, "skip_train", False):
+        raise ArgumentError("--multiple-validation-sets needs --full-validation (megatron "
+                            "0.19 stops with NotImplementedError at its first evaluation)")
+
+
+def _check_user_spec(spec: list[str]) -> None:
+    """``--spec MODULE NAME``: megatron imports it while building the model, and on a failed
+    import logs the error and trains with its default spec."""
+    import importlib
+
+    if len(spec) != 2:
+        raise ArgumentError(
+            f"--spec {' '.join(spec)}: wants a module and the name of a layer spec (or of a "
+            "function returning one) in it, e.g. --spec "
+            "megatron.core.models.gpt.gpt_layer_specs get_gpt_layer_local_spec")
+    module, name = spec
+    try:
+        found = importlib.import_module(module)
+    except ImportError as exc:
+        raise ArgumentError(f"--spec {module} {name}: cannot import {module}: {exc}") from None
+    if not hasattr(found, name):
+        raise ArgumentError(f"--spec {module} {name}: {module} has no {name}")
 
 
 def _default_tokenizer(args, argv: list[str]) -> None:
@@ -198,15 +240,24 @@ def validate_arguments(args, device_arch: int | None = None) -> None:
         # before CUDA starts, which has not happened yet.
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
         log("CUDA_DEVICE_MAX_CONNECTIONS=1 (tensor/context parallelism)")
+    from megagpt.megatron_errors import INPUT_ERRORS
+
     try:
         with _device_arch_for_validation(device_arch):
             validate_args(args, {})
-    except (AssertionError, ValueError) as exc:
-        from megagpt.megatron_errors import explain, raised_by_megatron
+    except INPUT_ERRORS as exc:
+        raise _as_argument_error(exc, args) from None
 
-        if isinstance(exc, UserError) or not raised_by_megatron(exc):
-            raise
-        raise ArgumentError(explain(exc, args)) from None
+
+def _as_argument_error(exc: BaseException, args=None) -> BaseException:
+    """An exception raised inside megatron's argument parsing or validation (by megatron or
+    what it called: a file it opened, torch asked for a GPU) as one ArgumentError line; any
+    other (ours, a bug) as it is."""
+    from megagpt.megatron_errors import explain, raised_by_megatron
+
+    if isinstance(exc, UserError) or not raised_by_megatron(exc, within=True):
+        return exc
+    return ArgumentError(explain(exc, args))
 
 
 def set_megatron_globals(args) -> None:

@@ -112,6 +112,27 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
 )
 
 
+def _optional_packages_asked_for(args) -> list[tuple[str, str, str]]:
+    """(the flag, the module it needs, how to get it) for each optional package this
+    launch's flags need; megatron finds each missing only deep in the start-up or in
+    training."""
+    asked = []
+    if getattr(args, "enable_ft_package", False):
+        asked.append(("--enable-ft-package", "nvidia_resiliency_ext",
+                      "pip install nvidia-resiliency-ext"))
+    if getattr(args, "moe_token_dispatcher_type", None) == "flex":
+        asked.append(("--moe-token-dispatcher-type flex", "deep_ep",
+                      "DeepEP, built from source (github.com/deepseek-ai/DeepEP); or use "
+                      "--moe-token-dispatcher-type alltoall"))
+    if getattr(args, "use_megatron_fsdp", False):
+        asked.append(("--use-megatron-fsdp", "einops", "pip install einops"))
+    instances = getattr(args, "num_distributed_optimizer_instances", 1) or 1
+    if instances > 1:
+        asked.append((f"--num-distributed-optimizer-instances {instances}", "einops",
+                      "pip install einops"))
+    return asked
+
+
 def check_required_packages(args, installed: Installed) -> None:
     """Settings that no adaptation can rescue: fail before any work with what is missing."""
     if args.context_parallel_size > 1 and not installed.transformer_engine:
@@ -141,6 +162,17 @@ def check_required_packages(args, installed: Installed) -> None:
             "megatron's local experts add the bias in place to a view (autograd's RuntimeError "
             "in the first forward). Add --disable-bias-linear (as MoE models usually do) or "
             "install Transformer Engine (pip install 'megagpt[te]').")
+    if getattr(args, "multi_latent_attention", False) and not installed.transformer_engine:
+        # megatron's MLA hands its core attention k_channels/v_channels, which only
+        # Transformer Engine's accepts (a TypeError while the model is built)
+        raise MissingDependencyError(
+            "--multi-latent-attention needs Transformer Engine: megatron's local attention "
+            "(DotProductAttention) takes no separate key/value head sizes. Install it "
+            "(pip install 'megagpt[te]') or drop the flag.")
+    for flag, module, how in _optional_packages_asked_for(args):
+        if importlib.util.find_spec(module) is None:
+            raise MissingDependencyError(f"{flag} needs the {module} package, which is not "
+                                         f"installed ({how})")
     if (args.sequence_parallel and (args.tensor_model_parallel_size or 1) > 1
             and not installed.transformer_engine and not installed.apex):
         from megagpt.fast_spec.settings import fast_path_selected

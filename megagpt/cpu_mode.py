@@ -268,6 +268,8 @@ _UNSUPPORTED = (
              "checks for CUDA tensors); CPU mode trains in fp32"),
     ("fp16", "--fp16: half-precision training needs a GPU; CPU mode trains in fp32"),
     ("fp8", "--fp8-format: FP8 needs Transformer Engine on a GPU"),
+    ("use_torch_fsdp2", "--use-torch-fsdp2: megatron builds torch FSDP2's device mesh on CUDA"),
+    ("moe_grouped_gemm", "--moe-grouped-gemm: the grouped GEMM kernels need a GPU"),
 )
 
 

@@ -49,10 +49,22 @@ def _flags_by_dest() -> dict[str, str]:
     return flags
 
 
-def raised_by_megatron(exc: BaseException) -> bool:
-    """Whether megatron's code raised ``exc`` (a check on the input); else it is ours, a bug."""
+# What megatron raises on a launch's input while parsing and validating arguments or
+# building configs: its assertions and ValueErrors, and also the RuntimeErrors of deprecated
+# flags and missing optional packages, the OSErrors of missing files it reads, the TypeErrors
+# of checks that index a flag left unset, ImportErrors, NotImplementedErrors.
+INPUT_ERRORS = (AssertionError, ValueError, TypeError, RuntimeError, OSError, ImportError,
+                NotImplementedError, KeyError, IndexError, ZeroDivisionError)
+
+
+def raised_by_megatron(exc: BaseException, within: bool = False) -> bool:
+    """Whether megatron's code raised ``exc`` (a check on the input); else it is ours, a bug.
+    ``within``: megatron's or code it called (torch asked for a GPU, a file it opened)."""
     frames = traceback.extract_tb(exc.__traceback__)
-    return bool(frames) and f"{os.sep}megatron{os.sep}" in frames[-1].filename
+    marker = f"{os.sep}megatron{os.sep}"
+    if within:
+        return any(marker in frame.filename for frame in frames)
+    return bool(frames) and marker in frames[-1].filename
 
 
 def flag_for(dest: str) -> str | None:
@@ -69,8 +81,9 @@ def _megatron_frame(tb) -> traceback.FrameSummary | None:
     return frames[-1] if frames else None
 
 
-def failed_condition(exc: BaseException) -> str | None:
-    """The test of the ``assert`` statement that raised ``exc``, as source text."""
+def _failing_statement(exc: BaseException) -> ast.stmt | str | None:
+    """The statement of megatron's that raised ``exc``: parsed, or its source text where it
+    does not parse on its own."""
     frame = _megatron_frame(exc.__traceback__)
     if frame is None or frame.lineno is None:
         return None
@@ -78,11 +91,28 @@ def failed_condition(exc: BaseException) -> str | None:
     lines = [linecache.getline(frame.filename, n) for n in range(frame.lineno, end + 1)]
     source = textwrap.dedent("".join(lines))
     try:
-        statement = ast.parse(source).body[0]
+        return ast.parse(source).body[0]
     except (SyntaxError, IndexError):
         return " ".join(source.split()) or None
+
+
+def failed_condition(exc: BaseException) -> str | None:
+    """The test of the ``assert`` statement that raised ``exc``, as source text."""
+    statement = _failing_statement(exc)
+    if isinstance(statement, str):
+        return statement
     if isinstance(statement, ast.Assert):
         return ast.unparse(statement.test)
+    return None
+
+
+def _assert_message_around(exc: BaseException) -> tuple[str, str] | None:
+    """(message, condition) of the ``assert`` whose test itself raised ``exc`` (a TypeError
+    from ``args.spec[0]`` where ``--spec`` is not given, say): what megatron meant to say."""
+    statement = _failing_statement(exc)
+    if (isinstance(statement, ast.Assert) and isinstance(statement.msg, ast.Constant)
+            and isinstance(statement.msg.value, str)):
+        return statement.msg.value, ast.unparse(statement.test)
     return None
 
 
@@ -116,9 +146,14 @@ def flags_named(text: str, args=None) -> list[str]:
 
 
 def explain(exc: BaseException, args=None, what: str = "invalid arguments") -> str:
-    """One line for a megatron AssertionError / ValueError raised on the user's input."""
+    """One line for an exception megatron raised on the user's input (``INPUT_ERRORS``)."""
     message = " ".join(str(exc).split())
     condition = failed_condition(exc) if isinstance(exc, AssertionError) else None
+    meant = None if isinstance(exc, AssertionError) else _assert_message_around(exc)
+    if meant is not None:
+        message, condition = meant[0], meant[1]
+    elif not isinstance(exc, (AssertionError, ValueError)) and message:
+        message = f"{type(exc).__name__}: {message}"
     where = _where(exc)
     flags = flags_named(" ".join(filter(None, [message, condition])), args)
     if message:

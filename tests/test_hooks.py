@@ -245,11 +245,13 @@ def test_dataset_provider_mock_data(single_rank_data_parallel):
     assert train[3]["tokens"].shape == (SEQ,)
 
 
-def test_dataset_provider_leaves_out_a_split_too_small_for_one_sample(
+def test_dataset_provider_builds_no_split_asked_for_no_samples(
         tmp_path, single_rank_data_parallel, capsys):
-    """A small corpus under megatron's default split: the test share (1/1000) is shorter
-    than one sequence. With no test samples asked for (--eval-iters 0), that split is left
-    out instead of reaching megatron's sampler, which asserts on an empty dataset."""
+    """A small corpus under megatron's default split: the test share (1/1000) holds one
+    document of 3 tokens, shorter than one sequence. Asked for no samples (--eval-iters 0),
+    the validation and test splits are not built: megatron would build their indices all
+    the same, loop forever for a share that rounds to no document, and its sampler asserts
+    on an empty dataset. Asked for samples, a split gets them (megatron repeats epochs)."""
     documents = [[7] * 20 for _ in range(999)] + [[9] * 3]  # the last document: 3 tokens
     prefix = str(tmp_path / "small_text_document")
     _write_indexed_dataset(prefix, documents)
@@ -257,12 +259,25 @@ def test_dataset_provider_leaves_out_a_split_too_small_for_one_sample(
 
     train, valid, test = pretrain_gpt.train_valid_test_datasets_provider(
         [32, 0, 0], dataset_config=config, mock_data=False)
+    assert len(train) >= 32 and valid is None and test is None
+    assert "no samples asked of the validation and test splits: not built" in \
+        capsys.readouterr().out
+    assert config.split_matrix[2] is not None  # the caller's config is left as it was
 
-    assert len(train) >= 32 and len(valid) > 0
-    assert test is None
-    assert "the test split holds no whole sample" in capsys.readouterr().out
-
-    # asked for samples, the same split gets them (megatron repeats its epochs)
-    _, _, test = pretrain_gpt.train_valid_test_datasets_provider(
+    _, valid, test = pretrain_gpt.train_valid_test_datasets_provider(
         [32, 4, 4], dataset_config=config, mock_data=False)
-    assert test is not None and len(test) >= 4
+    assert len(valid) >= 4 and test is not None and len(test) >= 4
+
+
+def test_a_per_split_dataset_too_small_for_one_sample_is_left_out(
+        tmp_path, single_rank_data_parallel, capsys):
+    """Per-split paths (--test-data-path): a test dataset shorter than one sequence, asked
+    for no samples, is left out rather than handed to megatron's sampler."""
+    big, tiny = str(tmp_path / "big_text_document"), str(tmp_path / "tiny_text_document")
+    _write_indexed_dataset(big, [[7] * 20 for _ in range(200)])
+    _write_indexed_dataset(tiny, [[9] * 3])
+    config = _dataset_config(blend_per_split=[([big], None), ([big], None), ([tiny], None)])
+    train, valid, test = pretrain_gpt.train_valid_test_datasets_provider(
+        [32, 4, 0], dataset_config=config, mock_data=False)
+    assert len(train) >= 32 and len(valid) >= 4 and test is None
+    assert "the test split holds no whole sample" in capsys.readouterr().out

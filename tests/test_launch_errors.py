@@ -169,3 +169,105 @@ def test_megatron_config_value_error_names_its_flags(tmp_path):
     assert line.startswith("error: invalid arguments: When using recompute_granularity: full "
                            "recompute_num_layers must be between 1 and")
     assert "--recompute-granularity full" in line and "--recompute-num-layers None" in line
+
+
+# 8. flags megatron accepts but fails on later, counts below 1 ---------------------------
+
+REFUSED = [
+    # counts and sizes: megatron divides by most of them
+    (["--micro-batch-size", "0"], "error: --micro-batch-size 0: must be at least 1"),
+    (["--num-attention-heads", "0"], "error: --num-attention-heads 0: must be at least 1"),
+    (["--num-layers", "0"], "error: --num-layers 0: must be at least 1"),
+    (["--train-iters", "0"], "error: --train-iters 0: must be at least 1"),
+    (["--seed", "-1"], "error: --seed -1: must be 0 or more"),
+    (["--eval-iters", "2", "--eval-interval", "0"],
+     "error: --eval-interval 0: must be at least 1 with --eval-iters 2"),
+    # raised by megatron's validate_args or parse_args other than as an assertion
+    (["--no-position-embedding"], "error: invalid arguments: RuntimeError: "
+                                  "--no-position-embedding is deprecated"),
+    (["--attention-backend", "local", "--no-fast-spec"],
+     "error: invalid arguments: --attention-backend local is only supported with --spec local"),
+    (["--heterogeneous-layers-config-path", "/no/such.json"],
+     "error: invalid arguments: FileNotFoundError: [Errno 2] No such file or directory: "
+     "'/no/such.json'"),
+    (["--yaml-cfg", "/no/such.yaml"],
+     "error: invalid arguments: FileNotFoundError: [Errno 2] No such file or directory: "
+     "'/no/such.yaml'"),
+    # what this entry or a plain install cannot honour
+    (["--dataloader-type", "external"], "error: --dataloader-type external: megatron then "
+                                        "takes what the datasets provider returns as iterators"),
+    (["--multiple-validation-sets"], "error: --multiple-validation-sets needs --full-validation"),
+    (["--spec", "no.such.module", "layer_spec"],
+     "error: --spec no.such.module layer_spec: cannot import no.such.module"),
+    (["--spec", "local"], "error: --spec local: wants a module and the name of a layer spec"),
+    (["--multi-latent-attention"],
+     "error: --multi-latent-attention needs Transformer Engine"),
+    (["--num-experts", "2", "--disable-bias-linear", "--moe-token-dispatcher-type", "flex"],
+     "error: --moe-token-dispatcher-type flex needs the deep_ep package"),
+    (["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"],
+     "error: CPU mode (--cpu) cannot run with: --use-torch-fsdp2"),
+]
+
+
+@pytest.mark.parametrize("flags,start", REFUSED, ids=[" ".join(f) for f, _ in REFUSED])
+def test_flags_megatron_would_fail_on_later_are_refused_first(tmp_path, flags, start):
+    line = one_error_line(run_entry(MOCK + flags, cwd=tmp_path))
+    assert line.startswith(start), line
+
+
+def test_split_without_any_share_or_without_a_share_asked_for(tmp_path, gpt2, gpt2_data):
+    prefix, _ = gpt2_data
+    data = ["--data-path", prefix, "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+            gpt2.vocab_file, "--merge-file", gpt2.merge_file]
+    line = one_error_line(run_entry(TINY + data + ["--split", "0,0,0"], cwd=tmp_path))
+    assert line.startswith("error: --split 0,0,0: wants up to three shares, not all 0")
+    line = one_error_line(run_entry(TINY + data + ["--split", "100,0,0", "--eval-iters", "2",
+                                                   "--eval-interval", "2"], cwd=tmp_path))
+    assert line.startswith(f"error: --split 100,0,0 gives the validation split no share of "
+                           f"--data-path {prefix}, but megatron asks that split for ")
+    assert "(--eval-iters 2)" in line
+
+
+def test_null_tokenizer_without_a_vocabulary_size(tmp_path, gpt2_data):
+    prefix, _ = gpt2_data
+    line = one_error_line(run_entry(TINY + ["--data-path", prefix, "--tokenizer-type",
+                                            "NullTokenizer"], cwd=tmp_path))
+    assert line.startswith("error: --tokenizer-type NullTokenizer needs --vocab-size N > 0")
+
+
+def test_a_split_share_without_documents_and_asked_for_none_is_not_built(tmp_path, gpt2,
+                                                                          gpt2_data):
+    """200 documents and megatron's default split 969,30,1: the test share rounds to no
+    document. Asked for no samples (--eval-iters 0), megatron would still build its index
+    and loop forever; the entry does not build it, and trains."""
+    prefix, _ = gpt2_data
+    proc = run_entry(TINY + ["--data-path", prefix, "--tokenizer-type", "GPT2BPETokenizer",
+                             "--vocab-file", gpt2.vocab_file, "--merge-file", gpt2.merge_file],
+                     cwd=tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "data: no samples asked of the validation and test splits: not built" in proc.stdout
+    assert "[after training is done]" in proc.stdout
+
+
+def test_skip_train_builds_and_exits(tmp_path):
+    proc = run_entry(MOCK + ["--skip-train"], cwd=tmp_path)
+    assert proc.returncode == 0 and "Traceback" not in proc.stdout, proc.stdout[-3000:]
+    assert "skipping training (--skip-train is on)" in proc.stdout
+
+
+def test_resume_under_another_schedule_names_the_flags_that_allow_it(tmp_path):
+    saved = run_entry(MOCK + ["--save", "ckpt", "--save-interval", "3"], cwd=tmp_path)
+    assert saved.returncode == 0, saved.stdout[-3000:]
+    longer = [f if f != "3" or MOCK[i - 1] != "--train-iters" else "5"
+              for i, f in enumerate(MOCK)]
+    refused = run_entry(longer + ["--load", "ckpt"], cwd=tmp_path)
+    # a checkpoint is read into a built model: refused then, in one line
+    assert refused.returncode == 2 and "Traceback" not in refused.stdout, refused.stdout[-3000:]
+    errors = [line for line in refused.stdout.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, refused.stdout[-3000:]
+    line = errors[0]
+    assert line.startswith("error: cannot load checkpoint ")
+    assert "add --override-opt_param-scheduler to take this launch's" in line
+    resumed = run_entry(longer + ["--load", "ckpt", "--override-opt_param-scheduler"],
+                        cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]

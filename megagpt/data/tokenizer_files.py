@@ -28,7 +28,13 @@ def _looks_like_hub_name(value: str) -> bool:
 
 
 def check_tokenizer_files(args) -> None:
-    """TokenizerError naming the first tokenizer file flag whose file is not there."""
+    """TokenizerError naming the first tokenizer file flag whose file is not there (and
+    the vocabulary size a NullTokenizer is made with: it has no files)."""
+    if args.tokenizer_type == "NullTokenizer" and not (getattr(args, "vocab_size", None) or 0) > 0:
+        raise TokenizerError(
+            f"--tokenizer-type NullTokenizer needs --vocab-size N > 0 (the number of token "
+            f"ids; given: {getattr(args, 'vocab_size', None)}): the data's ids are used as "
+            "they are")
     for attr, flag in (("vocab_file", "--vocab-file"), ("merge_file", "--merge-file")):
         path = getattr(args, attr, None)
         if path and not os.path.isfile(path):

@@ -498,12 +498,15 @@ def megatron_optimizers(optimizer) -> list:
 
 
 def buffer_params(model_chunks) -> list:
-    """Every parameter held in the DDP gradient buffers of ``model_chunks``."""
+    """Every parameter held in the DDP gradient buffers of ``model_chunks`` (none where a
+    chunk is not wrapped in megatron's DDP, as under ``--skip-train``: its ``buffers`` is
+    then ``nn.Module.buffers``, a method)."""
     params = []
     for chunk in model_chunks or []:
-        for buf in list(getattr(chunk, "buffers", []) or []) + list(
-                getattr(chunk, "expert_parallel_buffers", []) or []):
-            params.extend(getattr(buf, "param_index_map", {}).keys())
+        for name in ("buffers", "expert_parallel_buffers"):
+            held = getattr(chunk, name, None)
+            for buf in held if isinstance(held, (list, tuple)) else []:
+                params.extend(getattr(buf, "param_index_map", {}).keys())
     return params
 
 

@@ -121,6 +121,31 @@ def _check_batch(args, world_size: int) -> list[str]:
 
 
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "micro_batch_size")
+# sizes and counts that must be at least 1 where given (megatron divides by most of them)
+POSITIVE = ("num_layers", "hidden_size", "num_attention_heads", "micro_batch_size",
+            "global_batch_size", "seq_length", "max_position_embeddings", "train_iters",
+            "train_samples", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+            "context_parallel_size", "log_interval")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_counts(args) -> list[str]:
+    """Sizes and counts below 1, a negative seed, evaluation every 0 iterations."""
+    problems = [f"{_flag(name)} {value}: must be at least 1"
+                for name in POSITIVE
+                if isinstance(value := getattr(args, name, None), int) and value < 1]
+    seed = getattr(args, "seed", None)
+    if isinstance(seed, int) and seed < 0:
+        problems.append(f"--seed {seed}: must be 0 or more (torch's generators take no "
+                        "negative seed)")
+    eval_iters, interval = getattr(args, "eval_iters", 0), getattr(args, "eval_interval", None)
+    if eval_iters and isinstance(interval, int) and interval < 1:
+        problems.append(f"--eval-interval {interval}: must be at least 1 with --eval-iters "
+                        f"{eval_iters} (or --eval-iters 0: no evaluation)")
+    return problems
 
 
 def check_layout(args, world_size: int) -> None:
@@ -129,9 +154,12 @@ def check_layout(args, world_size: int) -> None:
     Runs on parsed (not yet validated) megatron args, before ``validate_args``; a run that
     lacks a required size is left to megatron's own "is required" message.
     """
-    problems = _check_world_size(args, world_size)
-    if all(getattr(args, name, None) is not None for name in REQUIRED):
-        problems += _check_shape(args) + _check_batch(args, world_size)
+    # counts below 1 first and alone: the arithmetic of the other checks divides by them
+    problems = _check_counts(args)
+    if not problems:
+        problems = _check_world_size(args, world_size)
+        if all(getattr(args, name, None) is not None for name in REQUIRED):
+            problems += _check_shape(args) + _check_batch(args, world_size)
     if len(problems) == 1:
         raise LayoutError(problems[0])
     if problems:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -274,17 +275,38 @@ def requested_samples(args) -> tuple[int, int, int]:
     return tuple(int(c or 0) for c in counts)
 
 
+def checked_split(split: str) -> str:
+    """``--split`` as megatron reads it (the numbers in it, up to three), or a DataError when
+    it names no share above 0 (megatron would divide by their sum)."""
+    try:
+        shares = [float(number) for number in re.findall(r"[.0-9]+", split)]
+    except ValueError:
+        shares = None
+    if shares is None or not 0 < len(shares) <= 3 or not sum(shares) > 0:
+        raise DataError(f"--split {split}: wants up to three shares, not all 0, for train, "
+                        "validation and test (e.g. --split 98,1,1)")
+    return split
+
+
 def check_split_shares(flag: str, prefix: str, facts: IndexFacts, args,
                        requested: tuple[int, int, int]) -> None:
     """DataError when a split asked for samples gets none of ``prefix``'s documents."""
     from megatron.core.datasets.blended_megatron_dataset_config import (
         convert_split_vector_to_split_matrix, parse_and_normalize_split)
 
-    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(args.split))
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(
+        checked_split(args.split)))
     n = facts.sequences
     for name, bookends, wanted in zip(SPLIT_NAMES, matrix, requested):
-        if bookends is None or not wanted:
+        if not wanted:
             continue
+        if bookends is None:
+            raise DataError(
+                f"--split {args.split} gives the {name} split no share of {flag} {prefix}, but "
+                f"megatron asks that split for {wanted} samples"
+                + (f" (--eval-iters {args.eval_iters})" if name != "train" else "")
+                + "; give it a share (e.g. --split 98,1,1)"
+                + (" or ask it for none (--eval-iters 0)" if name != "train" else ""))
         # megatron's _build_megatron_dataset_splits: round(share * documents) at both ends
         documents = int(round(bookends[1] * n)) - int(round(bookends[0] * n))
         if documents <= 0:

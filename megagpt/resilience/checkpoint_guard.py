@@ -395,6 +395,17 @@ def resume_hint(args) -> str:
 # Errors raised while megatron loads
 # ---------------------------------------------------------------------------
 
+def _hint(cause: BaseException) -> str:
+    """What to do about a failure megatron explains in its own terms."""
+    if "OptimizerParamScheduler" in str(cause) and "do not match" in str(cause):
+        # megatron compares the schedule of this launch with the checkpoint's, in samples
+        return ("; this launch's learning-rate schedule (--train-iters, --lr-decay-iters, "
+                "--lr-warmup-iters, ... in samples) differs from the checkpoint's: add "
+                "--override-opt_param-scheduler to take this launch's, or "
+                "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+    return ""
+
+
 def _root_cause(exc: BaseException) -> BaseException:
     """torch.distributed.checkpoint wraps each rank's error in a CheckpointException
     (a BaseException) whose ``failures`` map ranks to the original exceptions."""
@@ -441,7 +452,7 @@ def one_line_load_errors(load_checkpoint, args):
         except BaseException as exc:  # noqa: BLE001 - any failure here is about the checkpoint
             cause = _root_cause(exc)
             raise CheckpointError(f"cannot load checkpoint {where}: {type(cause).__name__}: "
-                                  f"{_first_line(cause)}") from exc
+                                  f"{_first_line(cause)}{_hint(cause)}") from exc
 
     wrapper._megagpt_original = load_checkpoint
     return wrapper
