@@ -169,6 +169,17 @@ def check_required_packages(args, installed: Installed) -> None:
             "--multi-latent-attention needs Transformer Engine: megatron's local attention "
             "(DotProductAttention) takes no separate key/value head sizes. Install it "
             "(pip install 'megagpt[te]') or drop the flag.")
+    if (getattr(args, "init_model_with_meta_device", False) and not installed.transformer_engine
+            and not getattr(args, "use_torch_fsdp2", False)
+            and not getattr(args, "use_megatron_fsdp", False)):
+        # megatron builds the model on the meta device and then allocates each tensor with
+        # empty_like (to_empty_if_meta_device): TE's modules initialise theirs then, the
+        # local ones never do (NaN at the first iteration)
+        raise MissingDependencyError(
+            "--init-model-with-meta-device needs Transformer Engine (its modules initialise "
+            "their weights when megatron allocates them) or FSDP (--use-megatron-fsdp, "
+            "--use-torch-fsdp2); megatron's local modules would train on uninitialised "
+            "memory. Drop the flag or install Transformer Engine (pip install 'megagpt[te]').")
     for flag, module, how in _optional_packages_asked_for(args):
         if importlib.util.find_spec(module) is None:
             raise MissingDependencyError(f"{flag} needs the {module} package, which is not "

@@ -204,6 +204,8 @@ REFUSED = [
      "error: --multi-latent-attention needs Transformer Engine"),
     (["--num-experts", "2", "--disable-bias-linear", "--moe-token-dispatcher-type", "flex"],
      "error: --moe-token-dispatcher-type flex needs the deep_ep package"),
+    (["--init-model-with-meta-device"],
+     "error: --init-model-with-meta-device needs Transformer Engine"),
     (["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"],
      "error: CPU mode (--cpu) cannot run with: --use-torch-fsdp2"),
 ]
