@@ -122,12 +122,12 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
 def without_unrequested_splits(config: GPTDatasetConfig, requested) -> GPTDatasetConfig:
     """``config`` with no share of ``--split`` for the splits asked for 0 samples."""
     matrix = config.split_matrix
-    if matrix is None or not any(n == 0 and b is not None for n, b in zip(requested, matrix)):
+    unbuilt = [name for name, n, bookends in zip(("train", "validation", "test"), requested,
+                                                 matrix or ()) if n == 0 and bookends is not None]
+    if not unbuilt:
         return config
     config = copy.copy(config)
     config.split_matrix = [None if n == 0 else bookends for n, bookends in zip(requested, matrix)]
-    unbuilt = [name for name, n, bookends in zip(("train", "validation", "test"), requested,
-                                                 matrix) if n == 0 and bookends is not None]
     log(f"data: no samples asked of the {' and '.join(unbuilt)} split"
         f"{'s' if len(unbuilt) > 1 else ''}: not built")
     return config
@@ -320,11 +320,7 @@ def run(args) -> None:
     try:
         model_config, container, choice = build_configs(args)
     except INPUT_ERRORS as exc:  # megatron's config dataclasses check here
-        from megagpt.megatron_errors import explain, raised_by_megatron
-
-        if not raised_by_megatron(exc):
-            raise
-        raise entry_arguments.ArgumentError(explain(exc, args)) from None
+        raise entry_arguments.argument_error(exc, args, within=False) from None
     log(choice.describe())
     if choice.path == gpt_builders.FAST:
         log(describe_fast_spec(args))

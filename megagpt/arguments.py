@@ -135,7 +135,7 @@ def parse_arguments(argv: list[str] | None = None,
         with _argv(argv):
             args = parse_args(extra_args_provider=provider)
     except INPUT_ERRORS as exc:  # megatron reads --yaml-cfg and checks a few flags here
-        raise _as_argument_error(exc) from None
+        raise argument_error(exc) from None
     args.config = config_path
     args.entry_argv = argv
 
@@ -246,16 +246,16 @@ def validate_arguments(args, device_arch: int | None = None) -> None:
         with _device_arch_for_validation(device_arch):
             validate_args(args, {})
     except INPUT_ERRORS as exc:
-        raise _as_argument_error(exc, args) from None
+        raise argument_error(exc, args) from None
 
 
-def _as_argument_error(exc: BaseException, args=None) -> BaseException:
-    """An exception raised inside megatron's argument parsing or validation (by megatron or
-    what it called: a file it opened, torch asked for a GPU) as one ArgumentError line; any
-    other (ours, a bug) as it is."""
+def argument_error(exc: BaseException, args=None, within: bool = True) -> BaseException:
+    """An exception megatron raised on the launch's input as one ArgumentError line; any
+    other (ours, a bug) as it is. ``within``: also what megatron's code called (a file it
+    opened, torch asked for a GPU), as in its argument parsing and validation."""
     from megagpt.megatron_errors import explain, raised_by_megatron
 
-    if isinstance(exc, UserError) or not raised_by_megatron(exc, within=True):
+    if isinstance(exc, UserError) or not raised_by_megatron(exc, within=within):
         return exc
     return ArgumentError(explain(exc, args))
 

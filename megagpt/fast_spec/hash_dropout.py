@@ -22,6 +22,8 @@ layers (CPU mode, tensor parallelism) keep ``F.dropout``. ``--no-fast-hash-dropo
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -49,10 +51,8 @@ def draw_seeds(count: int, device: torch.device) -> Tensor:
 
 def keep_mask(shape, p: float, seed: Tensor) -> Tensor:
     """Bool mask of ``shape``: True for the elements that dropout at rate ``p`` keeps."""
-    n = 1
-    for size in shape:
-        n *= int(size)
-    if n > MAX_ELEMENTS:
+    n = math.prod(shape)
+    if not usable(shape):
         raise ValueError(f"hash dropout indexes elements as int32: {n} elements")
     index = torch.arange(n, device=seed.device, dtype=torch.int32).view(shape)
     bits = _mix(_mix(index ^ seed) + seed)
@@ -68,7 +68,4 @@ def dropout(x: Tensor, p: float, seed: Tensor) -> Tensor:
 
 def usable(shape) -> bool:
     """Whether a tensor of ``shape`` can take a hash mask (int32 element indices)."""
-    n = 1
-    for size in shape:
-        n *= int(size)
-    return n <= MAX_ELEMENTS
+    return math.prod(shape) <= MAX_ELEMENTS
