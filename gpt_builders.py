@@ -2,7 +2,8 @@
 
 Order of preference:
   1. ``--spec MODULE FUNCTION`` given by the user: megatron imports it, we stay out of the way;
-  2. Transformer Engine's spec when TE is installed and ``--transformer-impl transformer_engine``;
+  2. Transformer Engine's spec when TE is installed and ``--transformer-impl transformer_engine``
+     (given, or chosen by ``megagpt.layer_impl`` for what only TE runs or where TE is faster);
   3. with ``--num-experts``: megatron's MoE decoder-block spec (TE or local modules);
   4. this project's fast spec (``megagpt.fast_spec``) unless ``--no-fast-spec`` or the run
      needs something it does not support (the reason is logged);
@@ -55,10 +56,12 @@ def choose_layer_spec(args) -> LayerSpecChoice:
         impl = "Transformer Engine" if use_te else "local"
         return LayerSpecChoice(MOE_BLOCK, f"--num-experts {args.num_experts}, {impl} modules")
     if use_te:
-        return LayerSpecChoice(TRANSFORMER_ENGINE, "Transformer Engine is installed and selected")
+        return LayerSpecChoice(TRANSFORMER_ENGINE, getattr(
+            args, "transformer_impl_reason", "--transformer-impl transformer_engine"))
     reason = fast_spec_unsupported_reason(args)
     if reason is None:
-        return LayerSpecChoice(FAST, "no Transformer Engine; SDPA attention and fused kernels")
+        why = getattr(args, "transformer_impl_reason", "Transformer Engine is not installed")
+        return LayerSpecChoice(FAST, f"{why}; SDPA attention and fused kernels")
     return LayerSpecChoice(LOCAL, f"megatron's local modules; fast spec off: {reason}")
 
 

@@ -315,6 +315,7 @@ def run(args) -> None:
     set_startup_timestamps(program_start=_PROGRAM_START, main_entry=time.time())
     compat.skip_dataset_helper_compilation()
     compat.distributed_optimizer_resumes_without_apex(log)
+    compat.megatron_linears_without_wgrad_fusion(args, compat.Installed.detect())
     # before pretrain builds the optimizer; not at parse time, so a dry run patches nothing
     install_fast_path_patches(args, log)
     try:

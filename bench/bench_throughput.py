@@ -5,7 +5,8 @@ One invocation, one GPU. For each requested path it runs
 
   local      pretrain_gpt.py --transformer-impl local --no-fast-spec --no-fast-optimizer
              --no-fast-lm-loss   (megatron's local modules: upstream's path without TE)
-  fast       pretrain_gpt.py --transformer-impl local   (the project's default without TE)
+  fast       pretrain_gpt.py   (the entry's default: the fast spec on one GPU)
+  te         pretrain_gpt.py --transformer-impl transformer_engine   (TE's layers; needs TE)
   reference  bench/reference_gpt.py   (plain PyTorch: SDPA, fused AdamW, torch.compile)
 
 with mock data (``--corpus``: the embedded corpus; ``--data-args``: any data flags) and
@@ -52,8 +53,10 @@ from run_info import run_info  # noqa: E402
 VOCAB = 50257
 
 ENTRY_PATH_FLAGS = {
-    "local": ["--no-fast-spec", "--no-fast-optimizer", "--no-fast-lm-loss"],
-    "fast": [],
+    "local": ["--transformer-impl", "local", "--no-fast-spec", "--no-fast-optimizer",
+              "--no-fast-lm-loss"],
+    "fast": [],  # the entry's default: the fast spec on one GPU, with or without TE
+    "te": ["--transformer-impl", "transformer_engine"],  # TE's layers (needs TE)
 }
 
 ITER_RE = re.compile(
@@ -109,8 +112,6 @@ def shape_flags(shape: str, train_iters: int, log_interval: int, seed: int,
         # the peak, once, at the end (the examples ask for no memory reports)
         "--log-memory-interval", str(train_iters),
         "--eval-iters", "0", "--eval-interval", str(10 * train_iters),
-        "--transformer-impl", "local", "--no-persist-layer-norm",
-        "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion",
     ]
 
 

@@ -35,6 +35,8 @@ SHAPES = {
     # name: (layers, hidden, heads, seq, micro-batch)
     "345M": (24, 1024, 16, 1024, 8),
     "1.3B": (24, 2048, 16, 2048, 4),
+    # a wide shape where matmuls dominate (FP8's case): 8 layers of a 6.7B-wide model
+    "wide": (8, 4096, 32, 4096, 1),
 }
 
 

@@ -7,10 +7,14 @@ each setting adapted:
 1. ``initialize_megatron`` runs ``make`` on the dataset helpers; the wheel ships the
    compiled ``helpers_cpp`` but no Makefile, so the compile step is skipped when the
    extension imports.
-2. ``--transformer-impl`` defaults to ``transformer_engine``: without TE, ``local``.
+2. ``--transformer-impl`` defaults to ``transformer_engine``: without TE, ``local``; with
+   TE, the faster of TE's layers and the fast spec for the layout (``megagpt.layer_impl``).
 3. The persistent fused layer norm needs apex: ``--no-persist-layer-norm``.
 4. The fused masked softmax needs its CUDA extension: ``--no-masked-softmax-fusion``.
-5. Gradient-accumulation fusion needs TE or apex: ``--no-gradient-accumulation-fusion``.
+5. Gradient-accumulation fusion: TE's layers fuse it themselves; megatron's own linear layers
+   need apex's ``fused_weight_gradient_mlp_cuda``. Without apex it is off for them
+   (``--no-gradient-accumulation-fusion`` where no TE layer is built; under TE's layers
+   ``megatron_linears_without_wgrad_fusion`` builds megatron's linears without it).
 
 A setting the user asked for explicitly (on the command line or in ``--config``) is never
 changed silently: if it needs something missing, ``MissingDependencyError`` says what.
@@ -47,7 +51,9 @@ class Installed:
     apex: bool  # NVIDIA apex built from source (the PyPI package "apex" is unrelated)
     fused_layer_norm: bool  # apex's fast / persistent layer norm kernels
     masked_softmax_kernels: bool  # megatron's scaled_masked_softmax_cuda extension
-    gradient_accumulation_kernels: bool  # fused_weight_gradient_mlp_cuda (apex) or TE
+    # apex's fused_weight_gradient_mlp_cuda: what megatron's own linear layers need for
+    # gradient-accumulation fusion (TE's layers fuse it with their own kernels)
+    gradient_accumulation_kernels: bool
 
     @classmethod
     def detect(cls) -> "Installed":
@@ -58,7 +64,7 @@ class Installed:
             apex=apex,
             fused_layer_norm=apex and _importable("fast_layer_norm"),
             masked_softmax_kernels=_importable("scaled_masked_softmax_cuda"),
-            gradient_accumulation_kernels=te or _importable("fused_weight_gradient_mlp_cuda"),
+            gradient_accumulation_kernels=_importable("fused_weight_gradient_mlp_cuda"),
         )
 
     def summary(self) -> str:
@@ -82,13 +88,6 @@ class Adaptation:
 
 ADAPTATIONS: tuple[Adaptation, ...] = (
     Adaptation(
-        "transformer_impl", ("--transformer-impl",),
-        lambda a, i: a.transformer_impl == "transformer_engine" and not i.transformer_engine,
-        "local",
-        "--transformer-impl transformer_engine needs Transformer Engine "
-        "(pip install 'megagpt[te]'); using the local implementation",
-    ),
-    Adaptation(
         "no_persist_layer_norm", ("--no-persist-layer-norm",),
         lambda a, i: not a.no_persist_layer_norm and not i.fused_layer_norm,
         True,
@@ -104,12 +103,20 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
     ),
     Adaptation(
         "gradient_accumulation_fusion", ("--no-gradient-accumulation-fusion",),
-        lambda a, i: a.gradient_accumulation_fusion and not i.gradient_accumulation_kernels,
+        lambda a, i: (a.gradient_accumulation_fusion and not i.gradient_accumulation_kernels
+                      and a.transformer_impl != "transformer_engine"),
         False,
-        "gradient-accumulation fusion needs Transformer Engine or apex; "
-        "--no-gradient-accumulation-fusion",
+        "gradient-accumulation fusion in megatron's linear layers needs apex's "
+        "fused_weight_gradient_mlp_cuda; --no-gradient-accumulation-fusion",
     ),
 )
+
+
+def te_layers_fuse_wgrad_alone(args, installed: Installed) -> bool:
+    """Whether TE's layers fuse the weight-gradient accumulation while megatron's own linear
+    layers of the same model (the output layer) cannot: apex's kernel is missing."""
+    return (args.transformer_impl == "transformer_engine" and args.gradient_accumulation_fusion
+            and not installed.gradient_accumulation_kernels)
 
 
 def _optional_packages_asked_for(args) -> list[tuple[str, str, str]]:
@@ -205,21 +212,34 @@ def adapt_args_to_installed(args, argv: Iterable[str], installed: Installed,
     ``argv`` is the full option list (config file expanded) so that an explicit request
     can be told from a megatron default.
     """
+    from megagpt.layer_impl import choose_transformer_impl
+
     given = explicit_flags(argv)
     lines = []
+
+    def say(line: str) -> None:
+        log(line)
+        lines.append(line)
+
+    if ("--transformer-impl" in given and args.transformer_impl == "transformer_engine"
+            and not installed.transformer_engine):
+        raise MissingDependencyError(
+            "--transformer-impl transformer_engine was given, but Transformer Engine is "
+            "not installed. Install it (pip install 'megagpt[te]') or drop the flag: "
+            "without it the entry uses its own fast path.")
+    choice = choose_transformer_impl(args, given, installed)
+    args.transformer_impl = choice.impl
+    args.transformer_impl_reason = choice.reason
+    say(f"compat: {choice.describe()}")
     for adaptation in ADAPTATIONS:
         if not adaptation.unusable(args, installed):
             continue
-        asked_for = given & set(adaptation.flags)
-        if asked_for and adaptation.attr == "transformer_impl":
-            raise MissingDependencyError(
-                "--transformer-impl transformer_engine was given, but Transformer Engine is "
-                "not installed. Install it (pip install 'megagpt[te]') or drop the flag: "
-                "without it the entry uses its own fast path.")
         setattr(args, adaptation.attr, adaptation.safe_value)
-        line = f"compat: {adaptation.message}"
-        log(line)
-        lines.append(line)
+        say(f"compat: {adaptation.message}")
+    if te_layers_fuse_wgrad_alone(args, installed):
+        say("compat: gradient-accumulation fusion in Transformer Engine's layers; megatron's "
+            "own linear layers (the output layer) accumulate through autograd: apex's "
+            "fused_weight_gradient_mlp_cuda is not installed")
     return lines
 
 
@@ -355,6 +375,39 @@ def distributed_optimizer_resumes_without_apex(log: Callable[[str], None] = lamb
         return result
 
     cls.load_state_dict = load_state_dict
+
+
+def _built_without_wgrad_fusion(init: Callable) -> Callable:
+    @functools.wraps(init)
+    def __init__(self, *args, config, **kwargs):
+        # the layer reads the setting from its config only while it is built (to refuse a
+        # missing kernel, and into self.gradient_accumulation_fusion, which its forward
+        # uses); the model's other layers share this config, so it is put back at once
+        fused = config.gradient_accumulation_fusion
+        config.gradient_accumulation_fusion = False
+        try:
+            init(self, *args, config=config, **kwargs)
+        finally:
+            config.gradient_accumulation_fusion = fused
+    return __init__
+
+
+def megatron_linears_without_wgrad_fusion(args, installed: Installed) -> bool:
+    """Under TE's layers without apex, build megatron's own parallel linear layers without
+    gradient-accumulation fusion, which they would refuse to be built with ("the custom
+    CUDA extension fused_weight_gradient_mlp_cuda module is not found"): their weight
+    gradients reach megatron's gradient buffer through autograd and its DDP hook, while TE's
+    layers keep accumulating theirs in their GEMMs. Returns whether it is installed."""
+    if not te_layers_fuse_wgrad_alone(args, installed):
+        return False
+    from megatron.core.tensor_parallel import layers
+
+    from megagpt import megatron_wrappers
+
+    for cls in (layers.ColumnParallelLinear, layers.RowParallelLinear):
+        if __name__ not in megatron_wrappers.installed(cls, "__init__"):
+            megatron_wrappers.install(cls, "__init__", __name__, _built_without_wgrad_fusion)
+    return True
 
 
 def quiet_fallback_warnings() -> None:

@@ -140,6 +140,20 @@ LEDGER: tuple[Change, ...] = (
            "initialize_megatron runs make on megatron/core/datasets, which the wheel ships "
            "without a Makefile (its helpers_cpp is prebuilt): make fails and the run exits; "
            "skipped only where helpers_cpp imports", LAUNCH, "02c160f0fa9c"),
+    Change("megatron.core.tensor_parallel.layers.ColumnParallelLinear.__init__", WRAPS,
+           "megagpt.compat",
+           "with --gradient-accumulation-fusion (megatron's default) it refuses to be built "
+           "unless apex's fused_weight_gradient_mlp_cuda imports, which TE does not provide: "
+           "under TE's layers without apex (whose own layers fuse it) the output layer stopped "
+           "every launch; built with the fusion off, it accumulates through autograd",
+           LAUNCH + ", under TE's layers without apex", "ef7f6993d7de",
+           needle="if config.gradient_accumulation_fusion and not _grad_accum_fusion_available"),
+    Change("megatron.core.tensor_parallel.layers.RowParallelLinear.__init__", WRAPS,
+           "megagpt.compat",
+           "as ColumnParallelLinear: its backward needs apex's fused_weight_gradient_mlp_cuda "
+           "when built with gradient-accumulation fusion; built with it off",
+           LAUNCH + ", under TE's layers without apex", "a3ed8d3e583e",
+           needle="self.gradient_accumulation_fusion = config.gradient_accumulation_fusion"),
     Change("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.sharded_state_dict",
            WRAPS, "megagpt.compat",
            "without TE/apex its state_dict() reads the step from torch's optimizer state, which "

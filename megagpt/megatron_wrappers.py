@@ -1,4 +1,4 @@
-"""Wrappers of megatron's module-level functions, composed in one stated order.
+"""Wrappers of megatron's functions (module-level, or a class's), composed in one stated order.
 
 Several concerns wrap the same megatron function: ``training_log`` (the asynchronous step,
 resume fidelity), ``setup_model_and_optimizer`` (the flat AdamW step, the asynchronous
@@ -50,6 +50,8 @@ _CHAINS: dict[str, _Chain] = {}
 
 
 def _target(module, name: str) -> str:
+    if isinstance(module, type):  # a class attribute, e.g. a megatron layer's __init__
+        return f"{module.__module__}.{module.__qualname__}.{name}"
     return f"{module.__name__}.{name}"
 
 

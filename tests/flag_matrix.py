@@ -16,7 +16,8 @@ as written, except for two things the device decides (``launch``):
 
 A row either trains (exit 0, losses logged for iterations 1-3, no traceback) or is refused by
 design: exit 2, one ``error:`` line containing ``refused``, before any model is built. The
-refusals are those of a plain install (no Transformer Engine, no apex), on any device.
+refusals are those of a plain install (no Transformer Engine, no apex), on any device; where
+TE is installed the rows marked ``te_changes`` train (or meet the layout's refusal) instead.
 ``ci`` marks the selection ``make test`` runs; ``MEGAGPT_FLAG_MATRIX=all`` runs every row.
 """
 
@@ -47,6 +48,13 @@ class Row:
     nproc: int = 1
     ci: bool = False
     refused: str | None = None  # a text the one-line refusal contains; None: it trains
+    # where Transformer Engine is installed the row expects ``refused_with_te`` instead
+    # (None: it trains there)
+    te_changes: bool = False
+    refused_with_te: str | None = None
+
+    def expected_refusal(self, te_installed: bool) -> str | None:
+        return self.refused_with_te if (te_installed and self.te_changes) else self.refused
 
 
 def _f(text: str) -> tuple[str, ...]:
@@ -72,7 +80,8 @@ ROWS: tuple[Row, ...] = (
     # refused while the arguments are parsed, before the layout is checked: one process
     # shows it as a user sees it (torchrun adds its own report of a failed worker)
     Row("cp2", _f("--context-parallel-size 2"),
-        refused="--context-parallel-size 2 needs Transformer Engine"),
+        refused="--context-parallel-size 2 needs Transformer Engine", te_changes=True,
+        refused_with_te="world size 1 is not divisible"),
     # --- model options ----------------------------------------------------------------
     Row("llama_like", _f("--swiglu --position-embedding-type rope --rotary-percent 1.0 "
                          "--normalization RMSNorm --disable-bias-linear "
@@ -82,14 +91,14 @@ ROWS: tuple[Row, ...] = (
     Row("rope_partial_qk_norm", _f("--position-embedding-type rope --rotary-percent 0.5 "
                                    "--qk-layernorm --squared-relu")),
     Row("layernorm_1p", _f("--apply-layernorm-1p"),
-        refused="--apply-layernorm-1p needs Transformer Engine or apex"),
+        refused="--apply-layernorm-1p needs Transformer Engine or apex", te_changes=True),
     Row("moe", _f("--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 "
                   "--moe-token-dispatcher-type alltoall --disable-bias-linear"), ci=True),
     Row("moe_with_linear_bias", _f("--num-experts 4 --moe-router-topk 2"),
-        refused="with linear biases needs Transformer Engine"),
+        refused="with linear biases needs Transformer Engine", te_changes=True),
     Row("per_token_loss", _f("--calculate-per-token-loss"), ci=True),
     Row("transformer_engine", _f("--transformer-impl transformer_engine"),
-        refused="Transformer Engine is not installed"),
+        refused="Transformer Engine is not installed", te_changes=True),
     # --- recompute --------------------------------------------------------------------
     Row("recompute_full_uniform", _f("--recompute-granularity full --recompute-method uniform "
                                      "--recompute-num-layers 1"), ci=True),
@@ -124,7 +133,7 @@ ROWS: tuple[Row, ...] = (
     Row("fp16", _f("--fp16 --initial-loss-scale 4096 --loss-scale-window 100 "
                    "--apply-query-key-layer-scaling"), ci=True),
     Row("fp8", _f("--bf16 --fp8-format hybrid"),
-        refused="--fp8-format hybrid needs Transformer Engine"),
+        refused="--fp8-format hybrid needs Transformer Engine", te_changes=True),
     # --- data -------------------------------------------------------------------------
     Row("real_data_split", _f("--data-path DATA --split 90,5,5 --tokenizer-type NullTokenizer "
                               "--vocab-size 512 --num-workers 1 --eval-interval 2 "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+from types import SimpleNamespace
 import sys
 import types
 from pathlib import Path
@@ -63,6 +64,13 @@ def main() -> int:
     capture_watchdog.install(300.0)
     compat.skip_dataset_helper_compilation()
     compat.distributed_optimizer_resumes_without_apex()
+    # as under TE's layers without apex (no TE here: the decision is given its inputs)
+    te_without_apex = compat.Installed(transformer_engine=True, apex=False,
+                                       fused_layer_norm=False, masked_softmax_kernels=False,
+                                       gradient_accumulation_kernels=False)
+    assert compat.megatron_linears_without_wgrad_fusion(
+        SimpleNamespace(transformer_impl="transformer_engine", gradient_accumulation_fusion=True),
+        te_without_apex)
     launched = megatron_attributes()
     report["launch"] = changed(before, launched)
 

@@ -30,10 +30,131 @@ def test_plain_install_adapts_the_five_settings_with_one_line_each():
     assert len(lines) == 4 and all(line.startswith("compat: ") for line in lines)
 
 
-def test_nothing_changes_when_everything_is_installed():
+TE_WITHOUT_APEX = compat.Installed(transformer_engine=True, apex=False, fused_layer_norm=False,
+                                   masked_softmax_kernels=False,
+                                   gradient_accumulation_kernels=False)
+
+
+def test_with_everything_installed_only_the_layers_are_chosen():
     args, lines = megatron_defaults(), []
     compat.adapt_args_to_installed(args, [], EVERYTHING, lines.append)
-    assert args.transformer_impl == "transformer_engine" and lines == []
+    assert args.transformer_impl == "local"  # the fast spec: no model parallelism
+    assert args.gradient_accumulation_fusion and args.masked_softmax_fusion
+    assert len(lines) == 1 and "fast spec measured faster" in lines[0]
+
+
+# (flags, installed) -> megatron's --transformer-impl, and a word of the logged reason
+LAYER_CHOICES = [
+    ([], NOTHING, "local", "not installed"),
+    ([], TE_WITHOUT_APEX, "local", "measured faster"),
+    (["--cpu"], TE_WITHOUT_APEX, "local", "--cpu"),
+    (["--transformer-impl", "transformer_engine"], TE_WITHOUT_APEX, "transformer_engine",
+     "as given"),
+    (["--transformer-impl", "local"], TE_WITHOUT_APEX, "local", "as given"),
+    (["--tensor-model-parallel-size", "2"], TE_WITHOUT_APEX, "transformer_engine",
+     "tensor x pipeline parallel 2 x 1"),
+    (["--pipeline-model-parallel-size", "4"], TE_WITHOUT_APEX, "transformer_engine",
+     "1 x 4"),
+    (["--fp8-format", "hybrid"], TE_WITHOUT_APEX, "transformer_engine", "FP8"),
+    (["--context-parallel-size", "2"], TE_WITHOUT_APEX, "transformer_engine",
+     "context parallelism"),
+    (["--multi-latent-attention"], TE_WITHOUT_APEX, "transformer_engine", "multi-latent"),
+    (["--num-experts", "4"], TE_WITHOUT_APEX, "transformer_engine", "MoE"),
+    (["--window-size", "128,0"], TE_WITHOUT_APEX, "transformer_engine", "sliding-window"),
+    (["--apply-layernorm-1p"], TE_WITHOUT_APEX, "transformer_engine", "layernorm-1p"),
+    (["--apply-layernorm-1p"], EVERYTHING, "local", "measured faster"),
+]
+
+
+@pytest.mark.parametrize("flags,installed,impl,why", LAYER_CHOICES,
+                         ids=[" ".join(f) or "defaults" for f, *_ in LAYER_CHOICES])
+def test_layers_are_chosen_by_what_is_installed_and_the_layout(flags, installed, impl, why):
+    from megagpt.fast_spec.settings import add_fast_path_arguments
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_megatron_arguments(parser)
+    parser.add_argument("--cpu", action="store_true")
+    add_fast_path_arguments(parser)
+    args, lines = parser.parse_args(flags), []
+    compat.adapt_args_to_installed(args, flags, installed, lines.append)
+    assert args.transformer_impl == impl
+    assert why in lines[0] and why in args.transformer_impl_reason, lines[0]
+
+
+def test_no_fast_spec_with_te_installed_keeps_megatrons_default_layers():
+    from megagpt.fast_spec.settings import add_fast_path_arguments
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    from megatron.training.arguments import add_megatron_arguments
+
+    add_megatron_arguments(parser)
+    add_fast_path_arguments(parser)
+    args = parser.parse_args(["--no-fast-spec"])
+    compat.adapt_args_to_installed(args, ["--no-fast-spec"], TE_WITHOUT_APEX, lambda line: None)
+    assert args.transformer_impl == "transformer_engine"
+
+
+def test_gradient_accumulation_fusion_follows_the_kernels_really_there():
+    """TE's layers fuse it with their own kernels; megatron's linear layers need apex's
+    fused_weight_gradient_mlp_cuda, which TE does not provide."""
+    def adapted(flags, installed):
+        args, lines = megatron_defaults(flags), []
+        compat.adapt_args_to_installed(args, flags, installed, lines.append)
+        return args, lines
+
+    te_layers, lines = adapted(["--transformer-impl", "transformer_engine"], TE_WITHOUT_APEX)
+    assert te_layers.gradient_accumulation_fusion  # for TE's layers
+    assert compat.te_layers_fuse_wgrad_alone(te_layers, TE_WITHOUT_APEX)
+    assert sum("gradient-accumulation fusion in Transformer Engine's layers" in line
+               for line in lines) == 1
+    fast, lines = adapted([], TE_WITHOUT_APEX)  # the fast spec: megatron's linears only
+    assert not fast.gradient_accumulation_fusion
+    assert any("needs apex's fused_weight_gradient_mlp_cuda" in line for line in lines)
+    assert not compat.te_layers_fuse_wgrad_alone(fast, TE_WITHOUT_APEX)
+    with_apex, _ = adapted(["--transformer-impl", "transformer_engine"], EVERYTHING)
+    assert with_apex.gradient_accumulation_fusion
+    assert not compat.te_layers_fuse_wgrad_alone(with_apex, EVERYTHING)
+
+
+def test_megatrons_linears_build_without_the_missing_wgrad_kernel():
+    """Under TE's layers without apex, a model's megatron ColumnParallelLinear (the output
+    layer) is built with gradient-accumulation fusion off; megatron's own __init__ refuses
+    it otherwise. The model's config keeps the setting for TE's layers."""
+    from types import SimpleNamespace
+
+    from megatron.core.tensor_parallel import layers
+
+    from megatron.core.transformer import TransformerConfig
+
+    from gloo_ranks import single_gloo_rank
+    from megagpt import megatron_wrappers
+
+    assert not layers._grad_accum_fusion_available  # no apex here
+    args = SimpleNamespace(transformer_impl="transformer_engine",
+                           gradient_accumulation_fusion=True)
+    with single_gloo_rank():
+        config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                                   use_cpu_initialization=True,
+                                   gradient_accumulation_fusion=True)
+        build = dict(config=config, init_method=lambda w: None, bias=False)
+        with pytest.raises(RuntimeError, match="fused_weight_gradient_mlp_cuda"):
+            layers.ColumnParallelLinear(8, 16, **build)
+        try:
+            assert compat.megatron_linears_without_wgrad_fusion(args, TE_WITHOUT_APEX)
+            column = layers.ColumnParallelLinear(8, 16, **build)
+            row = layers.RowParallelLinear(16, 8, input_is_parallel=True, skip_bias_add=False,
+                                           **build)
+        finally:
+            for cls in (layers.ColumnParallelLinear, layers.RowParallelLinear):
+                megatron_wrappers.remove(cls, "__init__", "megagpt.compat")
+    assert not column.gradient_accumulation_fusion and not row.gradient_accumulation_fusion
+    assert config.gradient_accumulation_fusion  # TE's layers still read it
+    assert column.config is config
+    assert not compat.megatron_linears_without_wgrad_fusion(
+        SimpleNamespace(transformer_impl="local", gradient_accumulation_fusion=False),
+        TE_WITHOUT_APEX)
 
 
 def test_explicit_transformer_engine_request_without_te_is_a_clear_error():

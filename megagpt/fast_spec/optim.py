@@ -12,8 +12,8 @@ Without TE/apex, megatron-core 0.19.2 falls back to:
 
 ``install_fast_optimizer()`` replaces these fallbacks, inside megatron's optimizer modules
 only, with torch's fused AdamW and ``torch._foreach_*`` kernels (a handful of launches per
-step, one host synchronisation for the norm as with apex). It changes nothing when TE or
-apex provides the fused kernels, and each part can be left out. Numerics: the same
+step, one host synchronisation for the norm as with apex). Where TE or apex provides the
+multi-tensor kernels they are kept, and each part can be left out. Numerics: the same
 operations in fp32 (AdamW math is torch's own; the norm is the same 2-norm computed in
 another order).
 """
@@ -242,7 +242,9 @@ def install_fast_optimizer(
     gradient norm on the GPU (see ``foreach_multi_tensor_scale_tensor``): the norm that
     ``optimizer.step()`` returns is then a 1-element CUDA tensor.
 
-    Safe to call more than once; a no-op where TE or apex provides the fused kernels.
+    Safe to call more than once. Where TE or apex provides the multi-tensor kernels, theirs
+    are kept (the norm, the scales); ``fused_adam`` still puts torch's fused AdamW in place of
+    their FusedAdam, which the flat AdamW step needs (``megagpt.fast_spec.flat_adam``).
     Must run before ``get_megatron_optimizer`` builds the optimizer (i.e. before
     ``setup_model_and_optimizer``); ``apply_fast_path_defaults`` calls it.
     """
@@ -252,17 +254,15 @@ def install_fast_optimizer(
     from megatron.core import utils as mutils
 
     changed: List[str] = []
-    if not megatron_uses_local_fallbacks():
-        if log:
-            log("fast optimizer: TE or apex fused optimizer kernels present; nothing changed")
-        return changed
-
     if fused_adam and "Adam" not in _ORIGINALS:
+        local = megatron_uses_local_fallbacks()
         _ORIGINALS["Adam"] = mopt.Adam
         _ORIGINALS["USING_PYTORCH_OPTIMIZER"] = mopt.USING_PYTORCH_OPTIMIZER
         mopt.Adam = torch_fused_adam
         mopt.USING_PYTORCH_OPTIMIZER = False
-        changed.append("AdamW: torch fused=True (single kernel) instead of foreach")
+        # torch's Adam, not TE's / apex's FusedAdam: the flat AdamW step builds on it
+        changed.append("AdamW: torch fused=True (single kernel) instead of "
+                       + ("foreach" if local else "TE's/apex's FusedAdam"))
 
     if multi_tensor and "clip.l2_norm_impl" not in _ORIGINALS:
         if mclip.l2_norm_impl is mutils.local_multi_tensor_l2_norm:

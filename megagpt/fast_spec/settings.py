@@ -269,6 +269,17 @@ def fast_path_selected(args) -> bool:
     return fast_spec_unsupported_reason(args) is None
 
 
+def te_layers_selected(args) -> bool:
+    """Whether this run builds Transformer Engine's dense layer spec (gpt_builders' choice:
+    no --spec, no MoE block)."""
+    return (getattr(args, "transformer_impl", "local") == "transformer_engine"
+            and not getattr(args, "spec", None) and getattr(args, "num_experts", None) is None)
+
+
+def _path_name(args) -> str:
+    return "Transformer Engine's layers" if te_layers_selected(args) else "fast path"
+
+
 def _planned_world_size(args) -> int:
     """The world size the run is for: a dry run's ``--dry-run-world-size`` when given; with
     ``--fast-multi-gpu-path`` at least two data-parallel ranks' worth."""
@@ -304,8 +315,8 @@ def cuda_graph_unsupported_reason(args) -> Optional[str]:
     """Why the full-iteration CUDA graph is not switched on automatically (None: it is)."""
     if getattr(args, "cpu", False):
         return "CPU mode"
-    if not fast_path_selected(args):
-        return "the fast spec is not used"
+    if not fast_path_selected(args) and not te_layers_selected(args):
+        return "neither the fast spec nor Transformer Engine's dense layers are used"
     if getattr(args, "cuda_graph_impl", "none") not in ("none", None):
         return f"--cuda-graph-impl {args.cuda_graph_impl} was given"
     if _planned_world_size(args) != 1:
@@ -481,7 +492,7 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
     if args.fast_cuda_graph is None:
         reason = cuda_graph_unsupported_reason(args)
         args.fast_cuda_graph = reason is None
-        if reason is not None and fast_path_selected(args):
+        if reason is not None and (fast_path_selected(args) or te_layers_selected(args)):
             if getattr(args, "cuda_graph_impl", "none") == "full_iteration":
                 # megatron's own flag: its graph runs as asked, outside this switch's checks
                 log("fast path: megatron's --cuda-graph-impl full_iteration as given: each "
@@ -489,10 +500,12 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
                     f"{_planned_world_size(args)} GPU(s); --fast-cuda-graph's own default "
                     "is for one GPU)")
             else:
-                log(f"fast path: full-iteration CUDA graph off: {reason}")
+                log(f"{_path_name(args)}: full-iteration CUDA graph off: {reason}")
     elif args.fast_cuda_graph:
-        if getattr(args, "cpu", False) or not fast_path_selected(args):
-            log("fast path: --fast-cuda-graph ignored (CPU mode or the fast spec is not used)")
+        if getattr(args, "cpu", False) or not (fast_path_selected(args)
+                                                or te_layers_selected(args)):
+            log("fast path: --fast-cuda-graph ignored (CPU mode, or neither the fast spec nor "
+                "Transformer Engine's dense layers are used)")
             args.fast_cuda_graph = False
         elif getattr(args, "cuda_graph_impl", "none") not in ("none", None, "full_iteration"):
             log(f"fast path: --fast-cuda-graph ignored: --cuda-graph-impl {args.cuda_graph_impl}")
@@ -532,7 +545,7 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
             args.check_for_nan_in_loss_and_grad = False
             log("fast path: --no-check-for-nan-in-loss-and-grad (needed inside a CUDA graph; "
                 "losses are still logged)")
-        log("fast path: forward+backward captured as one CUDA graph per iteration "
+        log(f"{_path_name(args)}: forward+backward captured as one CUDA graph per iteration "
             "(--cuda-graph-impl full_iteration; --no-fast-cuda-graph turns it off)")
     if full_iteration and _planned_world_size(args) != 1:
         import os
@@ -660,12 +673,13 @@ def install_fast_path_patches(args, log: Optional[Callable[[str], None]] = None)
     - gradients written (``fast_grad_write``): megatron's DDP hook copies, its buffer is not
       zeroed, parameters without a gradient are zeroed at ``finish_grad_sync``
       (``megagpt.fast_spec.grad_write``);
-    - optimizer: if ``fast_optimizer`` and megatron's optimizer modules are on their
-      no-TE/no-apex fallbacks, torch's fused AdamW as megatron's Adam class and
-      torch._foreach_* versions of the gradient-norm / scale / param-copy kernels
+    - optimizer: if ``fast_optimizer``, torch's fused AdamW as megatron's Adam class and,
+      where megatron is on its no-TE/no-apex fallbacks, torch._foreach_* versions of the
+      gradient-norm / scale / param-copy kernels
       (``megagpt.fast_spec.optim.install_fast_optimizer``). Fused AdamW is left out, with a
-      logged reason, for ``--use-precision-aware-optimizer``, ``--optimizer-cpu-offload`` and
-      optimizers other than adam;
+      logged reason, for ``--use-precision-aware-optimizer``, ``--optimizer-cpu-offload``,
+      optimizers other than adam, and the distributed optimizer where TE or apex is
+      installed (megatron's checkpoints of it then follow their FusedAdam);
     - flat AdamW step (``fast_flat_adam``, with fused AdamW): where megatron's optimizer is
       its bf16 ``Float16OptimizerWithFloat16Params`` over one gradient buffer, one pass over
       flat buffers replaces its five (``megagpt.fast_spec.flat_adam``; decided, and logged,
@@ -690,9 +704,6 @@ def install_fast_path_patches(args, log: Optional[Callable[[str], None]] = None)
         return
     from .optim import install_fast_optimizer, megatron_uses_local_fallbacks
 
-    if not megatron_uses_local_fallbacks():
-        log("fast optimizer: not needed (TE or apex provides fused optimizer kernels)")
-        return
     fused_adam = True
     if getattr(args, "optimizer", "adam") != "adam":
         fused_adam = False
@@ -703,6 +714,13 @@ def install_fast_path_patches(args, log: Optional[Callable[[str], None]] = None)
     elif getattr(args, "optimizer_cpu_offload", False):
         fused_adam = False
         log("fast optimizer: optimizer CPU offload requested; fused AdamW left out")
+    elif getattr(args, "use_distributed_optimizer", False) and not megatron_uses_local_fallbacks():
+        # megatron's distributed optimizer reads and writes its checkpoint's Adam step the
+        # way TE's / apex's FusedAdam keeps it (in the parameter groups) whenever either is
+        # installed; that optimizer is already one fused kernel
+        fused_adam = False
+        log("fast optimizer: the distributed optimizer keeps TE's/apex's FusedAdam (its "
+            "checkpoints follow that optimizer's layout)")
     async_step = bool(getattr(args, "fast_async_step", True))
     install_fast_optimizer(fused_adam=fused_adam, multi_tensor=True, tensor_clip=async_step,
                            log=log)

@@ -69,6 +69,9 @@ def build_model(args):
     import gpt_builders
     import model_provider
 
+    from megagpt import compat
+
+    compat.megatron_linears_without_wgrad_fusion(args, compat.Installed.detect())
     choice = gpt_builders.choose_layer_spec(args)
     model_config = gpt_config_from_args(args)
     spec = gpt_builders.layer_spec_builder(choice, args)

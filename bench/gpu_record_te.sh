@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# With Transformer Engine installed against without it, on one GPU: the runs behind
+# docs/benchmarks.md's section "With Transformer Engine installed".
+#
+#   MCORE_SITE=DIR TE_SITE=DIR bash bench/gpu_record_te.sh OUT_DIR STEP [SECONDS]
+#
+# MCORE_SITE holds megatron-core and what the entry needs beside torch; TE_SITE holds
+# Transformer Engine (built against this machine's torch). A run "with TE" has both on
+# PYTHONPATH, a run "without TE" only MCORE_SITE, so TE is importable for one and hidden
+# from the other in the same call. Steps (one per call, each fits a 10-minute call):
+#   tests   the TE GPU tests (pytest -m te_gpu) and the flag matrix's rows that TE changes
+#   train   throughput, bf16, mock data, dropout 0: 345M and 1.3B, each: the entry's default
+#           with TE, TE's layers (--transformer-impl transformer_engine), the default
+#           without TE
+#   fp8     the wide shape (8 x 4096, seq 4096, micro-batch 1) and 1.3B: TE bf16, TE FP8
+#           hybrid (delayed scaling), TE FP8 current scaling (--fp8-recipe tensorwise), the
+#           entry's default; 50 iterations with their losses
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: gpu_record_te.sh OUT_DIR STEP [SECONDS]}
+STEP=${2:?usage: gpu_record_te.sh OUT_DIR STEP [SECONDS]}
+BUDGET=${3:-560}
+START=$SECONDS
+left() { echo $(( BUDGET - (SECONDS - START) )); }
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
+WITH_TE="${MCORE_SITE:?}:${TE_SITE:?}"
+WITHOUT_TE="${MCORE_SITE}"
+PY=${PY:-python3}
+NODROP="--hidden-dropout 0 --attention-dropout 0"
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    PYTHONPATH=$WITH_TE $PY -c 'import torch, megatron.core as m, transformer_engine as t; print("torch", torch.__version__, "megatron-core", m.__version__, "transformer-engine", t.__version__)' 2>&1 | grep -v -i jax
+} > "$OUT/versions.txt"
+cat "$OUT/versions.txt"
+
+bench() {  # NAME PYTHONPATH [bench_throughput args...]
+    local name=$1 path=$2
+    shift 2
+    [ "$(left)" -gt 60 ] || { echo "== $name: skipped ($(left)s left)"; return; }
+    echo "== $name ($(left)s left)"
+    PYTHONPATH=$path timeout $(( $(left) - 10 )) $PY bench/bench_throughput.py "$@" \
+        --out "$OUT/$name" > "$OUT/$name.txt" 2>&1
+    grep -E "^(path|fast|te|local)|TFLOP|failed" "$OUT/$name.txt" | cut -c1-160 | head -12
+}
+
+case "$STEP" in
+tests)
+    PYTHONPATH=$WITH_TE timeout $(( $(left) - 150 )) $PY -m pytest -q -p no:cacheprovider -s \
+        -m te_gpu tests/test_transformer_engine_gpu.py > "$OUT/te_tests.txt" 2>&1
+    grep -E "passed|failed|largest relative|Error" "$OUT/te_tests.txt" | tail -12
+    PYTHONPATH=$WITH_TE MEGAGPT_FLAG_MATRIX_DEVICE=gpu \
+        MEGAGPT_FLAG_MATRIX=cp2,layernorm_1p,moe_with_linear_bias,transformer_engine,fp8,llama_like \
+        timeout $(( $(left) - 5 )) $PY -m pytest -q -p no:cacheprovider tests/test_flag_matrix.py \
+        -k row_trains > "$OUT/flag_matrix_te.txt" 2>&1
+    tail -4 "$OUT/flag_matrix_te.txt"
+    ;;
+train)
+    bench with_te_345m "$WITH_TE" --shape 345M --paths fast,te --baseline fast \
+        --entry-args "$NODROP" --train-iters 30 --warmup-iters 10
+    bench without_te_345m "$WITHOUT_TE" --shape 345M --paths fast --baseline fast \
+        --entry-args "$NODROP" --train-iters 30 --warmup-iters 10
+    bench with_te_1.3b "$WITH_TE" --shape 1.3B --paths fast,te \
+        --baseline fast --entry-args "$NODROP" --train-iters 30 --warmup-iters 10
+    bench without_te_1.3b "$WITHOUT_TE" --shape 1.3B --paths fast --baseline fast \
+        --entry-args "$NODROP" --train-iters 30 --warmup-iters 10
+    ;;
+fp8)
+    TE="--transformer-impl transformer_engine"
+    for shape in wide 1.3B; do
+        bench fp8_$shape "$WITH_TE" --shape $shape --paths te,tefp8,tefp8cs,fast \
+            --variant "tefp8=$TE --fp8-format hybrid" \
+            --variant "tefp8cs=$TE --fp8-format hybrid --fp8-recipe tensorwise" \
+            --baseline fast --entry-args "$NODROP" --train-iters 50 --warmup-iters 10 \
+            --log-interval 5
+    done
+    ;;
+*) echo "unknown step $STEP"; exit 2 ;;
+esac
+echo "== done in $((SECONDS - START))s"

@@ -1,0 +1,106 @@
+"""Which layers a launch builds where Transformer Engine is installed: TE's or the fast spec's.
+
+megatron's ``--transformer-impl`` defaults to ``transformer_engine``. Where TE is installed and
+the flag is not given, the entry picks instead, by what ran faster for the layout
+(docs/speed.md, "With Transformer Engine installed", has the measurements):
+
+- without tensor and pipeline parallelism the fast spec (``local`` modules; its fused layer
+  is compiled and runs under CUDA graphs there) was faster than TE's layers on one GPU, with
+  and without megatron's CUDA graphs around TE's, at every shape measured;
+- under tensor or pipeline parallelism the fast spec's layer runs eagerly and outside
+  graphs, while TE's layers fuse their norms into the linears and overlap the
+  tensor-parallel collectives: TE's spec;
+- whatever only TE's layers can run (FP8, context parallelism, multi-latent attention, ...)
+  gets TE's spec, and so does a launch that asks for it by name.
+
+``choose_transformer_impl`` decides from the parsed arguments and what is installed, without
+touching megatron; ``megagpt.compat`` applies the choice and logs it with its reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TRANSFORMER_ENGINE = "transformer_engine"
+LOCAL = "local"
+FLAG = "--transformer-impl"
+
+
+@dataclass(frozen=True)
+class ImplChoice:
+    impl: str  # megatron's --transformer-impl value
+    reason: str  # one line for the log
+
+    def describe(self) -> str:
+        layers = ("Transformer Engine's layers" if self.impl == TRANSFORMER_ENGINE
+                  else "megatron's local modules (the fast spec where it applies)")
+        return f"layers: {layers}: {self.reason}"
+
+
+def _size(args, name: str) -> int:
+    return int(getattr(args, name, 1) or 1)
+
+
+def needs_transformer_engine(args, installed) -> str | None:
+    """What in this launch only Transformer Engine's layers run (None: the fast spec runs
+    it as well)."""
+    from megagpt.fast_spec.spec import fast_spec_unsupported_reason
+
+    if getattr(args, "fp8", None) or getattr(args, "fp4", None):
+        return "FP8/FP4 training runs in TE's linears"
+    if _size(args, "context_parallel_size") > 1:
+        return "context parallelism needs TE's attention"
+    if getattr(args, "multi_latent_attention", False):
+        return "multi-latent attention needs TE's attention"
+    if getattr(args, "num_experts", None):
+        return "MoE: megatron's MoE block is built from TE's modules where TE is installed"
+    if getattr(args, "layernorm_zero_centered_gamma", False) and not installed.apex:
+        return "--apply-layernorm-1p needs TE's (or apex's) norms"
+    ignoring_switch = _WithFastSpec(args)
+    reason = fast_spec_unsupported_reason(ignoring_switch)
+    if reason is not None:
+        return f"the fast spec does not cover it: {reason}"
+    return None
+
+
+class _WithFastSpec:
+    """``args`` as if ``--no-fast-spec`` were not given: what the fast spec could cover."""
+
+    def __init__(self, args):
+        self._args = args
+
+    def __getattr__(self, name):
+        if name == "fast_spec":
+            return True
+        return getattr(self._args, name)
+
+
+def choose_transformer_impl(args, given: set[str], installed) -> ImplChoice:
+    """megatron's ``--transformer-impl`` for this launch, and why.
+
+    ``given``: the option strings on the command line (config file expanded), so that an
+    explicit request is honoured. With TE missing, ``megagpt.compat`` refuses an explicit
+    ``transformer_engine`` before this is asked.
+    """
+    if FLAG in given:
+        return ImplChoice(args.transformer_impl, f"{FLAG} {args.transformer_impl} as given")
+    if not installed.transformer_engine:
+        return ImplChoice(LOCAL, "Transformer Engine is not installed")
+    if getattr(args, "cpu", False):
+        return ImplChoice(LOCAL, "--cpu (Transformer Engine's layers need a GPU)")
+    if getattr(args, "spec", None):
+        return ImplChoice(TRANSFORMER_ENGINE, "--spec given: megatron's default for it")
+    te_only = needs_transformer_engine(args, installed)
+    if te_only is not None:
+        return ImplChoice(TRANSFORMER_ENGINE, te_only)
+    if not getattr(args, "fast_spec", True):
+        return ImplChoice(TRANSFORMER_ENGINE, "--no-fast-spec: megatron's default layers")
+    tp, pp = _size(args, "tensor_model_parallel_size"), _size(args, "pipeline_model_parallel_size")
+    if tp > 1 or pp > 1:
+        return ImplChoice(
+            TRANSFORMER_ENGINE,
+            f"tensor x pipeline parallel {tp} x {pp}: the fast spec's layer would run "
+            f"eagerly, outside CUDA graphs; {FLAG} local asks for it")
+    return ImplChoice(
+        LOCAL, "no tensor or pipeline parallelism: the fast spec measured faster than TE's "
+        f"layers here (docs/speed.md); {FLAG} transformer_engine asks for TE's")
