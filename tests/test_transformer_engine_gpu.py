@@ -33,7 +33,10 @@ TINY = ["--mock-data", "--vocab-size", "512", "--num-layers", "2", "--hidden-siz
 # flags -> the layer spec the log names, and a line of the log the choice must print
 LAUNCHES = [
     ([], "layer spec: fast", "no tensor or pipeline parallelism"),
-    (["--use-distributed-optimizer"], "layer spec: fast", "layer spec: fast"),
+    # eager (no graphs, no compile): the layer choice is what is tested, and compiling
+    # the same fused layer again would only cost time
+    (["--use-distributed-optimizer", "--no-fast-cuda-graph", "--no-fast-layer-graphs"],
+     "layer spec: fast", "layer spec: fast"),
     (["--transformer-impl", "transformer_engine"], "layer spec: transformer_engine",
      "gradient-accumulation fusion in Transformer Engine's layers"),
     (["--transformer-impl", "transformer_engine", "--use-distributed-optimizer"],
