@@ -6,7 +6,8 @@ One invocation, one GPU. For each requested path it runs
   local      pretrain_gpt.py --transformer-impl local --no-fast-spec --no-fast-optimizer
              --no-fast-lm-loss   (megatron's local modules: upstream's path without TE)
   fast       pretrain_gpt.py   (the entry's default: the fast spec on one GPU)
-  te         pretrain_gpt.py --transformer-impl transformer_engine   (TE's layers; needs TE)
+  te         pretrain_gpt.py --transformer-impl transformer_engine --fast-cuda-graph
+             (TE's layers under the full-iteration graph; needs TE)
   reference  bench/reference_gpt.py   (plain PyTorch: SDPA, fused AdamW, torch.compile)
 
 with mock data (``--corpus``: the embedded corpus; ``--data-args``: any data flags) and
@@ -56,7 +57,8 @@ ENTRY_PATH_FLAGS = {
     "local": ["--transformer-impl", "local", "--no-fast-spec", "--no-fast-optimizer",
               "--no-fast-lm-loss"],
     "fast": [],  # the entry's default: the fast spec on one GPU, with or without TE
-    "te": ["--transformer-impl", "transformer_engine"],  # TE's layers (needs TE)
+    # TE's layers (needs TE) under the full-iteration graph, which they take when asked
+    "te": ["--transformer-impl", "transformer_engine", "--fast-cuda-graph"],
 }
 
 ITER_RE = re.compile(

@@ -8,10 +8,11 @@
 # Transformer Engine (built against this machine's torch). A run "with TE" has both on
 # PYTHONPATH, a run "without TE" only MCORE_SITE, so TE is importable for one and hidden
 # from the other in the same call. Steps (one per call, each fits a 10-minute call):
-#   tests   the TE GPU tests (pytest -m te_gpu) and the flag matrix's rows that TE changes
+#   tests   the TE GPU tests (pytest -m te_gpu; about 10 minutes)
+#   matrix  the flag matrix's rows that TE changes
 #   train   throughput, bf16, mock data, dropout 0: 345M and 1.3B, each: the entry's default
-#           with TE, TE's layers (--transformer-impl transformer_engine), the default
-#           without TE
+#           with TE, TE's layers (--transformer-impl transformer_engine --fast-cuda-graph),
+#           the default without TE
 #   fp8     the wide shape (8 x 4096, seq 4096, micro-batch 1) and 1.3B: TE bf16, TE FP8
 #           hybrid (delayed scaling), TE FP8 current scaling (--fp8-recipe tensorwise), the
 #           entry's default; 50 iterations with their losses
@@ -46,9 +47,11 @@ bench() {  # NAME PYTHONPATH [bench_throughput args...]
 
 case "$STEP" in
 tests)
-    PYTHONPATH=$WITH_TE timeout $(( $(left) - 100 )) $PY -m pytest -q -p no:cacheprovider -s \
+    PYTHONPATH=$WITH_TE timeout $(( $(left) - 5 )) $PY -m pytest -q -p no:cacheprovider -s \
         -m te_gpu tests/test_transformer_engine_gpu.py > "$OUT/te_tests.txt" 2>&1
     grep -E "passed|failed|largest relative|Error" "$OUT/te_tests.txt" | tail -12
+    ;;
+matrix)
     PYTHONPATH=$WITH_TE MEGAGPT_FLAG_MATRIX_DEVICE=gpu \
         MEGAGPT_FLAG_MATRIX=cp2,layernorm_1p,moe_with_linear_bias,transformer_engine,fp8 \
         timeout $(( $(left) - 5 )) $PY -m pytest -q -p no:cacheprovider tests/test_flag_matrix.py \
@@ -66,7 +69,7 @@ train)
         --entry-args "$NODROP" --train-iters 30 --warmup-iters 10
     ;;
 fp8)
-    TE="--transformer-impl transformer_engine"
+    TE="--transformer-impl transformer_engine --fast-cuda-graph"
     for shape in wide 1.3B; do
         bench fp8_$shape "$WITH_TE" --shape $shape --paths te,tefp8,tefp8cs,fast \
             --variant "tefp8=$TE --fp8-format hybrid" \

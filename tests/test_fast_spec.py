@@ -636,7 +636,7 @@ def test_defaults_single_gpu_fast_path_uses_graph_and_compile(restore_optimizer)
         (["--no-fast-cuda-graph", "--no-fast-layer-graphs"], {}, None, "none"),
         (["--no-fast-spec"], {}, None, "none"),
         ([], {"context_parallel_size": 2}, None, "none"),
-        ([], {"transformer_impl": "transformer_engine", "world_size": 2}, "more than one GPU",
+        ([], {"transformer_impl": "transformer_engine", "world_size": 2}, "asks for it",
          "none"),
         ([], {"transformer_impl": "transformer_engine", "num_experts": 4}, None, "none"),
     ],
@@ -654,11 +654,16 @@ def test_graph_stays_off_where_it_does_not_apply(restore_optimizer, argv, attrs,
         assert any(reason in line for line in lines), lines
 
 
-def test_te_dense_layers_on_one_gpu_get_the_full_iteration_graph(restore_optimizer):
-    """Transformer Engine's layer spec takes the launch-level graph as the fast spec does
-    (megatron's --cuda-graph-impl full_iteration; docs/speed.md has its measured gain);
-    per-layer graphs and the fast spec's gradient writes stay the fast spec's."""
+def test_te_dense_layers_on_one_gpu_take_the_full_iteration_graph_when_asked(
+        restore_optimizer):
+    """Transformer Engine's layer spec takes the launch-level graph when asked for
+    (--fast-cuda-graph: megatron's --cuda-graph-impl full_iteration, with the fast path's
+    capture deadline and NaN handling; docs/speed.md has its measured gain), and says how to
+    ask where it is off; per-layer graphs and the gradient writes stay the fast spec's."""
     args, lines = _resolved([], transformer_impl="transformer_engine")
+    assert not args.fast_cuda_graph and args.cuda_graph_impl == "none"
+    assert any("--fast-cuda-graph asks for it" in line for line in lines), lines
+    args, lines = _resolved(["--fast-cuda-graph"], transformer_impl="transformer_engine")
     assert args.fast_cuda_graph and args.cuda_graph_impl == "full_iteration"
     assert args.check_for_nan_in_loss_and_grad is False
     assert not args.fast_layer_graphs and not args.fast_grad_write
