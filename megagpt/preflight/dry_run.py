@@ -3,8 +3,9 @@
 Order: our layout checks (clear numbers) → outputs and tokenizer files → megatron's
 validate_args (at the intended world size, with the GPU's arch given rather than asked of
 CUDA) → the learning-rate schedule and the data → the plan: layout, batch, parameters,
-memory, FLOPs. A layout that cannot run, or whose memory estimate exceeds the GPU, exits
-non-zero with a message that names the numbers. The resolved configuration as YAML goes to
+memory, FLOPs, time and cost (``cost``, ``step_time``; with ``--search-layouts`` the fastest
+layouts, ``layout_search``). A layout that cannot run, or whose memory estimate exceeds the
+GPU, exits non-zero with a message that names the numbers. The resolved configuration as YAML goes to
 ``--dry-run-yaml FILE`` (``-``: printed after the plan), never in its way.
 """
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import yaml
 
 from megagpt.log import log
+from megagpt.preflight import cost
 from megagpt.preflight import estimate as est
 from megagpt.preflight.checks import LayoutError, check_layout, model_parallel_size
 from megagpt.arguments import build_tokenizer, validate_arguments
@@ -161,6 +163,7 @@ class Plan:
     gpu: Gpu
     params: est.ParameterCount
     memory: est.MemoryEstimate
+    run: cost.RunEstimate | None = None  # None: no speed figures for this GPU
 
     @property
     def fits(self) -> bool:
@@ -186,6 +189,7 @@ def make_plan(args) -> Plan:
     args.world_size = world_size
     args.rank = 0
     gpu = resolve_gpu(args.gpu_type, args.gpu_memory_gb, cpu=args.cpu)
+    cost.check_price(args)
     check_layout(args, world_size)
     check_outputs(args)
     check_tokenizer_files(args)
@@ -198,7 +202,7 @@ def make_plan(args) -> Plan:
     except NotImplementedError as exc:
         raise LayoutError(f"--dry-run: {exc}; this run's layout passed the checks above") from None
     memory = est.estimate_memory(args, params, est.microbatches_per_step(args))
-    return Plan(args, gpu, params, memory)
+    return Plan(args, gpu, params, memory, cost.estimate_run(args, gpu, params))
 
 
 def run_dry_run(args) -> int:
@@ -210,6 +214,11 @@ def run_dry_run(args) -> int:
     """
     plan = make_plan(args)
     print("\n".join(plan_lines(plan.args, plan.gpu, plan.params, plan.memory)))
+    print("\n".join(cost.estimate_lines(plan.run, plan.gpu)))
+    if getattr(args, "search_layouts", False):
+        from megagpt.preflight.layout_search import search_lines
+
+        print("\n".join(search_lines(plan)))
     sys.stdout.flush()
     if not plan.fits:
         raise plan.memory_error()
