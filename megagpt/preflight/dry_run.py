@@ -136,6 +136,11 @@ def plan_lines(args, gpu: Gpu, params: est.ParameterCount, memory: est.MemoryEst
         f"  optimizer       {est.gib(memory.optimizer)}"
         + (f" (distributed over DP {dp})" if args.use_distributed_optimizer else ""),
         f"  activations     {est.gib(memory.activations)} ({memory.activation_formula})",
+    ]
+    if memory.gradient_copies:
+        lines.append(f"  fp32 gradients  {est.gib(memory.gradient_copies)} at the optimizer "
+                     f"step, once the activations are freed (the larger of the two counts)")
+    lines += [
         f"  runtime reserve {est.gib(memory.reserve)} (CUDA context, NCCL, allocator)",
         f"  total           {est.gib(memory.total)} of {gpu.memory_gib:.1f} GiB",
         f"  (megatron's own weights + optimizer formula, bf16 rule: "
@@ -174,7 +179,8 @@ class Plan:
         return MemoryBudgetError(
             f"estimated memory per GPU {est.gib(m.total)} (weights {est.gib(m.weights)} "
             f"+ gradients {est.gib(m.gradients)} + optimizer {est.gib(m.optimizer)} "
-            f"+ activations {est.gib(m.activations)} + reserve {est.gib(m.reserve)}) "
+            f"+ {'activations' if m.activations >= m.gradient_copies else 'fp32 gradients'} "
+            f"{est.gib(max(m.activations, m.gradient_copies))} + reserve {est.gib(m.reserve)}) "
             f"is above the {gpu.name}'s {gpu.memory_gib:.1f} GiB; raise TP/PP, use "
             f"--use-distributed-optimizer, --recompute-activations or a smaller micro-batch")
 

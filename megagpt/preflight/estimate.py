@@ -139,10 +139,14 @@ class MemoryEstimate:
     activations: float
     activation_formula: str
     reserve: float = RUNTIME_RESERVE_GIB * GIB
+    # fp32 copies of 16-bit gradients that the optimizer step makes, after the backward has
+    # freed the activations: the peak is the larger of the two
+    gradient_copies: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.reserve
+        return (self.weights + self.gradients + self.optimizer
+                + max(self.activations, self.gradient_copies) + self.reserve)
 
 
 def _dtype_bytes(dtype, default: int) -> int:
@@ -280,7 +284,27 @@ def estimate_memory(args, params: ParameterCount, num_microbatches: int) -> Memo
     weight, grad, optimizer = bytes_per_parameter(args)
     n = params.most_per_gpu
     activations, formula = activation_bytes(args, num_microbatches)
-    return MemoryEstimate(n * weight, n * grad, n * optimizer, activations, formula)
+    return MemoryEstimate(n * weight, n * grad, n * optimizer, activations, formula,
+                          gradient_copies=n * gradient_copy_bytes(args))
+
+
+def gradient_copy_bytes(args) -> float:
+    """Bytes per parameter of fp32 gradients made for the step from 16-bit gradient buffers.
+
+    Megatron's mixed-precision optimizer hands Adam ``main_grad.float()``: a copy when the
+    buffer is 16-bit (fp16 without --accumulate-allreduce-grads-in-fp32, --grad-reduce-in-bf16),
+    of the rank's shard under the distributed optimizer. The fast path's flat Adam reads the
+    16-bit buffer in place.
+    """
+    from megagpt.preflight.cost import launch_path
+
+    mixed = args.bf16 or args.fp16
+    if not mixed or bytes_per_parameter(args)[1] != 2:
+        return 0.0
+    if launch_path(args) == "fast" and getattr(args, "fast_flat_adam", False) \
+            and getattr(args, "fast_optimizer", False):
+        return 0.0
+    return 4 / (args.data_parallel_size if args.use_distributed_optimizer else 1)
 
 
 def megatron_weight_and_optimizer_bytes(args) -> float:
