@@ -20,6 +20,11 @@ MICRO_BATCHES = (1, 2, 4, 8)
 MAX_VIRTUAL_STAGES = 8
 RECOMPUTE = ("none", "selective", "full")
 SHOWN = 5
+# The search ranks layouts that leave a tenth of the GPU free: PyTorch's caching allocator
+# loses memory to fragmentation and transient buffers (NCCL, cuBLAS workspaces, the loss's
+# temporaries) that no formula above counts, so a layout estimated at the very edge is not
+# one to recommend. The dry run's own check of the launch stays at the full memory.
+SEARCH_MEMORY_SHARE = 0.9
 
 
 @dataclass(frozen=True)
@@ -110,7 +115,7 @@ def rank(args, gpu, layout: Layout, path: str) -> Ranked:
 def search(args, gpu, recompute=RECOMPUTE) -> list[Ranked]:
     """Every layout that fits ``gpu``, fastest first."""
     path = cost.launch_path(args)
-    limit = gpu.memory_gib * est.GIB
+    limit = gpu.memory_gib * est.GIB * SEARCH_MEMORY_SHARE
     ranked = [r for layout in candidate_layouts(args, gpu.spec.gpus_per_node, recompute)
               if (r := rank(args, gpu, layout, path)).memory.total <= limit]
     return sorted(ranked, key=lambda r: r.step.seconds)
@@ -124,9 +129,10 @@ def search_lines(plan) -> list[str]:
     ranked = search(args, gpu)
     if not ranked:
         return [f"layouts: none of this model's layouts on {args.world_size} GPUs fits "
-                f"{gpu.memory_gib:.1f} GiB"]
+                f"{SEARCH_MEMORY_SHARE:.0%} of {gpu.memory_gib:.1f} GiB"]
     lines = [f"layouts (the {min(SHOWN, len(ranked))} fastest of {len(ranked)} that fit "
-             f"{gpu.memory_gib:.1f} GiB on {args.world_size} GPUs):"]
+             f"{SEARCH_MEMORY_SHARE:.0%} of {gpu.memory_gib:.1f} GiB on {args.world_size} "
+             f"GPUs):"]
     for i, r in enumerate(ranked[:SHOWN], 1):
         lines.append(f"  {i}. {r.layout.describe()}: {cost.human_duration(r.step.seconds)} per "
                      f"iteration, {est.gib(r.memory.total)} per GPU")
