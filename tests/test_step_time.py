@@ -54,7 +54,8 @@ def narayanan_shape(heads, hidden, layers, tp, pp, gpus, batch) -> StepShape:
 
 def narayanan_published_seconds(heads, hidden, layers, tp, pp, gpus, batch, tflops) -> float:
     s, v = NARAYANAN_SEQ, NARAYANAN_VOCAB
-    flops = 96 * batch * s * layers * hidden**2 * (1 + s / (6 * hidden) + v / (16 * layers * hidden))
+    flops = (96 * batch * s * layers * hidden**2
+             * (1 + s / (6 * hidden) + v / (16 * layers * hidden)))
     return flops / (tflops * 1e12 * gpus)
 
 
@@ -97,7 +98,7 @@ def megatron_h100_shape(hidden, layers, tp, pp, gpus) -> StepShape:
         virtual_stages=_virtual_stages(layers, pp), sequence_parallel=tp > 1,
         distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
         tp_comm_overlap=tp > 1, precision="bf16", path="te", attention_dropout=0.1,
-        hidden_dropout=0.1, grad_bytes=4, untied_output=True)
+        hidden_dropout=0.1, grad_bytes=4)
 
 
 def megatron_h100_published_seconds(hidden, layers, tp, pp, gpus, tflops) -> float:
@@ -249,5 +250,6 @@ if __name__ == "__main__":
         plan = h200_plan(shape, path, dropout)
         est_ms = plan.run.step.seconds * 1e3
         est_mib = (plan.memory.total - plan.memory.reserve) / 2**20
-        print(f"| {shape} | {path} | {dropout} | {est_ms:.1f} | {ms} | {100 * (est_ms / ms - 1):+.1f} % "
-              f"| {est_mib:,.0f} | {mib:,} | {100 * (est_mib / mib - 1):+.1f} % |")
+        print(f"| {shape} | {path} | {dropout} | {est_ms:.1f} | {ms} "
+              f"| {100 * (est_ms / ms - 1):+.1f} % | {est_mib:,.0f} | {mib:,} "
+              f"| {100 * (est_mib / mib - 1):+.1f} % |")

@@ -72,7 +72,6 @@ def shape_of(args) -> StepShape:
         path=path, flash_attention=path != "local", cuda_graph=_cuda_graph(args),
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
         grad_bytes=_grad_bytes(args),
-        untied_output=bool(args.untie_embeddings_and_output_weights),
     )
 
 

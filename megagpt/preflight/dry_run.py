@@ -5,8 +5,8 @@ validate_args (at the intended world size, with the GPU's arch given rather than
 CUDA) → the learning-rate schedule and the data → the plan: layout, batch, parameters,
 memory, FLOPs, time and cost (``cost``, ``step_time``; with ``--search-layouts`` the fastest
 layouts, ``layout_search``). A layout that cannot run, or whose memory estimate exceeds the
-GPU, exits non-zero with a message that names the numbers. The resolved configuration as YAML goes to
-``--dry-run-yaml FILE`` (``-``: printed after the plan), never in its way.
+GPU, exits non-zero with a message that names the numbers. The resolved configuration as YAML
+goes to ``--dry-run-yaml FILE`` (``-``: printed after the plan), never in its way.
 """
 
 from __future__ import annotations

@@ -12,13 +12,13 @@ its size:
 The step is then the pipeline schedule over those micro-batches (1F1B, or interleaved with
 its smaller bubble), the data-parallel gradient reduce (exposed, or hidden behind the last
 backward), and the optimizer step as bytes over bandwidth. Recompute adds forward work to the
-backward. Every constant is below, named, with where it comes from.
+backward. Every constant is below (the GPUs' own figures in ``megagpt.gpus``), named, with
+where it comes from.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from megagpt.gpus import GpuSpec
 
@@ -54,7 +54,8 @@ FLASH_DROPOUT_S_PER_ELEMENT = 0.82e-12
 # norms (read, write; backward read dy and x, write dx), bias-dropout-add (read x and the
 # residual, write; backward read dy, write), residual gradient adds: 26 passes over
 # h-sized rows; the MLP activation: forward read + write, backward read dy and x, write dx:
-# 5 passes over ffn-sized rows (8 for GLU's two inputs). Dropout masks: 1 byte per element.
+# 5 passes over ffn-sized rows (8 for GLU's two inputs). The two residual dropouts' masks:
+# 1 byte per element each, written forward and read backward (4 bytes per h-wide element).
 HIDDEN_PASSES = 26
 FFN_PASSES = 5
 GLU_PASSES = 8
@@ -84,7 +85,7 @@ NCCL_LATENCY_S = 10e-6
 EAGER_HOST_S_PER_KERNEL = 100e-6
 # Launches per layer per micro-batch (forward + backward) of megatron's local layer, and per
 # parameter tensor per step (gradient cast, norm, Adam, copy back) of its non-fused
-# optimizer: ~1,700 per 345M step (24 layers, 296 tensors) in the same profile.
+# optimizer: ~1,700 per 345M step (24 layers, ~290 tensors) in the same profile.
 EAGER_KERNELS_PER_LAYER = 60
 EAGER_KERNELS_PER_PARAMETER_TENSOR = 1
 
@@ -126,8 +127,7 @@ class StepShape:
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     grad_bytes: int = 4  # gradient buffer element: fp32, or 16-bit
-    parameter_tensors_per_layer: int = 12
-    untied_output: bool = False
+    parameter_tensors_per_layer: int = 12  # weights and biases (the host's launches)
     causal: bool = True
 
     @property
@@ -215,7 +215,8 @@ class _Kernels:
         # scores computed (the causal half is masked, not skipped), plus the scores' traffic
         batch = s.micro_batch * (s.heads // s.tp)
         seq = s.seq // s.cp
-        products = self.gemm(seq, s.seq, s.head_dim, batch) + self.gemm(seq, s.head_dim, s.seq, batch)
+        products = (self.gemm(seq, s.seq, s.head_dim, batch)  # QK^T
+                    + self.gemm(seq, s.head_dim, s.seq, batch))  # PV
         fwd_bytes, bwd_bytes = SCORE_BYTES_TORCH if s.path == "local" else SCORE_BYTES_FUSED
         if s.attention_dropout == 0:  # no dropout pass: read, write and mask byte saved
             fwd_bytes, bwd_bytes = fwd_bytes - 5, bwd_bytes - 5
@@ -259,7 +260,7 @@ class _Kernels:
         s = self.shape
         if s.tp == 1:
             return 0.0, 0.0
-        inside = s.tp * s.cp <= self.gpu.gpus_per_node or s.tp <= self.gpu.gpus_per_node
+        inside = s.tp <= self.gpu.gpus_per_node  # megatron puts TP ranks next to each other
         activation = self.tokens * s.hidden * 2  # exchanged in 16-bit
         if s.sequence_parallel:  # all-gather before, reduce-scatter after each block
             one = self.collective(activation, s.tp, inside, "ag") + \
@@ -334,7 +335,7 @@ def estimate_step(shape: StepShape, gpu: GpuSpec, params_per_gpu: float,
     bubble = (shape.pp - 1) / shape.virtual_stages * mean_stage_mb if shape.pp > 1 else 0.0
     parts["pipeline bubble"] = bubble
     if shape.pp > 1:
-        inside = shape.tp * shape.cp * shape.pp <= gpu.gpus_per_node
+        inside = shape.gpus <= gpu.gpus_per_node  # neighbouring stages are TP·CP·DP ranks apart
         link = (gpu.nvlink_gb_s if inside else gpu.network_gb_s) * 1e9 * NCCL_BUS_EFFICIENCY
         # each stage sends its activations forward and its input gradient back per micro-batch
         # (and per model chunk when interleaved); each TP rank sends 1/TP of it over its own
@@ -407,15 +408,3 @@ def _optimizer_seconds(shape: StepShape, k: _Kernels, params: float) -> float:
         sharded = per_param - 8
         per_param = sharded / shape.dp + 8
     return params * per_param / k.hbm
-
-
-def with_layout(shape: StepShape, **changes) -> StepShape:
-    return replace(shape, **changes)
-
-
-def tflops_per_gpu(flops_per_iteration: float, seconds: float, gpus: int) -> float:
-    return flops_per_iteration / seconds / gpus / 1e12
-
-
-def round_up(x: float, multiple: int) -> int:
-    return int(math.ceil(x / multiple) * multiple)
