@@ -174,6 +174,9 @@ def check_entry_limits(args) -> None:
     spec = getattr(args, "spec", None)
     if spec is not None:
         _check_user_spec(spec)
+    if getattr(args, "search_layouts", False) and not args.dry_run:
+        raise ArgumentError("--search-layouts ranks layouts in the dry run and starts nothing: "
+                            "add --dry-run (or drop it to train)")
     if getattr(args, "dataloader_type", None) == "external":
         raise ArgumentError(
             "--dataloader-type external: megatron then takes what the datasets provider "

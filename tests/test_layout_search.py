@@ -12,10 +12,10 @@ from megagpt.preflight.layout_search import candidate_layouts, launch_layout, se
 from test_step_time import NARAYANAN
 
 # Where the model ranks a layout with less tensor parallelism (and more data or pipeline
-# parallelism) clearly faster than the published one. The paper's own Takeaway #3 (§3.3,
-# Figure 14) says the same of such models: once the model fits, data parallelism beats more
-# tensor parallelism; Table 1 grows TP with the model for its scaling study. These rows keep
-# their numbers in docs/cost.md.
+# parallelism) clearly faster than the published one. The paper's own §3.3 (Takeaway #3 and
+# its tensor-and-data-parallel experiment) says the same of such models: once the model fits,
+# data parallelism beats more tensor parallelism; Table 1 grows TP with the model for its
+# scaling study. These rows keep their numbers in docs/cost.md.
 LOWER_TP_FASTER = {"7.5B", "18.4B", "39.1B"}
 
 

@@ -307,3 +307,24 @@ def test_full_recompute_keeps_only_layer_inputs():
     full = plan(*flags, "--recompute-granularity", "full", "--recompute-method", "uniform",
                 "--recompute-num-layers", "1").memory.activations
     assert full < none / 2
+
+
+def test_train_samples_give_the_runs_iterations_and_search_needs_the_dry_run(capsys):
+    i = TINY.index("--train-iters")
+    by_samples = TINY[:i] + TINY[i + 2:]
+    args = parse_arguments([*by_samples, "--global-batch-size", "8", "--train-samples", "100",
+                            "--lr-decay-samples", "100", "--gpu-type", "H200",
+                            "--dry-run-world-size", "2"])
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert make_plan(args).run.iterations == 13  # 100 samples in batches of 8
+    argv = [a for a in TINY if a != "--dry-run"]
+    assert pretrain_gpt.main([*argv, "--global-batch-size", "4", "--search-layouts"]) == 2
+    assert "error: --search-layouts ranks layouts in the dry run" in capsys.readouterr().err
+
+
+def test_a_local_gpu_is_known_by_its_cuda_name():
+    from megagpt.gpus import KNOWN_GPUS, _spec_by_device_name
+
+    assert _spec_by_device_name("NVIDIA H100 80GB HBM3", 79.6) is KNOWN_GPUS["H100-SXM"].spec
+    assert _spec_by_device_name("NVIDIA A100-SXM4-40GB", 39.4) is KNOWN_GPUS["A100-40GB"].spec
+    assert _spec_by_device_name("NVIDIA H100 PCIe", 79.6) is None
