@@ -29,11 +29,12 @@ class GpuSpec:
         return self.fp8_tflops if fp8 and self.fp8_tflops else self.dense_16bit_tflops
 
 
-# Sustained large-GEMM rates: cuBLAS holds ~80 % of the A100's peak (~250 of 312 TFLOP/s) on
-# training-size products, Hopper ~70 % (~690 of 989: its datasheet peak is at boost clock, and
-# power limits the clock under dense tensor-core load); S. Bekman, "Machine Learning
-# Engineering", Maximum Achievable Matmul FLOPS: the best shape found by search reaches ~87 % on
-# A100 SXM and ~80 % on H100 SXM, training shapes less.
+# Sustained large-GEMM rates, as a share of the dense peak. A100: cuBLAS holds 250-280 of
+# 312 TFLOP/s on large 16-bit products; 0.8 for training shapes. Hopper: the datasheet's 989
+# TFLOP/s assume the 1.83 GHz boost clock (132 SMs x 4 tensor cores x 1024 FLOP per clock),
+# which power limits pull down under dense tensor-core load (the clock HPL peaks are quoted
+# at); 0.65 (~640 TFLOP/s) sits at the low end of what cuBLAS reaches on H100 training shapes,
+# and is the one constant the H100 and H200 validation rows pin (docs/cost.md).
 AMPERE_GEMM_EFFICIENCY = 0.8
 HOPPER_GEMM_EFFICIENCY = 0.65
 

@@ -31,7 +31,7 @@ HBM_EFFICIENCY = 0.87
 # FlashAttention papers count (backward = 2.5 × forward FLOPs): FlashAttention-2 reaches
 # 50–73 % on A100 (Dao 2023, arXiv 2307.08691); Hopper's warp-specialised kernels
 # (FlashAttention-3, cuDNN's fused attention) ~55 % forward+backward (Shah et al. 2024, arXiv
-# 2407.08608, Fig. 5: 75 % forward, the backward lower).
+# 2407.08608: up to 75 % forward, the backward lower).
 FLASH_EFFICIENCY_AMPERE = 0.5
 FLASH_EFFICIENCY_HOPPER_CUDNN = 0.55
 # Bytes moved per element of the [b, heads, s, s] scores by unfused attention, forward +
