@@ -141,7 +141,12 @@ def search_lines(plan) -> list[str]:
     best = ranked[0].step.seconds
     if plan.run is not None:
         position = next((i for i, r in enumerate(ranked, 1) if r.layout == own), None)
-        where = f"rank {position}" if position else "does not fit"
+        if position:
+            where = f"rank {position}"
+        elif own in set(candidate_layouts(args, gpu.spec.gpus_per_node)):
+            where = f"above {SEARCH_MEMORY_SHARE:.0%} of the memory"
+        else:
+            where = "not among the layouts searched"
         faster = plan.run.step.seconds / best - 1
         lines.append(f"  as launched: {own.describe()}: "
                      f"{cost.human_duration(plan.run.step.seconds)} ({where}); the best is "
