@@ -224,6 +224,16 @@ def test_recompute_costs_a_forward_and_tp_across_nodes_is_slower():
         8 * full.parts["TP communication"] / 2
 
 
+def test_an_estimate_takes_well_under_a_millisecond():
+    import time
+
+    shape = narayanan_shape(160, 25600, 128, 8, 64, 3072, 3072)
+    start = time.perf_counter()
+    for _ in range(100):
+        estimate_step(shape, A100, 1e10)
+    assert (time.perf_counter() - start) / 100 < 1e-3
+
+
 def markdown_tables() -> str:
     """The validation tables of docs/cost.md."""
     lines = []
