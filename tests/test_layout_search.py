@@ -65,7 +65,7 @@ def test_every_published_launch_fits_its_80_gb_gpus(narayanan_plans):
 def test_the_530b_full_recompute_launch_fits_with_room(narayanan_plans):
     memory = narayanan_plans["529.6B"].memory
     assert "full recompute" in memory.activation_formula
-    assert memory.total / 2**30 < 60  # was refused at 90.1 GiB when full recompute was ignored
+    assert memory.total / 2**30 < 60  # 90.1 GiB, refused, without full recompute's savings
 
 
 def test_candidates_respect_megatron_divisibility(narayanan_plans):
