@@ -22,7 +22,7 @@ from typing import Callable
 from megagpt import compat, cpu_mode, megatron_wrappers
 from megagpt.config_file import ConfigFileError, expand_config_file, load_config_mapping, flag_name
 from megagpt.errors import UserError
-from megagpt.gpus import KNOWN_GPUS
+from megagpt.gpus import gpu_type_names
 from megagpt.log import log
 
 # A vocabulary for --mock-data runs that name no tokenizer: GPT-2's size.
@@ -61,9 +61,17 @@ def _add_dry_run_arguments(group) -> None:
     group.add_argument("--dry-run-world-size", type=int, default=None, metavar="N",
                        help="GPUs the dry run plans for (default: WORLD_SIZE as torchrun "
                             "sets it, else 1).")
-    group.add_argument("--gpu-type", choices=sorted(KNOWN_GPUS), default=None,
-                       help="GPU the dry run plans for: memory and arch (default: this "
+    group.add_argument("--gpu-type", type=str, default=None, metavar="NAME",
+                       help="GPU the dry run plans for: memory, arch and the speed figures of "
+                            f"the time estimate ({', '.join(gpu_type_names())}; default: this "
                             "machine's GPU, else A100-80GB).")
+    group.add_argument("--gpu-hour-price", type=float, default=None, metavar="PRICE",
+                       help="Price of one GPU for one hour: the dry run's estimate then gives "
+                            "the run's cost.")
+    group.add_argument("--search-layouts", action="store_true",
+                       help="With --dry-run: rank every layout (TP × PP × DP, micro-batch, "
+                            "virtual stages, recompute) that fits this GPU count by estimated "
+                            "step time and print the best five.")
     group.add_argument("--gpu-memory-gb", type=float, default=None, metavar="GIB",
                        help="GPU memory in GiB for the dry run's memory check (overrides "
                             "--gpu-type's).")
@@ -166,6 +174,9 @@ def check_entry_limits(args) -> None:
     spec = getattr(args, "spec", None)
     if spec is not None:
         _check_user_spec(spec)
+    if getattr(args, "search_layouts", False) and not args.dry_run:
+        raise ArgumentError("--search-layouts ranks layouts in the dry run and starts nothing: "
+                            "add --dry-run (or drop it to train)")
     if getattr(args, "dataloader_type", None) == "external":
         raise ArgumentError(
             "--dataloader-type external: megatron then takes what the datasets provider "

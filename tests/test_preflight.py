@@ -247,3 +247,84 @@ def test_gpu_types_set_memory_and_arch():
     h100 = resolve_gpu("H100", 70)
     assert (h100.memory_gib, h100.arch) == (70, 9)
     assert issubclass(LayoutError, UserError)
+
+
+# ---------------------------------------------------------------------------
+# The estimate: time, cost and the layout search under the plan
+# ---------------------------------------------------------------------------
+
+def test_dry_run_estimates_time_and_cost_under_the_plan(capsys):
+    code = pretrain_gpt.main([*TINY, "--global-batch-size", "8", "--dry-run-world-size", "2",
+                              "--gpu-type", "H100-SXM", "--gpu-hour-price", "2.5"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "time (estimate on H100-SXM: 989 TFLOP/s dense 16-bit" in out
+    per_iteration = next(line for line in out.splitlines() if "  per iteration " in line)
+    assert "tokens/s per GPU" in per_iteration and "MFU" in per_iteration
+    assert "  step            matmuls" in out
+    run = next(line for line in out.splitlines() if "whole run" in line)
+    assert "2 iterations" in run and "GPU-hours" in run and "at 2.5 per GPU-hour" in run
+
+
+def test_the_estimate_uses_megatrons_flop_count_for_tflops_and_mfu():
+    p = plan("--global-batch-size", "8", "--gpu-type", "A100-80GB", world_size=2)
+    run = p.run
+    assert run.flops_per_iteration == est.flops_per_iteration(p.args)
+    assert run.tflops_per_gpu == pytest.approx(run.flops_per_iteration / run.step.seconds / 2e12)
+    assert run.mfu == pytest.approx(run.tflops_per_gpu / 312)
+    assert sum(run.step.parts.values()) == pytest.approx(run.step.seconds)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--gpu-type", "B200"], "error: --gpu-type B200: unknown GPU; known: A100-40GB, A100-80GB, "
+                             "H100-SXM, H200"),
+    (["--gpu-hour-price", "-1"], "error: --gpu-hour-price -1.0: must be 0 or more"),
+])
+def test_bad_gpu_type_or_price_is_one_error_line(extra, message, capsys):
+    code = pretrain_gpt.main([*TINY, "--global-batch-size", "4", *extra])
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cpu_plan_has_no_speed_figures(capsys):
+    assert pretrain_gpt.main([*TINY, "--global-batch-size", "4", "--cpu"]) == 0
+    assert "time: no speed figures for this GPU" in capsys.readouterr().out
+
+
+def test_search_layouts_ranks_the_fitting_layouts_and_places_the_launch(capsys):
+    code = pretrain_gpt.main([*TINY, "--num-layers", "4", "--global-batch-size", "16",
+                              "--dry-run-world-size", "4", "--gpu-type", "A100-40GB",
+                              "--search-layouts"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "layouts (the 5 fastest of" in out and "  1. TP " in out
+    assert "  as launched: TP 1 × PP 1 × DP 4, micro-batch 2, recompute none" in out
+
+
+def test_full_recompute_keeps_only_layer_inputs():
+    flags = ("--num-layers", "8", "--global-batch-size", "4", "--bf16")
+    none = plan(*flags).memory.activations
+    full = plan(*flags, "--recompute-granularity", "full", "--recompute-method", "uniform",
+                "--recompute-num-layers", "1").memory.activations
+    assert full < none / 2
+
+
+def test_train_samples_give_the_runs_iterations_and_search_needs_the_dry_run(capsys):
+    i = TINY.index("--train-iters")
+    by_samples = TINY[:i] + TINY[i + 2:]
+    args = parse_arguments([*by_samples, "--global-batch-size", "8", "--train-samples", "100",
+                            "--lr-decay-samples", "100", "--gpu-type", "H200",
+                            "--dry-run-world-size", "2"])
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert make_plan(args).run.iterations == 13  # 100 samples in batches of 8
+    argv = [a for a in TINY if a != "--dry-run"]
+    assert pretrain_gpt.main([*argv, "--global-batch-size", "4", "--search-layouts"]) == 2
+    assert "error: --search-layouts ranks layouts in the dry run" in capsys.readouterr().err
+
+
+def test_a_local_gpu_is_known_by_its_cuda_name():
+    from megagpt.gpus import KNOWN_GPUS, _spec_by_device_name
+
+    assert _spec_by_device_name("NVIDIA H100 80GB HBM3", 79.6) is KNOWN_GPUS["H100-SXM"].spec
+    assert _spec_by_device_name("NVIDIA A100-SXM4-40GB", 39.4) is KNOWN_GPUS["A100-40GB"].spec
+    assert _spec_by_device_name("NVIDIA H100 PCIe", 79.6) is None

@@ -3,9 +3,10 @@
 Order: our layout checks (clear numbers) → outputs and tokenizer files → megatron's
 validate_args (at the intended world size, with the GPU's arch given rather than asked of
 CUDA) → the learning-rate schedule and the data → the plan: layout, batch, parameters,
-memory, FLOPs. A layout that cannot run, or whose memory estimate exceeds the GPU, exits
-non-zero with a message that names the numbers. The resolved configuration as YAML goes to
-``--dry-run-yaml FILE`` (``-``: printed after the plan), never in its way.
+memory, FLOPs, time and cost (``cost``, ``step_time``; with ``--search-layouts`` the fastest
+layouts, ``layout_search``). A layout that cannot run, or whose memory estimate exceeds the
+GPU, exits non-zero with a message that names the numbers. The resolved configuration as YAML
+goes to ``--dry-run-yaml FILE`` (``-``: printed after the plan), never in its way.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import yaml
 
 from megagpt.log import log
+from megagpt.preflight import cost
 from megagpt.preflight import estimate as est
 from megagpt.preflight.checks import LayoutError, check_layout, model_parallel_size
 from megagpt.arguments import build_tokenizer, validate_arguments
@@ -134,6 +136,11 @@ def plan_lines(args, gpu: Gpu, params: est.ParameterCount, memory: est.MemoryEst
         f"  optimizer       {est.gib(memory.optimizer)}"
         + (f" (distributed over DP {dp})" if args.use_distributed_optimizer else ""),
         f"  activations     {est.gib(memory.activations)} ({memory.activation_formula})",
+    ]
+    if memory.gradient_copies:
+        lines.append(f"  fp32 gradients  {est.gib(memory.gradient_copies)} at the optimizer "
+                     f"step, once the activations are freed (the larger of the two counts)")
+    lines += [
         f"  runtime reserve {est.gib(memory.reserve)} (CUDA context, NCCL, allocator)",
         f"  total           {est.gib(memory.total)} of {gpu.memory_gib:.1f} GiB",
         f"  (megatron's own weights + optimizer formula, bf16 rule: "
@@ -161,6 +168,7 @@ class Plan:
     gpu: Gpu
     params: est.ParameterCount
     memory: est.MemoryEstimate
+    run: cost.RunEstimate | None = None  # None: no speed figures for this GPU
 
     @property
     def fits(self) -> bool:
@@ -171,7 +179,8 @@ class Plan:
         return MemoryBudgetError(
             f"estimated memory per GPU {est.gib(m.total)} (weights {est.gib(m.weights)} "
             f"+ gradients {est.gib(m.gradients)} + optimizer {est.gib(m.optimizer)} "
-            f"+ activations {est.gib(m.activations)} + reserve {est.gib(m.reserve)}) "
+            f"+ {'activations' if m.activations >= m.gradient_copies else 'fp32 gradients'} "
+            f"{est.gib(max(m.activations, m.gradient_copies))} + reserve {est.gib(m.reserve)}) "
             f"is above the {gpu.name}'s {gpu.memory_gib:.1f} GiB; raise TP/PP, use "
             f"--use-distributed-optimizer, --recompute-activations or a smaller micro-batch")
 
@@ -186,6 +195,7 @@ def make_plan(args) -> Plan:
     args.world_size = world_size
     args.rank = 0
     gpu = resolve_gpu(args.gpu_type, args.gpu_memory_gb, cpu=args.cpu)
+    cost.check_price(args)
     check_layout(args, world_size)
     check_outputs(args)
     check_tokenizer_files(args)
@@ -198,7 +208,7 @@ def make_plan(args) -> Plan:
     except NotImplementedError as exc:
         raise LayoutError(f"--dry-run: {exc}; this run's layout passed the checks above") from None
     memory = est.estimate_memory(args, params, est.microbatches_per_step(args))
-    return Plan(args, gpu, params, memory)
+    return Plan(args, gpu, params, memory, cost.estimate_run(args, gpu, params))
 
 
 def run_dry_run(args) -> int:
@@ -210,6 +220,11 @@ def run_dry_run(args) -> int:
     """
     plan = make_plan(args)
     print("\n".join(plan_lines(plan.args, plan.gpu, plan.params, plan.memory)))
+    print("\n".join(cost.estimate_lines(plan.run, plan.gpu)))
+    if getattr(args, "search_layouts", False):
+        from megagpt.preflight.layout_search import search_lines
+
+        print("\n".join(search_lines(plan)))
     sys.stdout.flush()
     if not plan.fits:
         raise plan.memory_error()

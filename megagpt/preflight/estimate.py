@@ -2,8 +2,8 @@
 
 Parameters are counted exactly for megatron's dense GPT (the local, fast and TE specs hold
 the same tensors); ``tests/test_preflight.py`` checks the count against a built GPTModel.
-Activations and FLOPs reuse megatron's own formulas
-(``megatron.training.theoretical_memory_usage``, ``training.num_floating_point_operations``).
+Activations follow Korthikanti et al. 2022 for each recompute setting; FLOPs are megatron's
+own count (``training.num_floating_point_operations``).
 """
 
 from __future__ import annotations
@@ -139,10 +139,14 @@ class MemoryEstimate:
     activations: float
     activation_formula: str
     reserve: float = RUNTIME_RESERVE_GIB * GIB
+    # fp32 copies of 16-bit gradients that the optimizer step makes, after the backward has
+    # freed the activations: the peak is the larger of the two
+    gradient_copies: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.reserve
+        return (self.weights + self.gradients + self.optimizer
+                + max(self.activations, self.gradient_copies) + self.reserve)
 
 
 def _dtype_bytes(dtype, default: int) -> int:
@@ -163,6 +167,8 @@ def bytes_per_parameter(args) -> tuple[int, int, float]:
     mixed = args.bf16 or args.fp16
     weight = 2 if mixed else 4
     grad = 4 if (args.accumulate_allreduce_grads_in_fp32 or not mixed) else 2
+    if mixed and getattr(args, "grad_reduce_in_bf16", False):
+        grad = 2
     master = _dtype_bytes(getattr(args, "main_params_dtype", None), 4) if mixed else 0
     if args.optimizer.startswith("adam"):
         moments = (_dtype_bytes(getattr(args, "exp_avg_dtype", None), 4)
@@ -172,31 +178,105 @@ def bytes_per_parameter(args) -> tuple[int, int, float]:
     optimizer = master + moments
     if args.use_distributed_optimizer:
         optimizer /= args.data_parallel_size
+    if getattr(args, "optimizer_cpu_offload", False):  # that share of the state in host memory
+        optimizer *= 1 - getattr(args, "optimizer_offload_fraction", 1.0)
     return weight, grad, optimizer
 
 
-def activation_bytes(args, num_microbatches: int) -> tuple[float, str]:
-    """Activation memory of the first pipeline stage, by megatron's formulas.
+def layer_activation_bytes(args, recompute: str) -> float:
+    """Bytes one transformer layer keeps for its backward, one micro-batch, 16-bit.
 
-    Megatron picks the formula the way ``report_theoretical_memory`` does: Korthikanti et
-    al. (sequence parallel with selective recomputation) or its estimate without sequence
-    parallelism. Both assume 16-bit activations; fp32 doubles them. Full recomputation is
-    not modelled by either, so the figure is then an upper bound.
+    Korthikanti et al. 2022 (arXiv 2205.05198), §4 and Table 2, per token and per hidden
+    element: attention 11 (input of QKV 2, Q, K, V 6, input of the projection 2, dropout mask
+    1) + MLP 19 (fc1 input 2, activation input 8, fc2 input 8, mask 1) + norms 4 = 34, plus
+    5·heads·s/h for unfused attention's scores, softmax and dropout mask. Flash attention keeps
+    only its output and softmax statistics, and selective recompute drops that term too.
+    Without sequence parallelism the norms' and dropouts' inputs (10 of the 34) sit whole on
+    every TP rank; with it, everything is split over TP. Grouped-query attention, GLU and
+    other FFN widths change the QKV and MLP terms. Under full recompute a layer keeps its input
+    alone (2).
     """
-    from megatron.training import theoretical_memory_usage as tmu
+    h, heads, tp = args.hidden_size, args.num_attention_heads, args.tensor_model_parallel_size
+    groups = args.num_query_groups if args.group_query_attention else heads
+    seq = args.seq_length // args.context_parallel_size
+    sbh = seq * args.micro_batch_size * h
+    sp = bool(args.sequence_parallel) and tp > 1
+    if recompute == "full":
+        return 2 * sbh / (tp if sp else 1)
+    fc1_out = args.ffn_hidden_size * (2 if args.swiglu else 1)
+    replicated = 10.0
+    split = (4 + 4 * groups / heads  # Q, K, V
+             + 2  # projection input
+             + 2 * fc1_out / h + 2 * args.ffn_hidden_size / h)  # activation and fc2 inputs
+    from megagpt.preflight.cost import launch_path
 
-    a = copy.copy(args)
-    if a.sequence_parallel and a.recompute_granularity == "selective":
-        value = tmu.compute_activation_memory(a, num_microbatches=num_microbatches)
-        formula = "megatron compute_activation_memory (sequence parallel, selective recompute)"
+    unfused = launch_path(args) == "local"
+    scores = 5 * heads * seq / h if unfused and recompute != "selective" else 0.0
+    if sp:
+        return sbh * (replicated + split + scores) / tp
+    return sbh * (replicated + (split + scores) / tp)
+
+
+def in_flight_microbatches(args, num_microbatches: int) -> float:
+    """Micro-batches whose activations the first pipeline stage holds at its peak: 1F1B warms
+    up with PP of them; the interleaved schedule holds (1 + (PP − 1)/(PP·v)) times as many
+    layers' worth (Narayanan et al. 2021, §2.2; Korthikanti et al. 2022, §4.2.3)."""
+    pp = args.pipeline_model_parallel_size
+    if pp == 1:
+        return 1.0
+    v = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    held = min(num_microbatches, pp)
+    return held * (1 + (pp - 1) / (pp * v)) if v > 1 else held
+
+
+def _logits_bytes(args) -> float:
+    """The loss's buffers on the last stage: megatron keeps the [tokens, vocab/TP] logits in
+    16-bit and the fp32 softmax for the backward (6 bytes per element); the fast path's
+    chunked loss keeps none of that size."""
+    from megagpt.preflight.cost import launch_path
+
+    if launch_path(args) == "fast" and getattr(args, "fast_lm_loss", True):
+        return 0.0
+    tokens = args.seq_length // args.context_parallel_size * args.micro_batch_size
+    return tokens * args.padded_vocab_size / args.tensor_model_parallel_size * 6
+
+
+def activation_bytes(args, num_microbatches: int) -> tuple[float, str]:
+    """Activation bytes on the most loaded GPU, and how they were counted.
+
+    Per layer ``layer_activation_bytes``; times the layers of a stage and the micro-batches
+    the first stage holds; under full recompute one layer's whole activations on top (the
+    layer being recomputed), or, with ``--recompute-method block``, the layers not recomputed
+    whole. The last stage's loss buffers where they are larger. fp32 doubles everything.
+    """
+    recompute = args.recompute_granularity or "none"
+    layers = layers_per_stage(args)[0]
+    held = in_flight_microbatches(args, num_microbatches)
+    whole = layer_activation_bytes(args, "none" if recompute == "full" else recompute)
+    if recompute == "full":
+        saved = layer_activation_bytes(args, "full")
+        method = getattr(args, "recompute_method", None) or "uniform"
+        n = max(1, args.recompute_num_layers or 1)
+        if method == "block":
+            recomputed = min(n, layers)
+            per_mb = recomputed * saved + (layers - recomputed) * whole
+        else:  # uniform: the input of each group of n layers is kept
+            per_mb = -(-layers // n) * saved
+        first = per_mb * held + n * whole  # plus the group being recomputed
+        formula = f"full recompute ({method}): inputs kept, one group recomputed at a time"
     else:
-        value = tmu.compute_activation_memory_without_sp(a, num_microbatches=num_microbatches)
-        formula = "megatron compute_activation_memory_without_sp"
+        first = layers * whole * held
+        formula = ("selective recompute" if recompute == "selective" else "no recompute")
+    formula += (f"; {held:g} micro-batch{'es' if held != 1 else ''} in flight; "
+                "Korthikanti et al. 2022")
+    pp = args.pipeline_model_parallel_size
+    last_layers = layers_per_stage(args)[-1]
+    last = (last_layers * (saved if recompute == "full" else whole)
+            + (whole if recompute == "full" else 0)) + _logits_bytes(args)
+    value = max(first, last) if pp > 1 else first + _logits_bytes(args)
     if not (args.bf16 or args.fp16):
         value *= 2
         formula += ", ×2 for fp32"
-    if args.recompute_granularity == "full":
-        formula += "; upper bound: full recomputation is not modelled"
     return value, formula
 
 
@@ -204,7 +284,27 @@ def estimate_memory(args, params: ParameterCount, num_microbatches: int) -> Memo
     weight, grad, optimizer = bytes_per_parameter(args)
     n = params.most_per_gpu
     activations, formula = activation_bytes(args, num_microbatches)
-    return MemoryEstimate(n * weight, n * grad, n * optimizer, activations, formula)
+    return MemoryEstimate(n * weight, n * grad, n * optimizer, activations, formula,
+                          gradient_copies=n * gradient_copy_bytes(args))
+
+
+def gradient_copy_bytes(args) -> float:
+    """Bytes per parameter of fp32 gradients made for the step from 16-bit gradient buffers.
+
+    Megatron's mixed-precision optimizer hands Adam ``main_grad.float()``: a copy when the
+    buffer is 16-bit (fp16 without --accumulate-allreduce-grads-in-fp32, --grad-reduce-in-bf16),
+    of the rank's shard under the distributed optimizer. The fast path's flat Adam reads the
+    16-bit buffer in place.
+    """
+    from megagpt.preflight.cost import launch_path
+
+    mixed = args.bf16 or args.fp16
+    if not mixed or bytes_per_parameter(args)[1] != 2:
+        return 0.0
+    if launch_path(args) == "fast" and getattr(args, "fast_flat_adam", False) \
+            and getattr(args, "fast_optimizer", False):
+        return 0.0
+    return 4 / (args.data_parallel_size if args.use_distributed_optimizer else 1)
 
 
 def megatron_weight_and_optimizer_bytes(args) -> float:
