@@ -78,6 +78,10 @@ class Table:
 PATHS = {"local": "megatron's local spec", "fast": "fast path",
          "reference": "plain PyTorch"}
 PATH_ORDER = {"local": 0, "fast": 1, "reference": 2}
+TE_PATHS = {"fast": "the entry's default (fast spec)",
+            "te": "TE's layers, full-iteration graph"}
+FP8_PATHS = {"te": "TE's layers, bf16", "tefp8": "TE's layers, FP8, delayed scaling",
+             "tefp8cs": "TE's layers, FP8, current scaling", "fast": "fast path, bf16"}
 SHAPE_ORDER = {"tiny": 0, "345M": 1, "1.3B": 2}
 PREPROCESS_TOOLS = {"baseline": "upstream-style baseline", "megagpt": "megagpt"}
 MULTI_GPU_PATHS = {"default": "single-GPU default (full-iteration graph)",
@@ -213,6 +217,46 @@ TABLES = (
              "--train-iters 30 --warmup-iters 10")
             for shape in ("345M", "1.3B")
             for attention, hidden in ((0.0, 0.0), (0.1, 0.0), (0.0, 0.1), (0.1, 0.1))),
+    ),
+    Table(
+        "transformer-engine", "With Transformer Engine installed",
+        "The same launches with Transformer Engine 2.20.2 importable (installed) and hidden "
+        "from the process (hidden), one after the other in one device call "
+        "(`bench/gpu_record_te.sh OUT train`): bf16, mock data, dropout 0, no apex. The "
+        "entry's default picks the fast spec on one GPU with or without TE "
+        "(`megagpt/layer_impl.py`); TE's layers are measured beside it. vs = ms/iter of the "
+        "default without TE ÷ this row's (above 1: faster). What TE changes and why: "
+        "[speed.md](speed.md#with-transformer-engine-installed).",
+        columns=(("shape", rowval("shape")), ("TE", rowval("te")),
+                 ("path", rowval("path", TE_PATHS)), ("ms/iter", fig("ms_per_iter")),
+                 ("TFLOP/s/GPU", fig("tflops_per_gpu")),
+                 ("peak MiB", lambda r: peak_memory(r["figures"])),
+                 ("vs default without TE", fig("vs_default_without_te", 3))),
+        sort=lambda r: (SHAPE_ORDER.get(r["shape"], 9), r["te"] != "installed",
+                        r["path"] != "fast"),
+        summary=lambda r: (f"{r['row']['shape']}, TE {r['row']['te']}, "
+                           f"{TE_PATHS.get(r['row']['path'], r['row']['path'])}: "
+                           f"{number(r['figures'].get('tflops_per_gpu'))} TFLOP/s"),
+    ),
+    Table(
+        "fp8", "FP8 with Transformer Engine",
+        "TE's layers in bf16 and in FP8 (`--fp8-format hybrid`: E4M3 forward, E5M2 "
+        "gradients; delayed scaling, megatron's default recipe, or current scaling, "
+        "`--fp8-recipe tensorwise`) against the fast path in bf16, one invocation of "
+        "`bench/bench_throughput.py` (`bench/gpu_record_te.sh OUT fp8`): mock data, dropout "
+        "0, 50 iterations, TFLOP/s by megatron's count (FP8 matmuls counted as the same "
+        "FLOPs). The wide shape is 8 layers of hidden 4096, 32 heads, FFN 16384, sequence "
+        "4096, micro-batch 1, where matmuls dominate the step. Losses every 5 iterations in "
+        "the csv.",
+        columns=(("shape", rowval("shape")), ("path", rowval("path", FP8_PATHS)),
+                 ("ms/iter", fig("ms_per_iter")), ("TFLOP/s/GPU", fig("tflops_per_gpu")),
+                 ("vs TE bf16", fig("vs_te_bf16", 3)), ("loss at 15", fig("loss_15", 3)),
+                 ("loss at 50", fig("loss_50", 3)), ("values", values_link)),
+        sort=lambda r: (r["shape"], ["te", "tefp8", "tefp8cs", "fast"].index(r["path"])
+                        if r["path"] in FP8_PATHS else 9),
+        text_columns=2,
+        summary=lambda r: (f"{r['row']['shape']} {FP8_PATHS.get(r['row']['path'], '?')}: "
+                           f"{number(r['figures'].get('ms_per_iter'))} ms/iter"),
     ),
     Table(
         "layouts", "Several GPUs: megatron's parallel layouts through the entry",
