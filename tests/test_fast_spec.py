@@ -961,3 +961,36 @@ def test_compiler_failure_falls_back_to_eager(cpu_buffers):
     assert layer_mod.layer_function(options) is layer_mod.fused_layer_forward
     assert layer_mod.layer_function(layer_mod.FusedLayerOptions.make(
         compile=True, options={"backend": "eager"})) is not layer_mod.fused_layer_forward
+
+
+# TE's layer spec fuses each pre-norm into the linear after it; its checkpoint names the norm's
+# tensors after that linear (megatron's TELayerNormColumnParallelLinear)
+TE_NORM_NAMES = {"self_attention.linear_qkv.layer_norm_weight",
+                 "self_attention.linear_qkv.layer_norm_bias",
+                 "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias"}
+
+
+def _is_extra_state(key: str) -> bool:
+    return key.endswith("_extra_state")
+
+
+def test_fast_spec_checkpoint_names_its_norms_as_te_layers_do(megatron_cpu):
+    """A distributed checkpoint crosses between the fast spec and TE's layers only if both
+    name every tensor alike: the fast spec's layer norms must be saved under TE's names, not
+    under ``input_layernorm`` / ``pre_mlp_layernorm`` (megatron's local spec maps them; the
+    fast spec keeps that map). Every other tensor has the same name in both specs."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megagpt.fast_spec.spec import fast_decoder_block_spec, get_fast_gpt_layer_spec
+
+    config = _config()
+    model = GPTModel(config, fast_decoder_block_spec(get_fast_gpt_layer_spec(_args()), config),
+                     vocab_size=VOCAB, max_sequence_length=SEQ)
+    # the name each tensor has in the checkpoint (layers stacked under one name, their index
+    # an offset), not the module path it has in the model
+    keys = {v.key for v in model.sharded_state_dict().values() if not _is_extra_state(v.key)}
+    layer_keys = {k.removeprefix("decoder.layers.") for k in keys if k.startswith("decoder.layers.")}
+    assert TE_NORM_NAMES <= layer_keys, sorted(layer_keys)
+    assert not any("input_layernorm" in k or "pre_mlp_layernorm" in k for k in keys), sorted(keys)
+    assert {"self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
+            "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"} <= layer_keys
