@@ -462,3 +462,24 @@ def test_a_distributed_optimizer_checkpoint_resumes_without_te_or_apex(tmp_path)
     before, after = parse_losses(uninterrupted.stdout), parse_losses(resumed.stdout)
     assert sorted(after) == [3, 4, 5]
     assert after == {i: before[i] for i in (3, 4, 5)}
+
+
+def test_resume_under_te_layers_of_a_checkpoint_saved_without_them(ckpt):
+    """A checkpoint of the fast spec holds no TE attention state, which TE's attention asks
+    for: resumed under TE's layers, megatron is told to drop what the checkpoint lacks
+    (--dist-ckpt-strictness log_unexpected), unless the launch chose a strictness itself or
+    builds no TE layers."""
+    ckpt_dir = it_dir(ckpt, 8)
+    assert guard.saved_without_te_attention(ckpt_dir)
+    default = dict(dist_ckpt_strictness="assume_ok_unexpected")
+    args, lines = _args_like(ckpt_dir, transformer_impl="transformer_engine", entry_argv=[],
+                             **default), []
+    guard.load_into_te_layers(ckpt_dir, args, lines.append)
+    assert args.dist_ckpt_strictness == "log_unexpected"
+    assert len(lines) == 1 and "saved without Transformer Engine's layers" in lines[0]
+    for kept in (dict(transformer_impl="local", entry_argv=[]),
+                 dict(transformer_impl="transformer_engine",
+                      entry_argv=["--dist-ckpt-strictness", "assume_ok_unexpected"])):
+        args = _args_like(ckpt_dir, **kept, **default)
+        guard.load_into_te_layers(ckpt_dir, args, lines.append)
+        assert args.dist_ckpt_strictness == "assume_ok_unexpected" and len(lines) == 1

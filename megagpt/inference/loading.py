@@ -99,10 +99,23 @@ def load_weights(model, folder: str) -> None:
     """Load the model's tensors from the distributed checkpoint in ``folder`` (resharded to
     this rank's shard) and put the model in eval mode."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
 
     try:
-        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, folder)
-        model.load_state_dict(state["model"])
+        # what the checkpoint lacks is dropped from the request and named after the load:
+        # only extra state (TE's FP8 metadata, absent from checkpoints saved without TE's
+        # layers) may be missing; a missing weight is an error
+        # (megatron calls what is asked for but not in the checkpoint "unexpected")
+        state, _, absent = dist_checkpointing.load(
+            {"model": model.sharded_state_dict()}, folder,
+            strict=StrictHandling.RETURN_UNEXPECTED)
+        loaded = model.load_state_dict(state["model"], strict=False)
+        lacking = sorted(k for k in [*absent, *loaded.missing_keys, *loaded.unexpected_keys]
+                         if not k.endswith("_extra_state"))
+        if lacking:
+            raise CheckpointError(f"it has no {', '.join(lacking[:3])}"
+                                  + (f" (and {len(lacking) - 3} more)" if len(lacking) > 3
+                                     else ""))
     except (KeyboardInterrupt, GeneratorExit):
         raise
     except BaseException as exc:  # noqa: BLE001 - torch.distributed.checkpoint raises anything

@@ -343,6 +343,39 @@ def _set_aside(root: str, iterations: tuple[int, ...], log) -> None:
     log(f"resume: moved {names} (newer than the checkpoint loaded) to {target}")
 
 
+# TE's attention keeps FP8 metadata as extra state, saved under this name; megatron's local
+# attention and the fast spec's keep none (their linears' extra-state entries are saved
+# under the same names as TE's linears')
+TE_ATTENTION_STATE = "self_attention.core_attention._extra_state"
+
+
+def saved_without_te_attention(ckpt_dir: str) -> bool:
+    """Whether a distributed checkpoint was saved by a model without TE's attention (the
+    fast spec, megatron's local spec): its ``.metadata`` holds no TE attention state."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
+    return not any(TE_ATTENTION_STATE in key for key in keys)
+
+
+def load_into_te_layers(ckpt_dir: str, args, log: Callable[[str], None]) -> None:
+    """Resuming a checkpoint saved without TE's layers under TE's layers: TE's attention asks
+    for its extra state, which the checkpoint does not hold, and megatron's default
+    ``--dist-ckpt-strictness assume_ok_unexpected`` lets the read fail on it. With
+    ``log_unexpected`` megatron drops what the checkpoint lacks from the request (and logs
+    it); the attention's FP8 metadata then starts afresh, every weight loads."""
+    from megagpt.flags import explicit_flags
+
+    if (getattr(args, "transformer_impl", None) != "transformer_engine"
+            or getattr(args, "ckpt_format", None) != "torch_dist"
+            or "--dist-ckpt-strictness" in explicit_flags(getattr(args, "entry_argv", None) or [])
+            or not saved_without_te_attention(ckpt_dir)):
+        return
+    args.dist_ckpt_strictness = "log_unexpected"
+    log(f"resume: {ckpt_dir} was saved without Transformer Engine's layers; their attention's "
+        "FP8 metadata starts afresh (--dist-ckpt-strictness log_unexpected)")
+
+
 def prepare_load(args, log: Callable[[str], None]) -> LoadPlan | None:
     """Check ``--load`` and point megatron at the checkpoint to resume from."""
     if not args.load or args.ckpt_format not in ("torch_dist", "torch"):
@@ -362,6 +395,7 @@ def prepare_load(args, log: Callable[[str], None]) -> LoadPlan | None:
     optimizer = optimizer_state_mismatch(ckpt_dir, args)
     if optimizer:
         raise CheckpointError(optimizer)
+    load_into_te_layers(ckpt_dir, args, log)
     if plan.tracker != plan.iteration:
         args.ckpt_step = plan.iteration  # what megatron loads; the tracker is only repaired
         # in our own --save directory, or where megatron could not read it at all.
