@@ -11,12 +11,18 @@ venv:
 demo: venv
 	bash examples/train_tiny_cpu.sh
 
+# Tests run on TEST_WORKERS processes (pytest-xdist), each module's tests on one of them (its
+# fixtures, often end-to-end runs shared by its tests, run once); the report ends with the
+# slowest tests, so that a new slow one is seen when it lands.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
+
 test: venv
-	$(PY) -m pytest -q
+	$(PYTEST) --durations=25
 
 # Unit tests only: skips the multi-second end-to-end runs.
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # docs/benchmarks.md and the README's figures, from the records in docs/figures/runs/
 tables: venv

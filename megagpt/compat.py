@@ -306,7 +306,8 @@ def distributed_optimizer_resumes_without_apex(log: Callable[[str], None] = lamb
     ``load_state_dict`` puts one step tensor into every parameter's state; torch's AdamW
     increments each state's step in place, so the shared one ran ahead by the number of
     parameters per step, and so did Adam's bias correction: its wrapper gives each state
-    its own copy. Resumed, a run then continues bit for bit on the CPU in fp32.
+    its own copy. Resumed under the same layout, a run then continues bit for bit on the
+    CPU in fp32 (under another, to float32 rounding: it sums in another order).
     With TE or apex installed, nothing changes.
     """
     import inspect

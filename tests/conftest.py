@@ -6,6 +6,19 @@ import warnings
 
 import pytest
 
+# One intra-op thread: two pytest-xdist workers share the two cores (``make test``), and the
+# entry processes the tests start run one thread each (helpers.entry_env), so numbers
+# computed in the test process come from the same kernels' thread split as theirs. Read by
+# torch when it is first imported, which is after this file.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Modules whose tests take longest on two cores (``--durations``, a fresh machine), started
+# first: pytest-xdist keeps each module on one worker (``--dist loadscope``), and a long
+# module left for last keeps one core idle while the other finishes it.
+LONGEST_FIRST = ("test_launch_errors", "test_checkpoint_faults", "test_inference_tools",
+                 "test_parallel_layouts", "test_layouts_bench", "test_flag_matrix",
+                 "test_examples", "test_fast_spec", "test_resume", "test_preemption")
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
@@ -17,6 +30,8 @@ warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not ins
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: module order kept
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

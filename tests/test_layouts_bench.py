@@ -37,9 +37,14 @@ def test_layouts_bench_runs_compares_and_resumes_across_layouts(tmp_path):
         ("tp2", "pp2"), ("tp2", "dp2")]
     for resume in report["resumes"]:
         assert resume["runs_ok"] and resume["resumed_iterations"] == [3, 4]
-        assert resume["against_uninterrupted"]["max_rel_diff"] < 1e-3
-    # the distributed optimizer's moments and step come back as saved (fp32, the CPU)
-    assert report["resumes"][1]["against_uninterrupted"]["identical"] == 2
+        # The resumed layout sums in another order than the uninterrupted one (DP=2 adds two
+        # ranks' gradients and losses, TP=2 splits each GEMM's inner sum and clips by a norm
+        # summed over other shards): equal to float32 rounding, not bit for bit; whether the
+        # logged 7 digits agree too depends on the CPU's GEMM kernels. The distributed
+        # optimizer's moments and step must come back as saved: a step advanced once per
+        # parameter moved a tiny CPU run's loss (about 6) by 4e-3 two iterations after its
+        # resume (docs/resilience.md), 60 times this bound.
+        assert resume["against_uninterrupted"]["max_rel_diff"] < 1e-5, resume
     assert not list(out.glob("ckpt_*")), "checkpoints are removed after the check"
     assert "resumed under pp2" in p.stdout and "resumed under dp2" in p.stdout
 
