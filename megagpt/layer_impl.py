@@ -8,8 +8,9 @@ the flag is not given, the entry picks instead, by what ran faster for the layou
   is compiled and runs under CUDA graphs there) was faster than TE's layers on one GPU, with
   and without megatron's CUDA graphs around TE's, at every shape measured;
 - under tensor or pipeline parallelism the fast spec's layer runs eagerly and outside
-  graphs, while TE's layers fuse their norms into the linears and overlap the
-  tensor-parallel collectives: TE's spec;
+  graphs, while TE's layers fuse their norms into the linears and can overlap the
+  tensor-parallel collectives (``--tp-comm-overlap``): TE's spec (not measured: it needs
+  several GPUs);
 - whatever only TE's layers can run (FP8, context parallelism, multi-latent attention, ...)
   gets TE's spec, and so does a launch that asks for it by name.
 
