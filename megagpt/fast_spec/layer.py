@@ -28,9 +28,9 @@ buffer already):
 - written (beta = 0) when megatron's DDP writes this step's gradients instead of zeroing its
   buffer and adding (``--fast-grad-write``, ``grad_write.py``: one micro-batch per step, the
   default there) and the buffer has the weights' dtype;
-- accumulated (``addmm_``, beta = 1) with ``--fast-wgrad-fusion``, off by default: on an H200
-  it measured within run-to-run noise, with one micro-batch per step and with eight
-  accumulated into an fp32 buffer (docs/benchmarks.md).
+- accumulated (``addmm_``, beta = 1) with ``--fast-wgrad-fusion``, off by default: it
+  measured within run-to-run noise, with one micro-batch per step and with eight
+  accumulated into an fp32 buffer (docs/benchmarks.md, ``--fast-wgrad-fusion``).
 
 Without megatron's DDP (no ``main_grad``) neither applies.
 """

@@ -42,10 +42,8 @@ from megagpt.inference.sampling import Sampling, generator_for, next_tokens
 EOD_CHECK_EVERY = 32
 
 # A compiled step computes its linear layers as reductions up to this many rows (batch x
-# tokens); see ``_linear``. 345M on one H200, 2026-12-01 (docs/benchmarks.md): with them, and
-# SDPA over a cache written by one scatter, the compiled step went from 855 to 1,067 new
-# tokens/s at batch 1; forced up to 16 rows (bench_generate.py --gemv-max-rows 16) batch 16
-# fell from 13,146 to 3,886.
+# tokens); see ``_linear``. Above it each row reads the weights again and cuBLAS's products
+# win (``bench_generate.py --gemv-max-rows N``; figures: docs/inference.md, "Two engines").
 GEMV_MAX_ROWS = 4
 
 
@@ -93,8 +91,8 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     with the bias, the norm before it and the activation after it fused in.
 
     Why: at batch 1 cuBLAS runs each of a layer's four products as its own matrix-vector
-    kernel that reads 2-8 MB of weights in 5-8 us (0.4-1.1 TB/s of the H200's 4.8), plus
-    the separate kernels around it; the reductions read them faster and need fewer kernels.
+    kernel that reads 2-8 MB of weights well below the memory bandwidth, plus the separate
+    kernels around it; the reductions read them faster and need fewer kernels.
     With more rows each row reads the weights again, and cuBLAS wins (figures:
     docs/inference.md). Eagerly the product would be materialised, so only when compiling."""
     rows = x.numel() // x.shape[-1]
