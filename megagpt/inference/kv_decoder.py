@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megagpt.inference import architecture as arch_names
+from megagpt import model_math
 from megagpt.inference.architecture import Architecture
 from megagpt.inference.sampling import Sampling, generator_for, next_tokens
 
@@ -69,22 +69,6 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-def _activation(x: Tensor, name: str) -> Tensor:
-    if name == arch_names.GELU:
-        return F.gelu(x)
-    if name == arch_names.GELU_TANH:
-        return F.gelu(x, approximate="tanh")
-    if name == arch_names.SILU:
-        return F.silu(x)
-    if name == arch_names.RELU:
-        return F.relu(x)
-    if name == arch_names.SQUARED_RELU:
-        return torch.pow(F.relu(x), 2)
-    if name == arch_names.QUICK_GELU:
-        return x * torch.sigmoid(1.702 * x)
-    raise ValueError(f"activation {name!r}")
-
-
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear``; inside a compiled step with at most ``GEMV_MAX_ROWS`` rows, the same
     product as a multiply-and-sum in fp32, which inductor turns into one reduction kernel
@@ -102,11 +86,6 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = torch.chunk(x, 2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class KVDecoder:
@@ -162,10 +141,7 @@ class KVDecoder:
         ([b, s, heads, d]) at each token's position ([b, s])."""
         cos = self.rope_cos[positions].unsqueeze(2)
         sin = self.rope_sin[positions].unsqueeze(2)
-        rot = cos.shape[-1]
-        t_rot, t_pass = t[..., :rot], t[..., rot:]
-        t_rot = t_rot * cos + _rotate_half(t_rot) * sin
-        return torch.cat((t_rot, t_pass), dim=-1) if t_pass.shape[-1] else t_rot
+        return model_math.rotary(t, cos, sin)
 
     def _attention(self, i: int, layer, x: Tensor, positions: Tensor, visible: Tensor) -> Tensor:
         a = self.arch
@@ -199,10 +175,9 @@ class KVDecoder:
         fc1, fc2 = layer.mlp.linear_fc1, layer.mlp.linear_fc2
         h = _linear(x, fc1.weight, fc1.bias)
         if self.arch.gated:
-            gate, up = torch.chunk(h, 2, dim=-1)
-            h = _activation(gate, self.arch.activation) * up
+            h = model_math.gated(h, self.arch.activation)
         else:
-            h = _activation(h, self.arch.activation)
+            h = model_math.activation(h, self.arch.activation)
         return _linear(h, fc2.weight, fc2.bias)
 
     def forward(self, tokens: Tensor, positions: Tensor, last: Tensor) -> Tensor:
