@@ -12,6 +12,8 @@ Order of preference:
 ``choose_layer_spec`` decides once from the arguments; ``layer_spec_builder`` returns the
 callable that ``GPTModelConfig.transformer_layer_spec`` holds, which megatron's
 ``GPTModelBuilder`` calls per model chunk (with ``vp_stage`` under virtual pipelining).
+``gpt_model_config`` puts the two into megatron's model config: training and inference both
+build their model from it.
 """
 
 from __future__ import annotations
@@ -89,3 +91,17 @@ def layer_spec_builder(choice: LayerSpecChoice, args) -> Callable | None:
             t.multi_latent_attention, normalization=t.normalization)
 
     return build
+
+
+def gpt_model_config(args):
+    """(megatron's ``GPTModelConfig`` for ``args`` with this run's layer spec, the
+    ``LayerSpecChoice``): what ``pretrain_gpt.build_configs`` and
+    ``megagpt.inference.loading.build_model`` build the model from."""
+    from megatron.training.argument_utils import gpt_config_from_args
+
+    choice = choose_layer_spec(args)
+    model_config = gpt_config_from_args(args)
+    spec = layer_spec_builder(choice, args)
+    if spec is not None:
+        model_config.transformer_layer_spec = spec
+    return model_config, choice

@@ -297,13 +297,9 @@ def get_embedding_ranks(pp_ranks: list[int]) -> list[int]:
 
 def build_configs(args):
     """(GPTModelConfig, PretrainConfigContainer, LayerSpecChoice) from validated args."""
-    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
-    choice = gpt_builders.choose_layer_spec(args)
-    model_config = gpt_config_from_args(args)
-    spec = gpt_builders.layer_spec_builder(choice, args)
-    if spec is not None:
-        model_config.transformer_layer_spec = spec
+    model_config, choice = gpt_builders.gpt_model_config(args)
     container = pretrain_cfg_container_from_args(args, model_config)
     return model_config, container, choice
 

@@ -1,8 +1,8 @@
 """Compatibility with what is installed: the megatron-core wheel with or without TE / apex.
 
-Upstream's entry needs five changes before its first step on a plain ``pip install``
-(see shared/notes/megatron-wheel.md). They are made here, once, with one log line for
-each setting adapted:
+Upstream's entry needs five changes before its first step on a plain ``pip install`` of the
+wheel (no TE, no apex, none of megatron's CUDA extensions, no Makefile for its dataset
+helpers). They are made here, once, with one log line for each setting adapted:
 
 1. ``initialize_megatron`` runs ``make`` on the dataset helpers; the wheel ships the
    compiled ``helpers_cpp`` but no Makefile, so the compile step is skipped when the

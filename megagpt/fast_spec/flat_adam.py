@@ -9,13 +9,13 @@ memory, each a full read (and most a write) of every parameter's worth of data:
   4. torch's fused AdamW over fp32 master weights and states    (read 16 B, write 12 B)
   5. copy the fp32 master weights into the bf16 model weights  (read 4 B, write 2 B)
 
-52 bytes per parameter, bandwidth-bound: ≈4.7 ms per step at 345M on an H200, 10 % of the
-step. TE's and apex's fused Adam with master weights do it in one pass. So does this module:
-one elementwise kernel (``torch.compile``d on a GPU) reads the gradient straight from
-megatron's contiguous gradient buffer, applies the clip factor, updates the fp32 master
-weight and both moments, and writes the bf16 model weight — 28 bytes per parameter — after
-one norm pass over the gradient buffer (2 bytes when it is bf16; the norm equals megatron's
-per-parameter one to fp32 rounding).
+52 bytes per parameter, bandwidth-bound: about a tenth of the 345M step (docs/speed.md,
+"Where the time went"). TE's and apex's fused Adam with master weights do it in one pass.
+So does this module: one elementwise kernel (``torch.compile``d on a GPU) reads the
+gradient straight from megatron's contiguous gradient buffer, applies the clip factor,
+updates the fp32 master weight and both moments, and writes the bf16 model weight — 28
+bytes per parameter — after one norm pass over the gradient buffer (2 bytes when it is
+bf16; the norm equals megatron's per-parameter one to fp32 rounding).
 
 How: the master weights, both AdamW moments and the bf16 model weights are re-pointed to
 views of four flat buffers laid out exactly like the gradient buffer, so element ``i`` of
@@ -442,9 +442,9 @@ def attach(opt, all_buffer_params=None, compiled: bool = True) -> FlatAdamState:
         return False
 
     # The norm over the gradients megatron's norm counts, read from the flat buffer in a few
-    # long runs: one pass instead of torch._foreach_norm's ~64 launches over 294 tensors at
-    # the 1.3B shape (1.1 ms on an H200, 2.3 TB/s; one read of the 2.6 GB buffer at the
-    # card's bandwidth would be ~0.6 ms). Summed in
+    # long runs: one read of the buffer instead of torch._foreach_norm's ~64 launches over
+    # 294 tensors at the 1.3B shape, which run well below the memory bandwidth (figures:
+    # docs/speed.md, "Flat AdamW step"). Summed in
     # another order than megatron's per-parameter norms, it equals theirs to fp32 rounding,
     # not bit for bit. Where the counted parameters are scattered, megatron's own norm.
     state.norm_spans = norm_spans(entries, lambda main_param: counted_in_norm(opt, main_param))

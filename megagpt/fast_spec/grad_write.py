@@ -6,9 +6,9 @@ one micro-batch per step and one data-parallel rank nothing is ever accumulated 
 parameter receives exactly one gradient per step (autograd has already summed the uses of a
 parameter used twice, like tied embeddings), and ``0 + g`` is ``g``. So the zero fill
 (2 bytes per parameter in a bf16 buffer) and the add's read of the zeros (2 more) move memory
-for nothing, and the add needs the gradient in a tensor of its own first. At the 1.3B shape
-the fill and the adds took 3.2 ms of a 136 ms step on an H200 (kernel profile of
-2026-11-29 at 51c208f; the step-time gain is in docs/benchmarks.md, ``--no-fast-grad-write``).
+for nothing, and the add needs the gradient in a tensor of its own first: one more write
+of the whole buffer and one more read of it per step (the kernel time and the step-time gain:
+docs/speed.md, "Gradients written"; docs/benchmarks.md, ``--no-fast-grad-write``).
 
 With writing on (``--fast-grad-write``, the default where it applies):
 

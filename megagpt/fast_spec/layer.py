@@ -28,9 +28,9 @@ buffer already):
 - written (beta = 0) when megatron's DDP writes this step's gradients instead of zeroing its
   buffer and adding (``--fast-grad-write``, ``grad_write.py``: one micro-batch per step, the
   default there) and the buffer has the weights' dtype;
-- accumulated (``addmm_``, beta = 1) with ``--fast-wgrad-fusion``, off by default: on an H200
-  it measured within run-to-run noise, with one micro-batch per step and with eight
-  accumulated into an fp32 buffer (docs/benchmarks.md).
+- accumulated (``addmm_``, beta = 1) with ``--fast-wgrad-fusion``, off by default: it
+  measured within run-to-run noise, with one micro-batch per step and with eight
+  accumulated into an fp32 buffer (docs/benchmarks.md, ``--fast-wgrad-fusion``).
 
 Without megatron's DDP (no ``main_grad``) neither applies.
 """
@@ -46,7 +46,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megatron.core import tensor_parallel
-from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -62,6 +61,8 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
+
+from megagpt import model_math
 
 from . import grad_write, hash_dropout, norm_rows
 from .attention import SDPADotProductAttention
@@ -160,27 +161,6 @@ def _linear(x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Optional[Tenso
     return _LinearIntoMainGrad.apply(x, w, b, main_grad, write)
 
 
-def _norm(x: Tensor, w: Tensor, b: Optional[Tensor], eps: float, rms: bool) -> Tensor:
-    if rms:
-        return F.rms_norm(x, (x.size(-1),), w, eps)
-    return F.layer_norm(x, (x.size(-1),), w, b, eps)
-
-
-def _activation(x: Tensor, act: str) -> Tensor:
-    if act == "gelu_tanh":
-        return F.gelu(x, approximate="tanh")
-    if act == "gelu":
-        return F.gelu(x)
-    if act == "silu":
-        return F.silu(x)
-    if act == "swiglu":
-        a, b = torch.chunk(x, 2, dim=-1)
-        return F.silu(a) * b
-    if act == "relu":
-        return F.relu(x)
-    raise ValueError(act)
-
-
 def _column_linear(x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Optional[Tensor],
                    tp_group, sequence_parallel: bool, write: bool = False) -> Tensor:
     """A column-parallel linear. Under tensor parallelism megatron's own linear function
@@ -264,21 +244,14 @@ def fused_layer_forward(
     projection and fc2, as megatron's parallel linears do. ``dropout_seeds``: two int32
     seeds, one per residual dropout, whose masks then come from ``hash_dropout`` (None:
     ``F.dropout``)."""
-    y = _norm(x, ln1_w, ln1_b, eps, rms)
+    y = model_math.norm(x, ln1_w, ln1_b, eps, rms)
     qkv = _column_linear(y, qkv_w, qkv_b, qkv_main_grad, tp_group, sequence_parallel,
                          wgrad_write)
     s, b = qkv.shape[0], qkv.shape[1]  # the whole sequence, also under sequence parallelism
-    # megatron's fused QKV layout: per query group [q_1..q_k, k, v]
-    qkv = qkv.view(s, b, groups, (q_per_group + 2) * head_dim)
-    q, k, v = torch.split(qkv, [q_per_group * head_dim, head_dim, head_dim], dim=-1)
-    q = q.reshape(s, b, groups * q_per_group, head_dim)
+    q, k, v = model_math.split_qkv(qkv, groups, q_per_group, head_dim)
     if rope is not None:
-        q = _apply_rotary_pos_emb_bshd(
-            q, rope, rotary_interleaved=rotary_interleaved, mscale=rope_mscale
-        )
-        k = _apply_rotary_pos_emb_bshd(
-            k, rope, rotary_interleaved=rotary_interleaved, mscale=rope_mscale
-        )
+        q = model_math.rotary_from_freqs(q, rope, rotary_interleaved, rope_mscale)
+        k = model_math.rotary_from_freqs(k, rope, rotary_interleaved, rope_mscale)
     q = q.permute(1, 2, 0, 3)
     k = k.permute(1, 2, 0, 3)
     v = v.permute(1, 2, 0, 3)
@@ -292,9 +265,9 @@ def fused_layer_forward(
     if proj_b is not None:
         a = a + proj_b
     x = x + _residual_dropout(a, hidden_p, training, dropout_seeds, 0)
-    y = _norm(x, ln2_w, ln2_b, eps, rms)
-    f = _activation(_column_linear(y, fc1_w, fc1_b, fc1_main_grad, tp_group,
-                                   sequence_parallel, wgrad_write), act)
+    y = model_math.norm(x, ln2_w, ln2_b, eps, rms)
+    f = model_math.activation(_column_linear(y, fc1_w, fc1_b, fc1_main_grad, tp_group,
+                                             sequence_parallel, wgrad_write), act)
     m = _row_parallel_output(_linear(f, fc2_w, None, fc2_main_grad, wgrad_write), tp_group,
                              sequence_parallel)
     if fc2_b is not None:
@@ -333,6 +306,9 @@ def compile_failed(options: FusedLayerOptions) -> None:
 
 
 def _mlp_activation_name(mlp: MLP) -> Optional[str]:
+    """The fused layer's activation for ``mlp`` (``model_math``'s names), None where megatron's
+    MLP computes something it does not: an activation module of TE's, a clamp or offset, a
+    gate other than SiLU's, or a bias fusion megatron itself would refuse."""
     cfg = mlp.config
     if getattr(cfg, "use_te_activation_func", False):
         return None
@@ -340,18 +316,17 @@ def _mlp_activation_name(mlp: MLP) -> Optional[str]:
         return None
     if getattr(cfg, "glu_linear_offset", 0.0) not in (0, 0.0, None):
         return None
-    fn = mlp.activation_func
+    name = model_math.activation_name(cfg)  # the MLP's activation_func is its config's
     if cfg.gated_linear_unit:
-        return "swiglu" if fn is F.silu else None
-    if fn is F.gelu:
-        if cfg.bias_activation_fusion:
-            # megatron's bias_gelu fusion is the tanh approximation
-            return "gelu_tanh" if cfg.add_bias_linear else None
-        return "gelu"
-    if fn is F.silu:
-        return None if cfg.bias_activation_fusion else "silu"
-    if fn is F.relu:
-        return None if cfg.bias_activation_fusion else "relu"
+        return model_math.SWIGLU if name == model_math.SILU else None
+    if name == model_math.GELU_TANH:
+        # megatron's bias-GeLU fusion (the tanh approximation) needs the bias
+        return name if cfg.add_bias_linear else None
+    if name == model_math.GELU:
+        return name
+    if name in (model_math.SILU, model_math.RELU):
+        # megatron fuses only GeLU and gated SiLU with their bias
+        return None if cfg.bias_activation_fusion else name
     return None
 
 

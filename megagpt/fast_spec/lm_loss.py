@@ -37,8 +37,8 @@ from torch import Tensor
 # 128 MB in bf16 at the 345M shape. Scaled with the hidden size, the chunk keeps its share
 # of the peak (activations grow with it), and wider models get chunks of more tokens: each
 # chunk's weight-gradient GEMM reads and writes the whole fp32 [vocab, hidden] accumulator,
-# so fewer, longer chunks move less memory per FLOP (1024-token chunks ran at 545 TFLOP/s
-# at the 1.3B shape on an H200, where the layers' GEMMs run at 720).
+# so fewer, longer chunks move less memory per FLOP (1024-token chunks ran well below the
+# layers' GEMMs at the 1.3B shape: docs/speed.md, "Chunked LM-head loss").
 _CHUNK_ELEMENTS = 2**26
 
 
@@ -130,11 +130,10 @@ def fused_fp32_accumulation_works(device: torch.device) -> bool:
     products into an fp32 ``acc`` on this device: checked once per process on a small case
     (two calls onto a non-zero accumulator must give three times one product).
 
-    A loss comparison on 2026-11-29 (4e7d1f4) blamed this form for a disagreement;
-    ``bench/bench_kernels.py`` then showed it accumulating correctly on torch 2.11 / H200
-    (relative error 6e-6 against fp32, where the bf16 product + fp32 add has 1.1e-3), so the
-    disagreement had another cause. The check stays so that a torch build where it does not
-    hold falls back instead of training on a wrong gradient. Never checked during CUDA graph
+    ``bench/bench_kernels.py`` measures this form against fp32 and against a bf16 product
+    followed by an fp32 add (docs/speed.md, "Chunked LM-head loss"). The check stays so that
+    a torch build or device where it does not accumulate falls back instead of training on a
+    wrong gradient. Never checked during CUDA graph
     capture (it reads a value back).
     """
     key = str(device)

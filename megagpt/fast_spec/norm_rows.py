@@ -4,10 +4,10 @@ Inductor reduces a row in one block of threads (a *persistent* reduction: the ro
 once and kept in registers) only up to 1024 elements. Longer rows are reduced in a loop, so
 a layer norm reads its row twice (statistics, then normalisation), and where the normalised
 row feeds a pointwise epilogue the normalisation becomes a kernel of its own. At hidden 2048
-(the 1.3B shape) both of the fused layer's norms are such rows: on an H200 their forward
-kernels took 85 µs per layer looped and 48 µs in one block (``bench/bench_layer.py``,
-2026-11-29 at a2f32a9), ~0.9 ms of a 1.3B step (``--no-fast-one-block-rows`` in
-docs/benchmarks.md). Rows of 1024 or fewer (the 345M shape) are persistent either way.
+(the 1.3B shape) both of the fused layer's norms are such rows, and reading each once
+instead of twice takes nearly half off their forward kernels (figures: docs/speed.md,
+"Fused layer"; ``--no-fast-one-block-rows`` in docs/benchmarks.md). Rows of 1024 or fewer (the 345M
+shape) are persistent either way.
 
 ``compile_with_one_block_rows(fn, **torch_compile_kwargs)`` is ``torch.compile`` with rows of
 up to ``MAX_ROW`` elements in one block: its calls run inside ``one_block_rows()``, where

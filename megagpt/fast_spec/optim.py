@@ -246,7 +246,8 @@ def install_fast_optimizer(
     are kept (the norm, the scales); ``fused_adam`` still puts torch's fused AdamW in place of
     their FusedAdam, which the flat AdamW step needs (``megagpt.fast_spec.flat_adam``).
     Must run before ``get_megatron_optimizer`` builds the optimizer (i.e. before
-    ``setup_model_and_optimizer``); ``apply_fast_path_defaults`` calls it.
+    ``setup_model_and_optimizer``): ``settings.install_fast_path_patches`` calls it when the
+    entry launches training, not at parse time.
     """
     import megatron.core.optimizer as mopt
     import megatron.core.optimizer.clip_grads as mclip

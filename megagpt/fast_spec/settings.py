@@ -220,7 +220,7 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
         help="Fused layer: the four weight GEMMs accumulate their gradients into megatron's "
         "gradient buffer directly (gradient-accumulation fusion, as TE/apex linears do) "
         "instead of autograd + megatron's DDP hook (one tensor-parallel rank). Off by "
-        "default: on an H200 it measured within run-to-run noise, with and without gradient "
+        "default: it measured within run-to-run noise, with and without gradient "
         "accumulation (docs/benchmarks.md).",
     )
     group.add_argument(
@@ -520,8 +520,8 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
             from megagpt.errors import UserError
 
             # megatron's pipeline schedule waits on the host for its exchanges inside the
-            # step, which a capture forbids (two H200s, 2026-11-29, 4c58365: the PP=2 capture
-            # failed; speed.md)
+            # step, which a capture forbids (a PP=2 capture failed: docs/speed.md,
+            # "Full-iteration CUDA graph")
             raise UserError(
                 "--fast-cuda-graph with pipeline parallelism: megatron's pipeline schedule "
                 "synchronises with the host inside the step, which a CUDA graph capture "
@@ -557,7 +557,8 @@ def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) 
         import os
 
         # NCCL (2.22+) connects peers lazily, on a collective's first use of them; inside
-        # a capture that cannot happen (a DP=2 capture on two H200s hung). 0 connects them
+        # a capture that cannot happen (a DP=2 capture hung: docs/speed.md, "Full-iteration
+        # CUDA graph"). 0 connects them
         # when each communicator is made. Read by NCCL when the communicators are created,
         # after this point.
         if os.environ.get("NCCL_RUNTIME_CONNECT") is None:
@@ -655,8 +656,8 @@ def _resolve_layer_graphs(args, log: Callable[[str], None]) -> None:
             args, "fast_step_nan_checks", False):
         # each check reads a GPU value on the host: once per micro-batch (the loss) and per
         # gradient bucket; the host then has nothing queued and the GPU idles through its
-        # Python (a 345M profile on one H200: 36 ms of 250 per step, the optimizer's
-        # per-parameter loops exposed behind the last wait)
+        # Python, the optimizer's per-parameter loops exposed behind the last wait (figures:
+        # docs/speed.md, "Per-layer CUDA graphs")
         args.check_for_nan_in_loss_and_grad = False
         log("fast path: megatron's in-step NaN/Inf checks off under per-layer graphs (each "
             "waits for the GPU); every step's gradient norm is checked instead "

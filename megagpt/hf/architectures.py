@@ -15,17 +15,17 @@ weight is read or written.
 
 from __future__ import annotations
 
+from megagpt import model_math
 from megagpt.errors import UserError
-from megagpt.inference import architecture as names
 from megagpt.inference.architecture import MEGATRON_ROPE_SCALING_FACTOR, Architecture
 
 GPT2 = "GPT2LMHeadModel"
 LLAMA = "LlamaForCausalLM"
 
 # megatron's activation -> transformers' ACT2FN name, and back
-_HF_ACTIVATION = {names.GELU: "gelu", names.GELU_TANH: "gelu_new", names.SILU: "silu",
-                  names.RELU: "relu", names.SQUARED_RELU: "relu2",
-                  names.QUICK_GELU: "quick_gelu"}
+_HF_ACTIVATION = {model_math.GELU: "gelu", model_math.GELU_TANH: "gelu_new",
+                  model_math.SILU: "silu", model_math.RELU: "relu",
+                  model_math.SQUARED_RELU: "relu2", model_math.QUICK_GELU: "quick_gelu"}
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
 # megatron applies llama3 RoPE scaling with these constants (RotaryEmbedding._apply_scaling)

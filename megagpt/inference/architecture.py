@@ -13,27 +13,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from megagpt.model_math import activation_name
 
 MEGATRON_ROPE_SCALING_FACTOR = 8.0
-
-# megatron's activation functions by the name the decoder and the export use for them
-GELU, GELU_TANH, SILU, RELU, SQUARED_RELU, QUICK_GELU = (
-    "gelu", "gelu_tanh", "silu", "relu", "squared_relu", "quick_gelu")
-
-
-def activation_name(config) -> str | None:
-    """The MLP's activation as megatron's ``MLP.forward`` applies it (None: unknown).
-
-    megatron's bias-GeLU and bias-GeGLU fusions compute the tanh approximation of GeLU; its
-    unfused path applies ``activation_func`` (exact GeLU)."""
-    from megatron.core.activations import quick_gelu, squared_relu
-
-    fn = config.activation_func
-    if fn is F.gelu:
-        return GELU_TANH if config.bias_activation_fusion else GELU
-    named = {F.silu: SILU, F.relu: RELU, squared_relu: SQUARED_RELU, quick_gelu: QUICK_GELU}
-    return named.get(fn)
 
 
 @dataclass(frozen=True)
@@ -51,7 +34,7 @@ class Architecture:
     rotary_percent: float
     rope_scaling: bool
     rope_scaling_factor: float
-    activation: str | None
+    activation: str | None  # megagpt.model_math's name
     gated: bool  # gated linear unit: act(x W_gate) * (x W_up)
     linear_bias: bool  # bias on the projection, fc1 and fc2
     qkv_bias: bool

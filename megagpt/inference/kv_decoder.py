@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megagpt.inference import architecture as arch_names
+from megagpt import model_math
 from megagpt.inference.architecture import Architecture
 from megagpt.inference.sampling import Sampling, generator_for, next_tokens
 
@@ -42,10 +42,8 @@ from megagpt.inference.sampling import Sampling, generator_for, next_tokens
 EOD_CHECK_EVERY = 32
 
 # A compiled step computes its linear layers as reductions up to this many rows (batch x
-# tokens); see ``_linear``. 345M on one H200, 2026-12-01 (docs/benchmarks.md): with them, and
-# SDPA over a cache written by one scatter, the compiled step went from 855 to 1,067 new
-# tokens/s at batch 1; forced up to 16 rows (bench_generate.py --gemv-max-rows 16) batch 16
-# fell from 13,146 to 3,886.
+# tokens); see ``_linear``. Above it each row reads the weights again and cuBLAS's products
+# win (``bench_generate.py --gemv-max-rows N``; figures: docs/inference.md, "Two engines").
 GEMV_MAX_ROWS = 4
 
 
@@ -71,30 +69,14 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-def _activation(x: Tensor, name: str) -> Tensor:
-    if name == arch_names.GELU:
-        return F.gelu(x)
-    if name == arch_names.GELU_TANH:
-        return F.gelu(x, approximate="tanh")
-    if name == arch_names.SILU:
-        return F.silu(x)
-    if name == arch_names.RELU:
-        return F.relu(x)
-    if name == arch_names.SQUARED_RELU:
-        return torch.pow(F.relu(x), 2)
-    if name == arch_names.QUICK_GELU:
-        return x * torch.sigmoid(1.702 * x)
-    raise ValueError(f"activation {name!r}")
-
-
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear``; inside a compiled step with at most ``GEMV_MAX_ROWS`` rows, the same
     product as a multiply-and-sum in fp32, which inductor turns into one reduction kernel
     with the bias, the norm before it and the activation after it fused in.
 
     Why: at batch 1 cuBLAS runs each of a layer's four products as its own matrix-vector
-    kernel that reads 2-8 MB of weights in 5-8 us (0.4-1.1 TB/s of the H200's 4.8), plus
-    the separate kernels around it; the reductions read them faster and need fewer kernels.
+    kernel that reads 2-8 MB of weights well below the memory bandwidth, plus the separate
+    kernels around it; the reductions read them faster and need fewer kernels.
     With more rows each row reads the weights again, and cuBLAS wins (figures:
     docs/inference.md). Eagerly the product would be materialised, so only when compiling."""
     rows = x.numel() // x.shape[-1]
@@ -104,11 +86,6 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = torch.chunk(x, 2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class KVDecoder:
@@ -164,10 +141,7 @@ class KVDecoder:
         ([b, s, heads, d]) at each token's position ([b, s])."""
         cos = self.rope_cos[positions].unsqueeze(2)
         sin = self.rope_sin[positions].unsqueeze(2)
-        rot = cos.shape[-1]
-        t_rot, t_pass = t[..., :rot], t[..., rot:]
-        t_rot = t_rot * cos + _rotate_half(t_rot) * sin
-        return torch.cat((t_rot, t_pass), dim=-1) if t_pass.shape[-1] else t_rot
+        return model_math.rotary(t, cos, sin)
 
     def _attention(self, i: int, layer, x: Tensor, positions: Tensor, visible: Tensor) -> Tensor:
         a = self.arch
@@ -201,10 +175,9 @@ class KVDecoder:
         fc1, fc2 = layer.mlp.linear_fc1, layer.mlp.linear_fc2
         h = _linear(x, fc1.weight, fc1.bias)
         if self.arch.gated:
-            gate, up = torch.chunk(h, 2, dim=-1)
-            h = _activation(gate, self.arch.activation) * up
+            h = model_math.gated(h, self.arch.activation)
         else:
-            h = _activation(h, self.arch.activation)
+            h = model_math.activation(h, self.arch.activation)
         return _linear(h, fc2.weight, fc2.bias)
 
     def forward(self, tokens: Tensor, positions: Tensor, last: Tensor) -> Tensor:

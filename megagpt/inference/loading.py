@@ -64,7 +64,6 @@ def build_model(args):
     """This rank's GPT stage for ``args`` (megatron's local spec; weights uninitialised), on
     its device in its precision."""
     from megatron.core import parallel_state
-    from megatron.training.argument_utils import gpt_config_from_args
 
     import gpt_builders
     import model_provider
@@ -72,11 +71,7 @@ def build_model(args):
     from megagpt import compat
 
     compat.megatron_linears_without_wgrad_fusion(args, compat.Installed.detect())
-    choice = gpt_builders.choose_layer_spec(args)
-    model_config = gpt_config_from_args(args)
-    spec = gpt_builders.layer_spec_builder(choice, args)
-    if spec is not None:
-        model_config.transformer_layer_spec = spec
+    model_config, _ = gpt_builders.gpt_model_config(args)
     model = model_provider.model_provider(
         model_config, pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage())

@@ -104,9 +104,9 @@ class NormInFlight:
     the queue drains, and the GPU idles while the host runs the loop, the logging and the
     data loader before it queues the iteration after. So the norm is copied into pinned host
     memory right behind the step that computes it, and an event recorded after that copy is
-    what the read waits for: that step, not what follows it. (On an H200 the gain measured
-    within run-to-run noise, 52.9 -> 51.9 ms at 345M: megatron's step itself keeps the host
-    close behind the GPU; measured 2026-11-29 at f489333, docs/benchmarks.md.)
+    what the read waits for: that step, not what follows it. (The gain measured within
+    run-to-run noise: megatron's step itself keeps the host close behind the GPU; figures:
+    docs/speed.md, "Asynchronous step".)
     """
 
     def __init__(self, norm):
