@@ -40,7 +40,8 @@ def test_tiny_model_trains_and_its_loss_falls(uninterrupted):
 def test_log_says_what_was_adapted_and_which_path_ran(uninterrupted):
     log = uninterrupted.stdout
     assert "[megagpt] installed: transformer-engine=no" in log
-    assert "[megagpt] compat: --transformer-impl transformer_engine needs Transformer Engine" in log
+    assert ("[megagpt] compat: layers: megatron's local modules (the fast spec where it "
+            "applies): Transformer Engine is not installed") in log
     assert "[megagpt] layer spec: " in log
     assert "> compiling dataset index builder" in log and "No targets specified" not in log
 
