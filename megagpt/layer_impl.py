@@ -21,6 +21,7 @@ touching megatron; ``megagpt.compat`` applies the choice and logs it with its re
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 TRANSFORMER_ENGINE = "transformer_engine"
 LOCAL = "local"
@@ -57,23 +58,11 @@ def needs_transformer_engine(args, installed) -> str | None:
         return "MoE: megatron's MoE block is built from TE's modules where TE is installed"
     if getattr(args, "layernorm_zero_centered_gamma", False) and not installed.apex:
         return "--apply-layernorm-1p needs TE's (or apex's) norms"
-    ignoring_switch = _WithFastSpec(args)
-    reason = fast_spec_unsupported_reason(ignoring_switch)
+    # what the fast spec could cover, as if --no-fast-spec were not given
+    reason = fast_spec_unsupported_reason(SimpleNamespace(**{**vars(args), "fast_spec": True}))
     if reason is not None:
         return f"the fast spec does not cover it: {reason}"
     return None
-
-
-class _WithFastSpec:
-    """``args`` as if ``--no-fast-spec`` were not given: what the fast spec could cover."""
-
-    def __init__(self, args):
-        self._args = args
-
-    def __getattr__(self, name):
-        if name == "fast_spec":
-            return True
-        return getattr(self._args, name)
 
 
 def choose_transformer_impl(args, given: set[str], installed) -> ImplChoice:
