@@ -21,12 +21,16 @@
    stored. An attention kernel that draws them pays at least this much integer work unless
    it hides it behind its matrix products.
 
+``--import-first transformer_engine.pytorch`` imports a module before anything runs: whether
+a library's import (its own CUDA libraries, loaded globally) changes the kernels torch picks.
+
   python bench/bench_kernels.py [--parts attention,wgrad,dropout-floor] [--out F.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 
 import torch
@@ -52,7 +56,7 @@ BACKENDS = {"default": None, "flash": SDPBackend.FLASH_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
 
 
-def attention(layers: int = 24) -> dict:
+def attention(layers: int = 24, flex: bool = True) -> dict:
     results = {}
     for shape, (b, h, s, d) in ATTENTION_SHAPES.items():
         q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16,
@@ -75,11 +79,24 @@ def attention(layers: int = 24) -> dict:
                 results[f"{shape} dropout={p} {name}"] = val
                 print(f"attention {shape} dropout={p} {name:9s} fwd+bwd x{layers} layers:"
                       f" {val} ms", flush=True)
+        if not flex:
+            continue
         val = round(flex_attention_ms(q, k, v, grad) * layers, 2)
         results[f"{shape} dropout=0.0 flex"] = val
         print(f"attention {shape} dropout=0.0 flex      fwd+bwd x{layers} layers: {val} ms",
               flush=True)
     return results
+
+
+def loaded_cudnn_libraries() -> list[str]:
+    """The cuDNN shared libraries this process has mapped (Linux): two copies of one library
+    (torch's and another's) show up as two paths."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return sorted({line.split()[-1] for line in maps
+                           if "libcudnn" in line and line.split()[-1].startswith("/")})
+    except OSError:
+        return []
 
 
 def flex_attention_ms(q, k, v, grad) -> float:
@@ -195,19 +212,28 @@ def main(argv=None) -> int:
     p.add_argument("--parts", default="attention,wgrad",
                    help="which of attention, wgrad, dropout-floor (comma-separated)")
     p.add_argument("--out", default="")
+    p.add_argument("--no-flex", action="store_true",
+                   help="leave FlexAttention (a compile of some 30 s) out of the attention part")
+    p.add_argument("--import-first", default="", metavar="MODULE",
+                   help="import MODULE before timing (e.g. transformer_engine.pytorch)")
     a = p.parse_args(argv)
+    if a.import_first:
+        importlib.import_module(a.import_first)
     parts = [n for n in a.parts.split(",") if n]
     unknown = sorted(set(parts) - {"attention", "wgrad", "dropout-floor"})
     if unknown:
         p.error(f"--parts: unknown {', '.join(unknown)} (attention, wgrad, dropout-floor)")
-    print(torch.__version__, torch.cuda.get_device_name(), "cudnn", torch.backends.cudnn.version())
+    print(torch.__version__, torch.cuda.get_device_name(), "cudnn", torch.backends.cudnn.version(),
+          "imported first:", a.import_first or "-")
     res = {}
     if "attention" in parts:
-        res["attention_ms_per_24_layers"] = attention()
+        res["attention_ms_per_24_layers"] = attention(flex=not a.no_flex)
     if "wgrad" in parts:
         res["wgrad_ms"] = wgrad()
     if "dropout-floor" in parts:
         res["attention_dropout_floor"] = dropout_floor()
+    res["cudnn_libraries_loaded"] = loaded_cudnn_libraries()
+    print("cuDNN libraries loaded:", *res["cudnn_libraries_loaded"], sep="\n  ")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

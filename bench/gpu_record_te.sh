@@ -4,7 +4,8 @@
 #
 #   MCORE_SITE=DIR TE_SITE=DIR bash bench/gpu_record_te.sh OUT_DIR STEP [SECONDS]
 #
-# MCORE_SITE holds megatron-core and what the entry needs beside torch; TE_SITE holds
+# MCORE_SITE holds megatron-core and what the entry needs beside torch (and, for the tests,
+# pytest-xdist and transformers where they are wanted); TE_SITE holds
 # Transformer Engine (built against this machine's torch). A run "with TE" has both on
 # PYTHONPATH, a run "without TE" only MCORE_SITE, so TE is importable for one and hidden
 # from the other in the same call. Steps (one per call, each fits a 10-minute call):
@@ -13,6 +14,10 @@
 #   train   throughput, bf16, mock data, dropout 0: 345M and 1.3B, each: the entry's default
 #           with TE, TE's layers (--transformer-impl transformer_engine --fast-cuda-graph),
 #           the default without TE
+#   profile what importing TE changes for the fast path: the attention kernels torch picks
+#           (bench_kernels.py with and without TE imported first, and the cuDNN libraries
+#           each process maps), then a kernel profile of the 345M default with TE importable
+#           and hidden (bench/profile_entry.py; kernels.tsv of each)
 #   fp8     the wide shape (8 x 4096, seq 4096, micro-batch 1) and 1.3B: TE bf16, TE FP8
 #           hybrid (delayed scaling), TE FP8 current scaling (--fp8-recipe tensorwise), the
 #           entry's default; 50 iterations with their losses
@@ -47,8 +52,10 @@ bench() {  # NAME PYTHONPATH [bench_throughput args...]
 
 case "$STEP" in
 tests)
+    # several tests at once where pytest-xdist is there (each test is its own processes)
+    WORKERS=""; PYTHONPATH=$WITH_TE $PY -c "import xdist" 2>/dev/null && WORKERS="-n 6"
     PYTHONPATH=$WITH_TE timeout $(( $(left) - 5 )) $PY -m pytest -q -p no:cacheprovider -s \
-        -m te_gpu tests/test_transformer_engine_gpu.py > "$OUT/te_tests.txt" 2>&1
+        $WORKERS -m te_gpu tests/test_transformer_engine_gpu.py > "$OUT/te_tests.txt" 2>&1
     grep -E "passed|failed|largest relative|Error" "$OUT/te_tests.txt" | tail -12
     ;;
 matrix)
@@ -67,6 +74,30 @@ train)
         --baseline fast --entry-args "$NODROP" --train-iters 30 --warmup-iters 10
     bench without_te_1.3b "$WITHOUT_TE" --shape 1.3B --paths fast --baseline fast \
         --entry-args "$NODROP" --train-iters 30 --warmup-iters 10
+    ;;
+profile)
+    for side in with without; do
+        path=$WITH_TE; first="--import-first transformer_engine.pytorch"
+        [ $side = with ] || { path=$WITHOUT_TE; first=""; }
+        echo "== attention, TE $side"
+        PYTHONPATH=$path timeout 120 $PY bench/bench_kernels.py --parts attention --no-flex \
+            $first --out "$OUT/attention_${side}_te.json" 2>&1 | grep -v -i jax | tail -22
+    done
+    FLAGS=$($PY -c 'import sys, shlex; sys.path.insert(0, "bench")
+from bench_throughput import shape_flags
+print(shlex.join(shape_flags("345M", 26, 5, 1234)))')
+    for side in with without; do
+        path=$WITH_TE; [ $side = with ] || path=$WITHOUT_TE
+        [ "$(left)" -gt 90 ] || { echo "== profile TE $side: skipped"; continue; }
+        echo "== profile 345M, TE $side ($(left)s left)"
+        PYTHONPATH=$path timeout $(( $(left) - 10 )) $PY -m torch.distributed.run --standalone \
+            --nproc-per-node 1 bench/profile_entry.py --light \
+            --start 20 --iters 3 --out "$OUT/profile_${side}_te" -- $FLAGS $NODROP \
+            > "$OUT/profile_${side}_te.txt" 2>&1
+        grep -E "iteration|busy|host|train_step|optimizer" "$OUT/profile_${side}_te.txt" | head -20
+        cp "$OUT/profile_${side}_te/kernels.tsv" "$OUT/kernels_${side}_te.tsv" 2>/dev/null
+        rm -f "$OUT"/profile_${side}_te/*.gz
+    done
     ;;
 fp8)
     TE="--transformer-impl transformer_engine --fast-cuda-graph"

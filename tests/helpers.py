@@ -123,14 +123,14 @@ TOOLS = REPO / "tools"
 
 
 def run_tool(tool: str, args: list[str], cwd, timeout: float = 300,
-             nproc: int = 1) -> subprocess.CompletedProcess:
+             nproc: int = 1, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``tools/<tool>.py args`` (under torchrun with ``nproc`` > 1); stdout and stderr
     apart (``--json`` writes results on stdout only)."""
     script = str(TOOLS / f"{tool}.py")
     command = [PYTHON, script, *args] if nproc == 1 else \
         [TORCHRUN, "--nproc-per-node", str(nproc), "--master-port", str(_free_port()), script,
          *args]
-    return subprocess.run(command, cwd=cwd, env=entry_env(), stdout=subprocess.PIPE,
+    return subprocess.run(command, cwd=cwd, env=entry_env(env), stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, timeout=timeout)
 
 

@@ -11,11 +11,14 @@ tokens are those it gave before the move.
 import importlib.util
 import json
 import math
+import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import parse_losses, run_entry, run_tool
+from helpers import fetched_or_skip, parse_losses, run_entry, run_tool
 
 pytestmark = [
     pytest.mark.te_gpu,
@@ -101,3 +104,93 @@ def test_checkpoints_cross_between_te_and_the_fast_spec(tmp_path, trained, resum
     # the checkpoint of iteration 3, read under the other implementation, gives the greedy
     # tokens it gave under its own
     assert _greedy(tmp_path, moved / "iter_0000003", resumed) == before
+
+
+def _without_te() -> dict | None:
+    """The environment with Transformer Engine hidden: PYTHONPATH without the folder TE was
+    imported from. None where TE is installed among the interpreter's own packages, from
+    which a child process cannot be kept away."""
+    import transformer_engine
+
+    te_folder = Path(transformer_engine.__file__).resolve().parent.parent
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    kept = [p for p in paths if Path(p).resolve() != te_folder]
+    return {"PYTHONPATH": os.pathsep.join(kept)} if len(kept) < len(paths) else None
+
+
+def _resume(tmp_path, saved, name: str, flags=(), env=None) -> dict[int, float]:
+    """Iterations 4-6 from a copy of the checkpoint ``saved`` (saved at iteration 3)."""
+    ckpt = tmp_path / name
+    shutil.copytree(saved, ckpt)
+    out = run_entry([*TINY_GPT2, "--train-iters", "6", "--save", str(ckpt), "--save-interval",
+                     "3", "--load", str(ckpt), *flags], cwd=tmp_path, env=env, timeout=600)
+    assert out.returncode == 0 and "Traceback" not in out.stdout, out.stdout[-4000:]
+    losses = parse_losses(out.stdout)
+    assert sorted(losses) == [4, 5, 6], losses
+    return losses
+
+
+def _worst(losses, reference) -> float:
+    return max(abs(losses[i] - reference[i]) / reference[i] for i in (4, 5, 6))
+
+
+# TINY with the GPT-2 tokenizer (an exported folder needs a real one); the fixture fills it in
+TINY_GPT2: list[str] = []
+
+
+def test_a_te_checkpoint_resumes_generates_and_exports_without_te(tmp_path):
+    """Trained under TE's layers (bf16, GPU), then: resumed on a GPU where TE is hidden, and
+    on the CPU (fp32); its greedy tokens are the same under TE, without TE, on the CPU, and
+    from the Hugging Face folder it exports."""
+    from megagpt.data.gpt2_files import ensure_gpt2_files
+
+    gpt2 = fetched_or_skip(ensure_gpt2_files, "GPT-2 files")
+    tiny = [f for i, f in enumerate(TINY) if f != "--vocab-size" and TINY[i - 1] != "--vocab-size"]
+    TINY_GPT2[:] = [*tiny, "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+                    gpt2.vocab_file, "--merge-file", gpt2.merge_file]
+    te = ["--transformer-impl", "transformer_engine", "--no-fast-cuda-graph"]
+    out = run_entry([*TINY_GPT2, *te, "--train-iters", "6"], cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stdout[-4000:]
+    uninterrupted = parse_losses(out.stdout)
+    saved = tmp_path / "saved"
+    out = run_entry([*TINY_GPT2, *te, "--train-iters", "3", "--save", str(saved),
+                     "--save-interval", "3"], cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stdout[-4000:]
+
+    hidden = _without_te()
+    if hidden is not None:  # a GPU without TE: the default (the fast spec)
+        worst = _worst(_resume(tmp_path, saved, "no_te", env=hidden), uninterrupted)
+        print(f"transformer_engine -> fast spec without TE: largest relative loss "
+              f"difference {worst:.2e}")
+        assert worst < 2e-2
+    # the CPU trains in fp32 where the GPU run was bf16: a looser bound, the figure printed
+    worst = _worst(_resume(tmp_path, saved, "cpu", ["--cpu"]), uninterrupted)
+    print(f"transformer_engine -> --cpu: largest relative loss difference {worst:.2e}")
+    assert worst < 5e-2
+
+    prompt = ["--prompt", "To be, or not to be", "--greedy", "--json", "--max-new-tokens",
+              "12", "--ignore-eod", "--engine", "megatron"]
+
+    def greedy(*flags, env=None) -> list[int]:
+        run = run_tool("generate", ["--load", str(saved), *prompt, *flags], cwd=tmp_path,
+                       env=env)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return json.loads(run.stdout)["completion_tokens"]
+
+    under_te = greedy("--dtype", "fp32", "--transformer-impl", "transformer_engine")
+    assert greedy("--cpu") == under_te
+    if hidden is not None:
+        assert greedy("--dtype", "fp32", env=hidden) == under_te
+
+    folder = tmp_path / "hf"
+    run = run_tool("export_hf", ["--load", str(saved), "--output", str(folder), "--dtype",
+                                 "fp32"], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    ids = tokenizer("To be, or not to be", return_tensors="pt").input_ids
+    with torch.no_grad():
+        theirs = model.generate(ids, max_new_tokens=12, do_sample=False,
+                                eos_token_id=None)[0, ids.shape[1]:].tolist()
+    assert theirs == under_te
