@@ -21,8 +21,9 @@
    stored. An attention kernel that draws them pays at least this much integer work unless
    it hides it behind its matrix products.
 
-``--import-first transformer_engine.pytorch`` imports a module before anything runs: whether
-a library's import (its own CUDA libraries, loaded globally) changes the kernels torch picks.
+``--import-first transformer_engine.pytorch`` imports modules before anything runs: whether
+a library's import (its own CUDA libraries, loaded globally) changes the kernels torch picks;
+``--import-first megagpt,transformer_engine.pytorch``: as the entry imports them.
 
   python bench/bench_kernels.py [--parts attention,wgrad,dropout-floor] [--out F.json]
 """
@@ -214,11 +215,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="")
     p.add_argument("--no-flex", action="store_true",
                    help="leave FlexAttention (a compile of some 30 s) out of the attention part")
-    p.add_argument("--import-first", default="", metavar="MODULE",
-                   help="import MODULE before timing (e.g. transformer_engine.pytorch)")
+    p.add_argument("--import-first", default="", metavar="MODULES",
+                   help="import these (comma-separated) before timing, e.g. "
+                        "transformer_engine.pytorch, or megagpt,transformer_engine.pytorch "
+                        "as the entry imports them")
     a = p.parse_args(argv)
-    if a.import_first:
-        importlib.import_module(a.import_first)
+    for module in filter(None, a.import_first.split(",")):
+        importlib.import_module(module)
     parts = [n for n in a.parts.split(",") if n]
     unknown = sorted(set(parts) - {"attention", "wgrad", "dropout-floor"})
     if unknown:

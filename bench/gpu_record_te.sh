@@ -15,8 +15,8 @@
 #           with TE, TE's layers (--transformer-impl transformer_engine --fast-cuda-graph),
 #           the default without TE
 #   profile what importing TE changes for the fast path: the attention kernels torch picks
-#           (bench_kernels.py with and without TE imported first, and the cuDNN libraries
-#           each process maps), then a kernel profile of the 345M default with TE importable
+#           and the cuDNN libraries each process maps (bench_kernels.py: TE imported as such,
+#           TE imported after megagpt as the entry does, no TE), then a kernel profile of the 345M default with TE importable
 #           and hidden (bench/profile_entry.py; kernels.tsv of each)
 #   fp8     the wide shape (8 x 4096, seq 4096, micro-batch 1) and 1.3B: TE bf16, TE FP8
 #           hybrid (delayed scaling), TE FP8 current scaling (--fp8-recipe tensorwise), the
@@ -76,12 +76,14 @@ train)
         --entry-args "$NODROP" --train-iters 30 --warmup-iters 10
     ;;
 profile)
-    for side in with without; do
+    # TE imported as such, TE imported as the entry imports it (after megagpt), no TE
+    for side in as_such as_entry without; do
         path=$WITH_TE; first="--import-first transformer_engine.pytorch"
-        [ $side = with ] || { path=$WITHOUT_TE; first=""; }
-        echo "== attention, TE $side"
+        [ $side = as_entry ] && first="--import-first megagpt,transformer_engine.pytorch"
+        [ $side = without ] && { path=$WITHOUT_TE; first=""; }
+        echo "== attention, TE: $side"
         PYTHONPATH=$path timeout 120 $PY bench/bench_kernels.py --parts attention --no-flex \
-            $first --out "$OUT/attention_${side}_te.json" 2>&1 | grep -v -i jax | tail -22
+            $first --out "$OUT/attention_te_${side}.json" 2>&1 | grep -v -i jax | tail -22
     done
     FLAGS=$($PY -c 'import sys, shlex; sys.path.insert(0, "bench")
 from bench_throughput import shape_flags
@@ -90,8 +92,7 @@ print(shlex.join(shape_flags("345M", 26, 5, 1234)))')
         path=$WITH_TE; [ $side = with ] || path=$WITHOUT_TE
         [ "$(left)" -gt 90 ] || { echo "== profile TE $side: skipped"; continue; }
         echo "== profile 345M, TE $side ($(left)s left)"
-        PYTHONPATH=$path timeout $(( $(left) - 10 )) $PY -m torch.distributed.run --standalone \
-            --nproc-per-node 1 bench/profile_entry.py --light \
+        PYTHONPATH=$path timeout $(( $(left) - 10 )) $PY bench/profile_entry.py --light \
             --start 20 --iters 3 --out "$OUT/profile_${side}_te" -- $FLAGS $NODROP \
             > "$OUT/profile_${side}_te.txt" 2>&1
         grep -E "iteration|busy|host|train_step|optimizer" "$OUT/profile_${side}_te.txt" | head -20

@@ -38,6 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import megagpt  # noqa: E402,F401  before megatron imports TE: TE takes torch's cuDNN (as the entry does)
+
 
 def _install_window(start: int, iters: int, out: Path, report, with_stack: bool = True):
     """Wrap megatron's train_step so that iterations [start, start+iters) are profiled."""

@@ -71,8 +71,13 @@ class Installed:
         def yes(flag: bool) -> str:
             return "yes" if flag else "no"
 
-        return (f"transformer-engine={yes(self.transformer_engine)} apex={yes(self.apex)} "
+        line = (f"transformer-engine={yes(self.transformer_engine)} apex={yes(self.apex)} "
                 f"fused-softmax-kernels={yes(self.masked_softmax_kernels)}")
+        if self.transformer_engine:
+            from megagpt.te_cudnn import cudnn_te_loads
+
+            line += f" (TE loads {cudnn_te_loads()})"
+        return line
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -194,3 +196,25 @@ def test_a_te_checkpoint_resumes_generates_and_exports_without_te(tmp_path):
         theirs = model.generate(ids, max_new_tokens=12, do_sample=False,
                                 eos_token_id=None)[0, ids.shape[1]:].tolist()
     assert theirs == under_te
+
+
+def test_te_and_torch_share_one_cudnn():
+    """Imported as the entry imports them (megagpt first), TE loads the cuDNN torch links:
+    the process maps one copy, torch's cuDNN starts, and its cuDNN attention runs."""
+    code = "\n".join([
+        "import megagpt, torch, transformer_engine.pytorch",
+        "import torch.nn.functional as F",
+        "from torch.nn.attention import SDPBackend, sdpa_kernel",
+        "q = torch.randn(1, 2, 128, 64, device='cuda', dtype=torch.bfloat16)",
+        "with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):",
+        "    F.scaled_dot_product_attention(q, q, q, is_causal=True)",
+        "print(torch.backends.cudnn.version())",
+        "print(*sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libcudnn' in l}),",
+        "      sep='\\n')",
+    ])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    libraries = out.stdout.split()[1:]
+    # one folder: torch's copy only (the system's lives elsewhere, e.g. /usr/lib/...)
+    assert libraries and len({os.path.dirname(p) for p in libraries}) == 1, libraries
