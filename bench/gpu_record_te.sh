@@ -66,11 +66,13 @@ matrix)
     tail -4 "$OUT/flag_matrix_te.txt"
     ;;
 train)
-    bench with_te_345m "$WITH_TE" --shape 345M --paths fast,te --baseline fast \
+    # TE_PATHS=fast: only the default with TE (against without), e.g. to check that
+    # importing TE leaves the fast path's speed alone
+    bench with_te_345m "$WITH_TE" --shape 345M --paths ${TE_PATHS:-fast,te} --baseline fast \
         --entry-args "$NODROP" --train-iters 30 --warmup-iters 10
     bench without_te_345m "$WITHOUT_TE" --shape 345M --paths fast --baseline fast \
         --entry-args "$NODROP" --train-iters 30 --warmup-iters 10
-    bench with_te_1.3b "$WITH_TE" --shape 1.3B --paths fast,te \
+    bench with_te_1.3b "$WITH_TE" --shape 1.3B --paths ${TE_PATHS:-fast,te} \
         --baseline fast --entry-args "$NODROP" --train-iters 30 --warmup-iters 10
     bench without_te_1.3b "$WITHOUT_TE" --shape 1.3B --paths fast --baseline fast \
         --entry-args "$NODROP" --train-iters 30 --warmup-iters 10
