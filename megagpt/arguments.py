@@ -284,9 +284,12 @@ def set_megatron_globals(args) -> None:
     check_tokenizer_files(args)
     set_global_variables(args, build_tokenizer=False)
     try:
-        global_vars._GLOBAL_TOKENIZER = build_tokenizer(args)
+        tokenizer = build_tokenizer(args)
     except Exception as exc:  # noqa: BLE001 - any failure to load is about the user's files
         raise load_error(exc, args) from None
+    # megatron clears its tokenizer itself (unset_global_variables), which ends this
+    megatron_wrappers.replace(global_vars, "_GLOBAL_TOKENIZER", __name__, tokenizer,
+                              megatron_sets=True)
 
 
 def build_tokenizer(args):

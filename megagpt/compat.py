@@ -289,9 +289,6 @@ def skip_dataset_helper_compilation() -> None:
     megatron_wrappers.install(dataset_utils, "compile_helpers", __name__, already_built)
 
 
-_DISTRIBUTED_OPTIMIZER_ORIGINALS: dict = {}
-
-
 def distributed_optimizer_resumes_without_apex(log: Callable[[str], None] = lambda s: None
                                                ) -> None:
     """Let megatron's distributed optimizer load a checkpoint without TE or apex.
@@ -315,16 +312,26 @@ def distributed_optimizer_resumes_without_apex(log: Callable[[str], None] = lamb
     CPU in fp32 (under another, to float32 rounding: it sums in another order).
     With TE or apex installed, nothing changes.
     """
+    from megatron.core.optimizer import distrib_optimizer
+
+    from megagpt import megatron_wrappers
+
+    cls = distrib_optimizer.DistributedOptimizer
+    if (__name__ in megatron_wrappers.installed(cls, "load_state_dict")
+            or distrib_optimizer.HAVE_APEX_OR_TE):
+        return
+    megatron_wrappers.install(cls, "sharded_state_dict", __name__,
+                              lambda original: _loading_into_dummy_states(original, log))
+    megatron_wrappers.install(cls, "_set_main_param_and_optimizer_states", __name__,
+                              _keeping_the_restored_step)
+    megatron_wrappers.install(cls, "load_state_dict", __name__, _a_step_per_state)
+
+
+def _loading_into_dummy_states(original: Callable, log: Callable[[str], None]) -> Callable:
     import inspect
 
     import torch
-    from megatron.core.optimizer import distrib_optimizer
 
-    if _DISTRIBUTED_OPTIMIZER_ORIGINALS or distrib_optimizer.HAVE_APEX_OR_TE:
-        return
-    cls = distrib_optimizer.DistributedOptimizer
-    original = cls.sharded_state_dict
-    _DISTRIBUTED_OPTIMIZER_ORIGINALS["sharded_state_dict"] = original
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -341,10 +348,11 @@ def distributed_optimizer_resumes_without_apex(log: Callable[[str], None] = lamb
                     "of megatron's loader (no TE/apex: megagpt.compat)")
         return original(self, *args, **kwargs)
 
-    cls.sharded_state_dict = sharded_state_dict
+    return sharded_state_dict
 
-    set_states = cls._set_main_param_and_optimizer_states
-    _DISTRIBUTED_OPTIMIZER_ORIGINALS["_set_main_param_and_optimizer_states"] = set_states
+
+def _keeping_the_restored_step(set_states: Callable) -> Callable:
+    import torch
 
     @functools.wraps(set_states)
     def _set_main_param_and_optimizer_states(self, model_param, tensors):
@@ -364,10 +372,11 @@ def distributed_optimizer_resumes_without_apex(log: Callable[[str], None] = lamb
                     if isinstance(value, torch.Tensor) and (key == "step" or key not in tensors)}
             return set_states(self, model_param, {**tensors, **kept})
 
-    cls._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+    return _set_main_param_and_optimizer_states
 
-    load = cls.load_state_dict
-    _DISTRIBUTED_OPTIMIZER_ORIGINALS["load_state_dict"] = load
+
+def _a_step_per_state(load: Callable) -> Callable:
+    import torch
 
     @functools.wraps(load)
     def load_state_dict(self, state_dict):
@@ -380,7 +389,7 @@ def distributed_optimizer_resumes_without_apex(log: Callable[[str], None] = lamb
                     state["step"] = state["step"].clone()
         return result
 
-    cls.load_state_dict = load_state_dict
+    return load_state_dict
 
 
 def _built_without_wgrad_fusion(init: Callable) -> Callable:

@@ -239,23 +239,24 @@ def _cuda_rng_state_stand_in(*args, **kwargs) -> torch.Tensor:
     return torch.zeros(16, dtype=torch.uint8)
 
 
-def _install_rng_tracker() -> tuple:
+@contextlib.contextmanager
+def _cpu_rng_tracker():
+    """megatron's CUDA RNG tracker, and the CUDA generator state activation recompute saves
+    and restores, stood in for by CPU ones while the block runs."""
     import megatron.core.tensor_parallel.random as mrandom
 
-    saved = (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
-             mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state)
-    mrandom._CUDA_RNG_STATE_TRACKER = CpuRngTracker()
-    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    mrandom._get_cuda_rng_state = _cuda_rng_state_stand_in
-    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
-    return saved
+    def no_cuda_state_to_set(*args, **kwargs):
+        return None
 
-
-def _restore_rng_tracker(saved: tuple) -> None:
-    import megatron.core.tensor_parallel.random as mrandom
-
-    (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
-     mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state) = saved
+    replacements = {
+        "_CUDA_RNG_STATE_TRACKER": CpuRngTracker(),
+        "_CUDA_RNG_STATE_TRACKER_INITIALIZED": True,
+        "_get_cuda_rng_state": _cuda_rng_state_stand_in,
+        "_set_cuda_rng_state": no_cuda_state_to_set,
+    }
+    with megatron_wrappers.wrapped(mrandom, [(name, __name__, megatron_wrappers.replacing(value))
+                                             for name, value in replacements.items()]):
+        yield
 
 
 # ---------------------------------------------------------------------------
@@ -316,34 +317,25 @@ def generating():
         yield
 
 
-@contextlib.contextmanager
-def _checkpoint_writer_forked():
+def _forking(original_get_process):
     """megatron starts its persistent checkpoint writer through a fork server, or, when it
     restarts it for the final save, by spawn: fork it instead, so it has these stand-ins."""
-    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
-
-    original = PersistentAsyncCaller.__dict__["_get_process"]
-
     def _get_process(cls, rank, mp_mode="spawn", *args, **kwargs):
-        return original.__func__(cls, rank, "fork", *args, **kwargs)
+        return original_get_process.__func__(cls, rank, "fork", *args, **kwargs)
 
-    PersistentAsyncCaller._get_process = classmethod(_get_process)
-    try:
-        yield
-    finally:
-        PersistentAsyncCaller._get_process = original
+    return classmethod(_get_process)
 
 
 @contextlib.contextmanager
 def active():
     """Run the enclosed megatron code on the CPU (see the module docstring)."""
     import megatron.training.training as mtraining
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
 
     import torch._dynamo
 
     saved_cuda = {name: getattr(torch.cuda, name) for name in _cuda_stand_ins()}
     saved_dynamo_disable = torch._dynamo.config.disable
-    saved_tracker = _install_rng_tracker()
 
     def allowing_no_cuda(initialize_megatron):
         def initialize_megatron_without_cuda(*args, **kwargs):
@@ -353,7 +345,8 @@ def active():
 
     megatron_changes = [
         ("initialize_megatron", __name__, allowing_no_cuda),
-        ("set_jit_fusion_options", __name__, lambda _: lambda *a, **k: None),
+        ("set_jit_fusion_options", __name__,
+         megatron_wrappers.replacing(lambda *a, **k: None)),
     ]
     try:
         for name, stand_in in _cuda_stand_ins().items():
@@ -361,11 +354,12 @@ def active():
         # torch.compile on a CPU needs a C++ toolchain and minutes of compiling, for no gain
         # in a development run; megatron's jit_fuser and the fast spec then run eagerly.
         torch._dynamo.config.disable = True
-        with megatron_wrappers.wrapped(mtraining, megatron_changes), \
-                _checkpoint_writer_forked(), CudaToCpu():
+        with _cpu_rng_tracker(), megatron_wrappers.wrapped(mtraining, megatron_changes), \
+                megatron_wrappers.wrapped(PersistentAsyncCaller,
+                                          [("_get_process", __name__, _forking)]), \
+                CudaToCpu():
             yield
     finally:
         for name, original in saved_cuda.items():
             setattr(torch.cuda, name, original)
         torch._dynamo.config.disable = saved_dynamo_disable
-        _restore_rng_tracker(saved_tracker)

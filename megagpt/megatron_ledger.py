@@ -7,7 +7,8 @@ fails when an installed megatron's source of any entry differs from its fingerpr
 signature, a changed body, a renamed or removed name) and when a needle the entry depends on
 is gone: that entry's workaround must then be re-read against the new code, and either
 updated (new fingerprint, ``checked`` raised) or removed. It also fails when the project's
-installers change a megatron attribute that no entry lists.
+installers change a megatron attribute that no entry lists, or change one other than through
+``megagpt.megatron_wrappers`` (which installs every ``wraps`` and ``replaces`` entry).
 
 How (``how``):
 
@@ -54,6 +55,8 @@ MODEL = "when the fast spec builds the model (gpt_builders -> fast_spec.spec)"
 LAUNCH = "at launch, before pretrain (pretrain_gpt.run)"
 GLOBALS = "at launch, after megatron's globals are set (arguments.set_megatron_globals)"
 TOKENIZER = "whenever a tokenizer is built (data.tokenizers.build_tokenizer)"
+PREFLIGHT = ("around the preflight's schedule and sample-count checks "
+             "(preflight.schedule_check.global_args), undone after")
 PARSE = "at parse time (data.tokenizers, megagpt.data.preprocess's parser)"
 
 
@@ -121,6 +124,12 @@ LEDGER: tuple[Change, ...] = (
            "diverged model is never saved; outside the snapshot's wrapper (no snapshot of a "
            "save that is refused)", PRETRAIN + ", when the gradient-norm guard is on",
            "42e813b3aa30"),
+    Change("megatron.training.checkpointing.schedule_async_save", WRAPS,
+           "megagpt.resilience.async_save",
+           "an asynchronous save's request takes finalize functions only before it is "
+           "scheduled (megatron freezes it); the configuration snapshot is one, written once "
+           "the writer has finished", PRETRAIN + ", inside each asynchronous persistent save "
+           "(resilience.config_snapshot)", "bdf6754425e0"),
     Change(T + "load_checkpoint", WRAPS, "megagpt.resilience.checkpoint_guard",
            "megatron reports a bad checkpoint with a stack trace from torch.distributed or a "
            "bare sys.exit(); the wrapper makes it one line naming the checkpoint", PRETRAIN,
@@ -233,9 +242,9 @@ LEDGER: tuple[Change, ...] = (
            "01aa652d523b"),
     Change(DDP + "zero_grad_buffer", WRAPS, "megagpt.fast_spec.grad_write",
            "it fills the whole gradient buffer with zeros every step (2.6 GB at 1.3B); where "
-           "gradients are written it resets megatron's bookkeeping only (whether to write is "
-           "one process-wide setting, grad_write.set_grad_write, because these wrappers and "
-           "the hooks made under them are process-wide; install turns it on at launch)",
+           "gradients are written it resets megatron's bookkeeping only (gradients are written "
+           "while grad_write's wrappers are installed, process-wide as megatron's DDP methods "
+           "are; install puts them in place at launch)",
            FAST_LAUNCH + ", with --fast-grad-write", "3e76d9a34a92"),
     Change(DDP + "finish_grad_sync", WRAPS, "megagpt.fast_spec.grad_write",
            "before any reduction, parameters that got no gradient this step are zeroed and "
@@ -378,6 +387,11 @@ LEDGER: tuple[Change, ...] = (
            "megatron's GPT2BPETokenizer asks the HuggingFace hub for 'gpt2' even with local "
            "files; the global tokenizer is the project's, which loads them offline", GLOBALS,
            "eb0327eb5368"),
+    Change("megatron.training.global_vars._GLOBAL_ARGS", REPLACES,
+           "megagpt.preflight.schedule_check",
+           "megatron's scheduler and sample counts read the run's arguments with get_args; "
+           "the preflight runs them on the launch's arguments (or a copy) before megatron's "
+           "globals are set, or without disturbing them", PREFLIGHT, "de64d38ea9a5"),
     Change("megatron.core.tokenizers.utils.build_tokenizer.build_tokenizer", STANDS_IN,
            "megagpt.data.tokenizers",
            "GPT2BPETokenizer is built from a local HuggingFace folder made of the vocab and "

@@ -1,4 +1,5 @@
-"""Wrappers of megatron's functions (module-level, or a class's), composed in one stated order.
+"""Every wrapper or replacement of a megatron attribute (a module's, or a class's), installed
+in one place and composed in one stated order.
 
 Several concerns wrap the same megatron function: ``training_log`` (the asynchronous step,
 resume fidelity), ``setup_model_and_optimizer`` (the flat AdamW step, the asynchronous
@@ -8,6 +9,11 @@ megatron's original with the installed wrappers applied in the order of their en
 ``megagpt.megatron_ledger``, the first innermost. So the composition does not depend on which
 concern is installed first, and removing one wrapper keeps the others (restoring a saved
 attribute instead would also drop every wrapper installed after it).
+
+A replacement (``replace``: a value, a class, a function that does not call megatron's) is a
+layer that ignores what is under it. Every change the project makes to a megatron attribute
+goes through here, so each can be taken off again by its owner (``remove``, ``remove_all``)
+without a copy of megatron's value kept anywhere else.
 
 Only what the ledger lists can be installed (``wraps`` or ``replaces`` entries of that
 owner): a change to megatron that is not in the ledger is an error here.
@@ -30,8 +36,10 @@ class _Chain:
 
     module: object
     name: str
-    original: Callable
+    original: object
+    own: bool  # the original is in the module's (or class's) own namespace, not inherited
     layers: list[tuple[str, Wrapper, Callable]] = field(default_factory=list)  # owner, wrap, built
+    megatron_sets: bool = False  # a global megatron assigns itself (see ``replace``)
 
     @property
     def top(self) -> Callable:
@@ -43,7 +51,10 @@ class _Chain:
             owner, wrap, _ = self.layers[i]
             fn = wrap(fn)
             self.layers[i] = (owner, wrap, fn)
-        setattr(self.module, self.name, fn)
+        if self.layers or self.own:
+            setattr(self.module, self.name, fn)
+        else:  # an inherited attribute: the class's own one goes, the base's shows again
+            delattr(self.module, self.name)
 
 
 _CHAINS: dict[str, _Chain] = {}
@@ -53,6 +64,21 @@ def _target(module, name: str) -> str:
     if isinstance(module, type):  # a class attribute, e.g. a megatron layer's __init__
         return f"{module.__module__}.{module.__qualname__}.{name}"
     return f"{module.__name__}.{name}"
+
+
+def _read(module, name: str) -> object:
+    """``module.name`` as stored: for a class, the object in its (or a base's) namespace, so
+    that a classmethod or staticmethod is what is wrapped and put back, not a bound method."""
+    if isinstance(module, type):
+        for klass in module.__mro__:
+            if name in vars(klass):
+                return vars(klass)[name]
+        raise AttributeError(f"{module.__qualname__} has no attribute {name!r}")
+    return getattr(module, name)
+
+
+def _own(module, name: str) -> bool:
+    return not isinstance(module, type) or name in vars(module)
 
 
 def _order(target: str, owner: str) -> list[str]:
@@ -65,20 +91,25 @@ def _order(target: str, owner: str) -> list[str]:
 
 def _chain(module, name: str) -> _Chain | None:
     chain = _CHAINS.get(_target(module, name))
-    if chain is not None and getattr(module, name) is not chain.top:
+    if chain is not None and _read(module, name) is not chain.top:
+        if chain.megatron_sets:  # megatron has set its own value since: ours is over
+            del _CHAINS[_target(module, name)]
+            return None
         raise RuntimeError(f"{_target(module, name)} was replaced outside "
                            "megagpt.megatron_wrappers; install every wrapper through it")
     return chain
 
 
-def install(module, name: str, owner: str, wrapper: Wrapper) -> None:
+def install(module, name: str, owner: str, wrapper: Wrapper, megatron_sets: bool = False
+            ) -> None:
     """Put ``wrapper`` (original -> wrapped function) over ``module.name`` at ``owner``'s
     place in the ledger's order; an owner's second install replaces its first."""
     target = _target(module, name)
     order = _order(target, owner)
     chain = _chain(module, name)
     if chain is None:
-        chain = _CHAINS[target] = _Chain(module, name, getattr(module, name))
+        chain = _CHAINS[target] = _Chain(module, name, _read(module, name),
+                                         _own(module, name), megatron_sets=megatron_sets)
     owners = [layer[0] for layer in chain.layers]
     if owner in owners:
         index = owners.index(owner)
@@ -87,6 +118,23 @@ def install(module, name: str, owner: str, wrapper: Wrapper) -> None:
         index = sum(order.index(o) < order.index(owner) for o in owners)
         chain.layers.insert(index, (owner, wrapper, None))
     chain.rebuild_from(index)
+
+
+def replacing(value: object) -> Wrapper:
+    """The layer of a replacement: ``value`` in place of whatever is under it."""
+    return lambda _megatrons: value
+
+
+def replace(module, name: str, owner: str, value: object, megatron_sets: bool = False
+            ) -> None:
+    """Set ``module.name`` to ``value`` (a ``replaces`` entry of ``owner``) until ``remove``;
+    wrappers listed after it in the ledger wrap ``value``.
+
+    ``megatron_sets``: a global that megatron assigns itself (its tokenizer, which
+    ``unset_global_variables`` clears): a value megatron has set since the replacement
+    supersedes it (a later install starts from megatron's value; ``remove`` leaves it),
+    where any other change made outside this module is an error."""
+    install(module, name, owner, replacing(value), megatron_sets=megatron_sets)
 
 
 def remove(module, name: str, owner: str) -> None:
@@ -100,6 +148,28 @@ def remove(module, name: str, owner: str) -> None:
     chain.rebuild_from(index)
     if not chain.layers:
         del _CHAINS[_target(module, name)]
+
+
+def remove_all(owner: str) -> list[str]:
+    """Take every wrapper and replacement of ``owner`` off; returns the targets it left."""
+    left = []
+    for target, chain in list(_CHAINS.items()):
+        if owner in (layer[0] for layer in chain.layers):
+            remove(chain.module, chain.name, owner)
+            left.append(target)
+    return left
+
+
+def installed_by(owner: str) -> list[str]:
+    """The targets ``owner`` has a wrapper or replacement over."""
+    return [target for target, chain in _CHAINS.items()
+            if owner in (layer[0] for layer in chain.layers)]
+
+
+def original(module, name: str) -> object:
+    """megatron's own ``module.name``, under whatever is installed over it."""
+    chain = _CHAINS.get(_target(module, name))
+    return chain.original if chain else _read(module, name)
 
 
 def installed(module, name: str) -> list[str]:

@@ -53,10 +53,11 @@ def gpt2():
 
 @pytest.fixture(autouse=True)
 def _grad_write_off_afterwards():
-    """Writing gradients is process-wide (it steers megatron's DDP methods, which
-    ``grad_write.install`` wraps); a test that installed or set it must not leave it on for
-    the next one's models."""
+    """Writing gradients is process-wide (on while ``grad_write.install``'s wrappers of
+    megatron's DDP methods are in place); a test that installed them (an in-process launch)
+    must not leave them on for the next one's models: they come off through the registry."""
     yield
+    from megagpt import megatron_wrappers
     from megagpt.fast_spec import grad_write
 
-    grad_write.set_grad_write(False)
+    megatron_wrappers.remove_all(grad_write.__name__)

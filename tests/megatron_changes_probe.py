@@ -3,10 +3,12 @@ attributes each step changed (tests/test_megatron_ledger.py holds them against t
 
     python tests/megatron_changes_probe.py
 
-Prints ``{"launch": [...], "pretrain": [...], "validation": [...], "left": [...]}``: the
-dotted names changed by the fast path's launch-time installers and compat, inside
-``resilience.active`` + ``cpu_mode.active``, inside the validation without a GPU, and still
-changed after the context managers exit (the launch-time changes only).
+Prints ``{"launch": [...], "pretrain": [...], "validation": [...], "preflight": [...],
+"left": [...]}``: the dotted names changed by the fast path's launch-time installers and
+compat, inside ``resilience.active`` + ``cpu_mode.active``, inside the validation without a
+GPU, inside the preflight's ``schedule_check.global_args``, and still
+changed after the context managers exit (the launch-time changes only); and under
+``"registered"`` the same steps' names that ``megagpt.megatron_wrappers`` holds installed.
 """
 
 from __future__ import annotations
@@ -53,9 +55,15 @@ def main() -> int:
     for change in LEDGER:  # every module the installers reach is loaded before the snapshot
         importlib.import_module(split_target(change.target)[0])
     from megagpt import arguments, compat, cpu_mode, resilience
+    from megagpt.preflight import schedule_check
     from megagpt.fast_spec import async_step, capture_watchdog, flat_adam, grad_write, optim
 
-    report = {}
+    from megagpt import megatron_wrappers
+
+    def registered() -> list[str]:
+        return sorted(megatron_wrappers._CHAINS)
+
+    report = {"registered": {}}
     before = megatron_attributes()
     optim.install_fast_optimizer(tensor_clip=True)
     flat_adam.install()
@@ -73,6 +81,7 @@ def main() -> int:
         te_without_apex)
     launched = megatron_attributes()
     report["launch"] = changed(before, launched)
+    report["registered"]["launch"] = registered()
 
     args = arguments.parse_arguments(
         ["--cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "64",
@@ -84,9 +93,15 @@ def main() -> int:
     args.entry_argv = []
     with cpu_mode.active(), resilience.active(args):
         report["pretrain"] = changed(launched, megatron_attributes())
+        report["registered"]["pretrain"] = registered()
     with arguments._device_arch_for_validation(9):
         report["validation"] = changed(launched, megatron_attributes())
+        report["registered"]["validation"] = registered()
+    with schedule_check.global_args(args):
+        report["preflight"] = changed(launched, megatron_attributes())
+        report["registered"]["preflight"] = registered()
     report["left"] = changed(before, megatron_attributes())
+    report["registered"]["left"] = registered()
     print(json.dumps(report))
     return 0
 

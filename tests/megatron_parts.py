@@ -16,17 +16,18 @@ TINY_VOCAB, TINY_SEQ = 64, 16
 def fast_optimizer_kernels(tensor_clip: bool = True):
     """megatron's optimizer modules with the fast optimizer's kernels (this process), put
     back as they were afterwards. Skips where TE or apex provide megatron's kernels."""
+    from megagpt import megatron_wrappers
     from megagpt.fast_spec import optim
 
     if not optim.megatron_uses_local_fallbacks():
         pytest.skip("TE or apex installed: megatron's optimizer takes their kernels")
-    was_installed = "Adam" in optim._ORIGINALS
-    optim.uninstall_fast_optimizer()
+    was_installed = bool(megatron_wrappers.installed_by(optim.__name__))
+    megatron_wrappers.remove_all(optim.__name__)
     optim.install_fast_optimizer(tensor_clip=tensor_clip)
     try:
         yield
     finally:
-        optim.uninstall_fast_optimizer()
+        megatron_wrappers.remove_all(optim.__name__)
         if was_installed:
             optim.install_fast_optimizer()
 

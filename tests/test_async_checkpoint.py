@@ -75,3 +75,33 @@ def test_the_entry_makes_the_choice_while_parsing():
     assert args.async_save  # megatron's validate_args kept it on (the worker is on)
     expected = "nvrx" if async_save.resiliency_ext_installed() and not args.cpu else "mcore"
     assert args.async_strategy == expected
+
+
+def test_finalize_adds_wraps_the_scheduling_for_the_block_only(monkeypatch):
+    """The request scheduled inside gets the function among its finalize functions; the
+    wrapper is the registry's, taken off when the block ends."""
+    import megatron.training.checkpointing as mckpt
+
+    from megagpt import megatron_wrappers
+
+    scheduled = []
+    monkeypatch.setattr(mckpt, "schedule_async_save", scheduled.append)  # megatron's queue
+
+    class Request:
+        def __init__(self):
+            self.finalize = []
+
+        def add_finalize_fn(self, fn):
+            self.finalize.append(fn)
+
+    def snapshot():
+        pass
+
+    request = Request()
+    with async_save.finalize_adds(snapshot):
+        assert megatron_wrappers.installed(mckpt, "schedule_async_save") == [
+            "megagpt.resilience.async_save"]
+        mckpt.schedule_async_save(request)
+    assert scheduled == [request] and request.finalize == [snapshot]
+    assert mckpt.schedule_async_save == scheduled.append
+    assert megatron_wrappers.installed(mckpt, "schedule_async_save") == []

@@ -127,14 +127,16 @@ def test_scalar_tensors_are_built_without_blocking(cpu_megatron):
     assert u.tolist() == [1, 2] and v.item() == 2.5
 
 
-def test_install_wraps_and_uninstall_restores():
+def test_install_wraps_and_removal_restores():
     import megatron.training.dist_signal_handler as msignal
     import megatron.training.training as mtraining
 
     from megagpt.fast_spec import async_step
 
-    was = dict(async_step._ORIGINALS)
-    async_step.uninstall()
+    from megagpt import megatron_wrappers
+
+    was = megatron_wrappers.installed_by(async_step.__name__)
+    megatron_wrappers.remove_all(async_step.__name__)
     names = ["reduce_max_stat_across_model_parallel_group",
              "logical_and_across_model_parallel_group", "training_log",
              "setup_model_and_optimizer"]
@@ -146,7 +148,7 @@ def test_install_wraps_and_uninstall_restores():
         assert all(getattr(mtraining, n) is not before[n] for n in names)
         assert msignal.all_gather_item([1], torch.int32) == [[1]]  # no process group here
     finally:
-        async_step.uninstall()
+        megatron_wrappers.remove_all(async_step.__name__)
     assert {n: getattr(mtraining, n) for n in names} == before
     assert msignal.all_gather_item is gather
     if was:
@@ -323,10 +325,11 @@ def test_main_grads_from_one_cast_per_buffer_equal_megatrons(buffer_dtype):
 
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
+    from megagpt import megatron_wrappers
     from megagpt.fast_spec import optim
 
-    original = optim._ORIGINALS.get("opt.copy_model_grads",
-                                    Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads)
+    original = megatron_wrappers.original(Float16OptimizerWithFloat16Params,
+                                          "_copy_model_grads_to_main_grads")
 
     def build():
         g = torch.Generator().manual_seed(0)

@@ -506,12 +506,14 @@ def test_install_fast_optimizer_swaps_megatron_fallbacks_and_restores():
     import megatron.core.optimizer.optimizer as moo
     from megatron.core import utils as mutils
 
+    from megagpt import megatron_wrappers
     from megagpt.fast_spec import optim
 
     if not optim.megatron_uses_local_fallbacks():
         pytest.skip("TE or apex installed: megatron has its fused kernels")
-    was_installed = "Adam" in optim._ORIGINALS  # e.g. an in-process entry run before this test
-    optim.uninstall_fast_optimizer()
+    # e.g. an in-process entry run before this test
+    was_installed = optim.__name__ in megatron_wrappers.installed(mopt, "Adam")
+    megatron_wrappers.remove_all(optim.__name__)
     before = (mopt.Adam, mclip.l2_norm_impl, moo._multi_tensor_copy_this_to_that)
     assert mopt.USING_PYTORCH_OPTIMIZER and mclip.l2_norm_impl is mutils.local_multi_tensor_l2_norm
     changed = optim.install_fast_optimizer()
@@ -523,7 +525,7 @@ def test_install_fast_optimizer_swaps_megatron_fallbacks_and_restores():
         assert moo._multi_tensor_copy_this_to_that is optim.foreach_copy_this_to_that
         assert optim.install_fast_optimizer() == []  # idempotent
     finally:
-        optim.uninstall_fast_optimizer()
+        megatron_wrappers.remove_all(optim.__name__)
     assert (mopt.Adam, mclip.l2_norm_impl, moo._multi_tensor_copy_this_to_that) == before
     assert mclip.l2_norm_impl is mutils.local_multi_tensor_l2_norm
     assert mopt.USING_PYTORCH_OPTIMIZER
@@ -583,21 +585,18 @@ def _resolved(argv=(), **attrs):
 
 @pytest.fixture()
 def restore_optimizer():
-    from megagpt.fast_spec import optim
+    from megagpt import megatron_wrappers
+    from megagpt.fast_spec import async_step, flat_adam, optim
 
-    from megagpt.fast_spec import async_step, flat_adam
-
-    was_installed = "Adam" in optim._ORIGINALS
-    async_was_installed = bool(async_step._ORIGINALS)
-    flat_was_installed = bool(flat_adam._ORIGINALS)
-    optim.uninstall_fast_optimizer()
+    installed = {module.__name__: bool(megatron_wrappers.installed_by(module.__name__))
+                 for module in (optim, async_step, flat_adam)}
+    megatron_wrappers.remove_all(optim.__name__)
     yield
-    optim.uninstall_fast_optimizer()
-    if not async_was_installed:
-        async_step.uninstall()
-    if not flat_was_installed:
-        flat_adam.uninstall()
-    if was_installed:
+    megatron_wrappers.remove_all(optim.__name__)
+    for module in (async_step, flat_adam):
+        if not installed[module.__name__]:
+            megatron_wrappers.remove_all(module.__name__)
+    if installed[optim.__name__]:
         optim.install_fast_optimizer()
 
 
@@ -752,22 +751,25 @@ def test_parsing_patches_nothing_launching_does(restore_optimizer):
     assert mopt.Adam is optim.torch_fused_adam
     assert mtraining.training_log is not before[1]
     assert any("no host synchronisation" in line for line in lines)
+    from megagpt import megatron_wrappers
     from megagpt.fast_spec import flat_adam
 
-    assert "setup_model_and_optimizer" in flat_adam._ORIGINALS  # the flat step, once built
+    assert flat_adam.__name__ in megatron_wrappers.installed(  # the flat step, once built
+        mtraining, "setup_model_and_optimizer")
 
 
 def test_no_fast_flat_adam_keeps_megatrons_step(restore_optimizer):
+    from megagpt import megatron_wrappers
     from megagpt.fast_spec import flat_adam, optim
     from megagpt.fast_spec.settings import install_fast_path_patches
 
     if not optim.megatron_uses_local_fallbacks():
         pytest.skip("TE or apex installed: megatron has its fused kernels")
-    flat_adam.uninstall()
+    megatron_wrappers.remove_all(flat_adam.__name__)
     args, _ = _resolved(["--no-fast-flat-adam"])
     lines = []
     install_fast_path_patches(args, lines.append)
-    assert not flat_adam._ORIGINALS
+    assert not megatron_wrappers.installed_by(flat_adam.__name__)
     assert any("--no-fast-flat-adam" in line for line in lines)
 
 

@@ -27,17 +27,27 @@ FUSED_WEIGHTS = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight",
 
 @pytest.fixture()
 def writing():
-    """megatron's DDP with megagpt's wrappers (CPU mode, one gloo rank); put back after."""
-    from megagpt import cpu_mode
+    """megatron's DDP with megagpt's wrappers (CPU mode, one gloo rank); taken off after,
+    through the registry."""
+    from megagpt import cpu_mode, megatron_wrappers
     from megagpt.fast_spec import grad_write
 
-    was_installed = bool(grad_write._ORIGINALS)
     grad_write.install()
     with single_gloo_rank(), cpu_mode.active():
         yield grad_write
-    grad_write.set_grad_write(False)
-    if not was_installed:
-        grad_write.uninstall()
+    megatron_wrappers.remove_all(grad_write.__name__)
+
+
+def _write(on: bool) -> None:
+    """Gradients written from the next ``zero_grad_buffer`` on (grad_write's wrappers in
+    place), or zeroed and added as megatron does (taken off; the models' hooks stay)."""
+    from megagpt import megatron_wrappers
+    from megagpt.fast_spec import grad_write
+
+    if on:
+        grad_write.install()
+    else:
+        megatron_wrappers.remove_all(grad_write.__name__)
 
 
 def _fast_model(grad_dtype, overlap_grad_reduce=False):
@@ -55,9 +65,7 @@ def _batch(seed: int):
 
 
 def _step(model, seed: int, *, write: bool, zero: bool = True):
-    from megagpt.fast_spec import grad_write
-
-    grad_write.set_grad_write(write)  # decided by each zero_grad_buffer, for its step
+    _write(write)  # decided by each zero_grad_buffer, for its step
     if zero:
         model.zero_grad_buffer()
     tokens, positions, labels = _batch(seed)
@@ -74,7 +82,8 @@ def test_written_gradients_equal_zeroed_and_added_ones(writing, grad_dtype):
         before = qkv.main_grad.clone()
         g_written = _step(written, seed, write=True)
         g_added = _step(added, seed, write=False)
-        assert written._megagpt_grad_write_step and not added._megagpt_grad_write_step
+        assert written._megagpt_grad_write_step
+        assert not getattr(added, "_megagpt_grad_write_step", False)
         for name, grad in g_added.items():
             assert grad.abs().sum() > 0, name
             torch.testing.assert_close(g_written[name], grad, rtol=0, atol=0, msg=name)
@@ -94,7 +103,7 @@ def test_small_gradients_reach_the_buffer_together_at_the_end(writing):
     layer = model.module.module.decoder.layers[0]
     bias, qkv = layer.self_attention.linear_proj.bias, layer.self_attention.linear_qkv.weight
     before = {"bias": bias.main_grad.clone(), "qkv": qkv.main_grad.clone()}
-    writing.set_grad_write(True)
+    _write(True)
     model.zero_grad_buffer()
     tokens, positions, labels = _batch(1)
     model(tokens, positions, None, labels=labels).float().mean().backward()
@@ -114,7 +123,7 @@ def test_large_gradients_are_copied_at_once(writing, monkeypatch):
     _step(model, 0, write=True)
     bias = model.module.module.decoder.layers[0].self_attention.linear_proj.bias
     before = bias.main_grad.clone()
-    writing.set_grad_write(True)
+    _write(True)
     model.zero_grad_buffer()
     tokens, positions, labels = _batch(1)
     model(tokens, positions, None, labels=labels).float().mean().backward()
@@ -129,7 +138,7 @@ def test_overlapped_reduction_gets_each_gradient_at_once(writing):
     written = _fast_model(torch.bfloat16, overlap_grad_reduce=True)
     added = _fast_model(torch.bfloat16, overlap_grad_reduce=True)
     for seed in range(2):
-        writing.set_grad_write(True)
+        _write(True)
         written.zero_grad_buffer()
         tokens, positions, labels = _batch(seed)
         written(tokens, positions, None, labels=labels).float().mean().backward()
@@ -145,11 +154,11 @@ def test_buffer_is_not_zeroed_while_writing(writing):
     _step(model, 0, write=True)
     grads = {n: p.main_grad for n, p in model.named_parameters()}
     kept = {n: g.clone() for n, g in grads.items()}
-    writing.set_grad_write(True)
+    _write(True)
     model.zero_grad_buffer()
     for name, grad in grads.items():
         assert torch.equal(grad, kept[name]), name  # no fill
-    writing.set_grad_write(False)
+    _write(False)
     model.zero_grad_buffer()
     assert all(g.abs().sum() == 0 for g in grads.values())  # megatron's fill
 

@@ -63,17 +63,21 @@ def test_the_fingerprint_notices_a_changed_definition(tmp_path, monkeypatch):
 def test_every_change_the_installers_make_is_in_the_ledger():
     """The fast path's launch-time installers, compat, resilience, CPU mode and the
     validation without a GPU, run in a fresh process: each megatron attribute they change
-    has a ``wraps`` or ``replaces`` entry, and what the context managers change is undone."""
+    has a ``wraps`` or ``replaces`` entry and was installed through
+    ``megagpt.megatron_wrappers`` (so its owner can take it off), and what the context
+    managers change is undone."""
     out = subprocess.run([sys.executable, str(REPO / "tests" / "megatron_changes_probe.py")],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     listed = {c.target for c in LEDGER if c.how in (WRAPS, REPLACES)}
-    for step in ("launch", "pretrain", "validation"):
+    for step in ("launch", "pretrain", "validation", "preflight"):
         assert report[step], step  # the probe saw the installers work
         unlisted = set(report[step]) - listed
         assert not unlisted, f"{step}: changed in megatron but not in the ledger: {unlisted}"
-    assert report["left"] == report["launch"]
+        bypassed = set(report[step]) - set(report["registered"][step])
+        assert not bypassed, f"{step}: changed outside megagpt.megatron_wrappers: {bypassed}"
+    assert report["left"] == report["launch"] == report["registered"]["left"]
     assert "megatron.training.training.training_log" in report["pretrain"]
 
 
@@ -85,9 +89,10 @@ def setup_function_untouched():
 
     from megagpt.fast_spec import async_step, flat_adam
 
-    had = {"async": bool(async_step._ORIGINALS), "flat": bool(flat_adam._ORIGINALS)}
-    async_step.uninstall()
-    flat_adam.uninstall()
+    had = {"async": bool(megatron_wrappers.installed_by(async_step.__name__)),
+           "flat": bool(megatron_wrappers.installed_by(flat_adam.__name__))}
+    megatron_wrappers.remove_all(async_step.__name__)
+    megatron_wrappers.remove_all(flat_adam.__name__)
     assert megatron_wrappers.installed(mtraining, "setup_model_and_optimizer") == []
     yield mtraining
     for owner in ("megagpt.fast_spec.async_step", "megagpt.fast_spec.flat_adam"):
@@ -152,8 +157,8 @@ def test_the_real_installers_compose_in_the_ledgers_order(setup_function_untouch
         outer = mtraining.setup_model_and_optimizer
         assert outer.__wrapped__.__wrapped__ is original  # functools.wraps, each
     finally:
-        async_step.uninstall()
-        flat_adam.uninstall()
+        megatron_wrappers.remove_all(async_step.__name__)
+        megatron_wrappers.remove_all(flat_adam.__name__)
     assert mtraining.setup_model_and_optimizer is original
 
 
@@ -179,3 +184,88 @@ def test_a_replacement_outside_the_wrappers_is_noticed(setup_function_untouched)
     finally:
         megatron_wrappers._CHAINS.pop("megatron.training.training.setup_model_and_optimizer")
     assert mtraining.setup_model_and_optimizer is original
+
+
+def test_a_replacement_is_undone_by_its_owner_and_wrapped_over():
+    """A value put in place of megatron's (``replace``) comes off with ``remove_all`` of its
+    owner, which leaves other owners' changes alone; ``original`` reads megatron's under it."""
+    import megatron.core.optimizer as mopt
+    import megatron.core.optimizer.clip_grads as mclip
+
+    from megagpt.fast_spec import optim
+
+    owner = "megagpt.fast_spec.optim"
+    had = bool(megatron_wrappers.installed_by(owner))
+    megatron_wrappers.remove_all(owner)
+    using, norm = mopt.USING_PYTORCH_OPTIMIZER, mclip.l2_norm_impl
+    try:
+        megatron_wrappers.replace(mopt, "USING_PYTORCH_OPTIMIZER", owner, not using)
+        megatron_wrappers.replace(mclip, "l2_norm_impl", owner, optim.foreach_multi_tensor_l2norm)
+        assert mopt.USING_PYTORCH_OPTIMIZER is (not using)
+        assert megatron_wrappers.original(mopt, "USING_PYTORCH_OPTIMIZER") is using
+        assert sorted(megatron_wrappers.installed_by(owner)) == [
+            "megatron.core.optimizer.USING_PYTORCH_OPTIMIZER",
+            "megatron.core.optimizer.clip_grads.l2_norm_impl"]
+        with pytest.raises(LookupError, match="not in megagpt.megatron_ledger"):
+            megatron_wrappers.replace(mopt, "Adam", "megagpt.cpu_mode", object())
+    finally:
+        megatron_wrappers.remove_all(owner)
+    assert mopt.USING_PYTORCH_OPTIMIZER is using and mclip.l2_norm_impl is norm
+    assert megatron_wrappers.installed_by(owner) == []
+    if had:
+        optim.install_fast_optimizer()
+
+
+def test_class_attributes_come_back_as_they_were_stored():
+    """A classmethod is wrapped and put back as the classmethod object (not a bound method),
+    and a method a class inherits is removed from it again, not copied into it."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+    from megatron.core.distributed import DistributedDataParallel
+
+    from megagpt import cpu_mode
+
+    stored = vars(PersistentAsyncCaller)["_get_process"]
+    with megatron_wrappers.wrapped(PersistentAsyncCaller,
+                                   [("_get_process", "megagpt.cpu_mode", cpu_mode._forking)]):
+        now = vars(PersistentAsyncCaller)["_get_process"]
+        assert isinstance(now, classmethod) and now is not stored
+        assert megatron_wrappers.original(PersistentAsyncCaller, "_get_process") is stored
+    assert vars(PersistentAsyncCaller)["_get_process"] is stored
+
+    class Subclass(DistributedDataParallel):
+        pass
+
+    chain = megatron_wrappers._Chain(Subclass, "zero_grad_buffer",
+                                     megatron_wrappers._read(Subclass, "zero_grad_buffer"),
+                                     megatron_wrappers._own(Subclass, "zero_grad_buffer"))
+    chain.layers.append(("x", _tagging("x"), None))
+    chain.rebuild_from(0)
+    assert "zero_grad_buffer" in vars(Subclass)
+    del chain.layers[0]
+    chain.rebuild_from(0)
+    assert "zero_grad_buffer" not in vars(Subclass)
+    assert Subclass.zero_grad_buffer is DistributedDataParallel.zero_grad_buffer
+
+
+def test_a_global_megatron_sets_itself_supersedes_the_replacement():
+    """megatron clears its tokenizer (unset_global_variables): the replacement is then over,
+    neither an error nor put back, and the next one starts from megatron's value."""
+    from megatron.training import global_vars
+
+    owner, name = "megagpt.arguments", "_GLOBAL_TOKENIZER"
+    before = global_vars._GLOBAL_TOKENIZER
+    first, second = object(), object()
+    try:
+        megatron_wrappers.replace(global_vars, name, owner, first, megatron_sets=True)
+        assert global_vars._GLOBAL_TOKENIZER is first
+        global_vars._GLOBAL_TOKENIZER = None  # as megatron's unset_global_variables
+        megatron_wrappers.replace(global_vars, name, owner, second, megatron_sets=True)
+        assert global_vars._GLOBAL_TOKENIZER is second
+        assert megatron_wrappers.original(global_vars, name) is None
+        global_vars._GLOBAL_TOKENIZER = first
+        megatron_wrappers.remove(global_vars, name, owner)
+        assert global_vars._GLOBAL_TOKENIZER is first  # megatron's since: left as it is
+        assert megatron_wrappers.installed(global_vars, name) == []
+    finally:
+        megatron_wrappers.remove_all(owner)
+        global_vars._GLOBAL_TOKENIZER = before

@@ -34,7 +34,8 @@ The gradient norm then stays on the GPU until something needs it: the log line e
 reads each norm one iteration late — by then the GPU is working on the next iteration, so
 the read does not idle it — and before every checkpoint save.
 
-``install(log)`` / ``uninstall()``; ``--no-fast-async-step`` keeps megatron's behaviour.
+``install(log)`` wraps them through ``megagpt.megatron_wrappers`` (``remove_all`` with this
+module's name takes them off); ``--no-fast-async-step`` keeps megatron's behaviour.
 """
 
 from __future__ import annotations
@@ -44,8 +45,6 @@ from typing import Callable, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
-
-_ORIGINALS: dict = {}
 
 
 def _group_size(group) -> int:
@@ -187,10 +186,8 @@ def install(log: Optional[Callable[[str], None]] = None) -> list[str]:
         (mtraining, "setup_model_and_optimizer"): host_loss_scale_of_one,
     }
     for (module, name), wrap in patches.items():
-        key = (module.__name__, name)
-        if key in _ORIGINALS:
+        if __name__ in megatron_wrappers.installed(module, name):
             continue
-        _ORIGINALS[key] = (module, getattr(module, name))
         # composed with the other concerns' wrappers in megagpt.megatron_ledger's order
         megatron_wrappers.install(module, name, __name__, wrap)
         changed.append(name)
@@ -199,12 +196,3 @@ def install(log: Optional[Callable[[str], None]] = None) -> list[str]:
             "identities; scalars logged without blocking; --no-fast-async-step keeps "
             "megatron's)")
     return changed
-
-
-def uninstall() -> None:
-    """Undo ``install`` (tests, benchmarks comparing both)."""
-    from megagpt import megatron_wrappers
-
-    for (_, name), (module, _original) in _ORIGINALS.items():
-        megatron_wrappers.remove(module, name, __name__)
-    _ORIGINALS.clear()

@@ -17,7 +17,6 @@ import threading
 from typing import Callable, Optional, TextIO
 
 EXIT_STATUS = 3
-_ORIGINALS: dict = {}
 
 
 def run_with_deadline(call: Callable, timeout_s: float, what: str, rank: int,
@@ -51,35 +50,31 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def install(timeout_s: float, log: Optional[Callable[[str], None]] = None) -> None:
-    """Put the capture iteration of megatron's full-iteration graph under the deadline."""
+def _under_deadline(timeout_s: float):
+    """A wrapper of ``FullCudaGraphWrapper.__call__`` whose capturing call has ``timeout_s``."""
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 
-    if "__call__" in _ORIGINALS:
-        _ORIGINALS["timeout_s"] = timeout_s
-        return
-    original = FullCudaGraphWrapper.__call__
-    _ORIGINALS.update(__call__=original, timeout_s=timeout_s)
+    def wrap(inner):
+        def __call__(self, *args, **kwargs):
+            stage = "validation" if kwargs.get("forward_only") else "training"
+            if FullCudaGraphWrapper.curr_iteration[stage] != self.cuda_graph_warmup_steps:
+                return inner(self, *args, **kwargs)
+            return run_with_deadline(lambda: inner(self, *args, **kwargs), timeout_s,
+                                     f"the full-iteration CUDA graph capture ({stage})", _rank())
+        return __call__
+    return wrap
 
-    def __call__(self, *args, **kwargs):
-        inner = _ORIGINALS["__call__"]
-        stage = "validation" if kwargs.get("forward_only") else "training"
-        if FullCudaGraphWrapper.curr_iteration[stage] != self.cuda_graph_warmup_steps:
-            return inner(self, *args, **kwargs)
-        return run_with_deadline(lambda: inner(self, *args, **kwargs),
-                                 _ORIGINALS["timeout_s"],
-                                 f"the full-iteration CUDA graph capture ({stage})", _rank())
 
-    FullCudaGraphWrapper.__call__ = __call__
-    if log:
+def install(timeout_s: float, log: Optional[Callable[[str], None]] = None) -> None:
+    """Put the capture iteration of megatron's full-iteration graph under the deadline
+    (through ``megagpt.megatron_wrappers``; a second call sets the deadline anew)."""
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+
+    from megagpt import megatron_wrappers
+
+    again = __name__ in megatron_wrappers.installed(FullCudaGraphWrapper, "__call__")
+    megatron_wrappers.install(FullCudaGraphWrapper, "__call__", __name__,
+                              _under_deadline(timeout_s))
+    if log and not again:
         log(f"fast path: the full-iteration graph's capture must finish within "
             f"{timeout_s:g} s (--fast-cuda-graph-capture-timeout)")
-
-
-def uninstall() -> None:
-    if "__call__" not in _ORIGINALS:
-        return
-    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
-
-    FullCudaGraphWrapper.__call__ = _ORIGINALS.pop("__call__")
-    _ORIGINALS.clear()

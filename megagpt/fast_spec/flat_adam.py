@@ -51,7 +51,6 @@ from typing import Callable, List, Optional
 import torch
 
 logger = logging.getLogger(__name__)
-_ORIGINALS: dict = {}
 
 # chunk size for the eager (uncompiled) update, which materialises temporaries
 _EAGER_CHUNK = 1 << 24
@@ -539,28 +538,18 @@ def attach_after_setup(setup: Callable, log: Callable[[str], None], compiled: bo
 def install(log: Optional[Callable[[str], None]] = None, compiled: Optional[bool] = None) -> bool:
     """Wrap megatron's ``setup_model_and_optimizer`` (this process) so that the optimizer it
     returns gets the flat step where it applies. Idempotent; returns whether it wrapped now.
-    ``compiled`` defaults to "on a GPU" (one kernel; eager runs the same update in chunks)."""
+    ``compiled`` defaults to "on a GPU" (one kernel; eager runs the same update in chunks).
+    ``megatron_wrappers.remove_all`` with this module's name undoes it."""
     import megatron.training.training as mtraining
 
-    if "setup_model_and_optimizer" in _ORIGINALS:
+    from megagpt import megatron_wrappers
+
+    if __name__ in megatron_wrappers.installed(mtraining, "setup_model_and_optimizer"):
         return False
     if compiled is None:
         compiled = torch.cuda.is_available()
-    from megagpt import megatron_wrappers
-
-    _ORIGINALS["setup_model_and_optimizer"] = mtraining.setup_model_and_optimizer
     # composed with the other concerns' wrappers in megagpt.megatron_ledger's order
     megatron_wrappers.install(
         mtraining, "setup_model_and_optimizer", __name__,
         lambda setup: attach_after_setup(setup, log or (lambda s: None), compiled))
     return True
-
-
-def uninstall() -> None:
-    """Undo ``install`` (tests, benchmarks comparing both)."""
-    import megatron.training.training as mtraining
-
-    from megagpt import megatron_wrappers
-
-    if _ORIGINALS.pop("setup_model_and_optimizer", None) is not None:
-        megatron_wrappers.remove(mtraining, "setup_model_and_optimizer", __name__)

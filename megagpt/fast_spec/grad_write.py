@@ -30,24 +30,25 @@ It applies when one micro-batch per step reaches one data-parallel rank and noth
 into ``main_grad`` (megatron's gradient-accumulation fusion, the distributed optimizer, FSDP
 and buffers with extra local gradients are excluded); ``settings.grad_write_unsupported_reason(args)``
 says why not.
+
+Writing is on while ``install``'s wrappers are in place (``megagpt.megatron_wrappers``;
+``remove_all`` with this module's name turns it off): process-wide, as megatron's DDP methods
+are. The hooks made meanwhile outlive the removal, and do megatron's work for a DDP that did
+not start its last step under the wrappers (one that did still counts that step as written).
 """
 
 from __future__ import annotations
 
 from typing import Callable, Optional
 
-_STATE = {"enabled": False}
-
-
-def set_grad_write(enabled: bool) -> None:
-    """Whether the next ``zero_grad_buffer`` of an eligible DDP starts a step that writes
-    (``install`` turns it on). Process-wide, as the wrappers it steers are: megatron's DDP
-    methods, and the hooks made while they were installed, which outlive an ``uninstall``."""
-    _STATE["enabled"] = bool(enabled)
+from megagpt import megatron_wrappers
 
 
 def grad_write_enabled() -> bool:
-    return _STATE["enabled"]
+    """Whether the next ``zero_grad_buffer`` of an eligible DDP starts a step that writes."""
+    from megatron.core.distributed import DistributedDataParallel as DDP
+
+    return __name__ in megatron_wrappers.installed(DDP, "zero_grad_buffer")
 
 
 def _eligible(ddp) -> bool:
@@ -133,24 +134,25 @@ def _second_gradient(param) -> RuntimeError:
 
 def install(log: Optional[Callable[[str], None]] = None) -> None:
     """Wrap megatron's DDP hook factory, ``zero_grad_buffer`` and ``finish_grad_sync``
-    (once per process) and turn writing on. Each ``zero_grad_buffer`` decides for its step
-    whether to write (``set_grad_write`` on, and a DDP whose buffers hold only its hooks'
-    gradients);
-    otherwise the wrappers do megatron's work unchanged. Call before the model is wrapped in
-    DDP: the hooks are made then."""
-    set_grad_write(True)
-    if _ORIGINALS:  # installed already
+    (once per process), which turns writing on. Each ``zero_grad_buffer`` decides for its
+    step whether to write (a DDP whose buffers hold only its hooks' gradients); otherwise the
+    wrappers do megatron's work unchanged. Call before the model is wrapped in DDP: the hooks
+    are made then."""
+    if grad_write_enabled():  # installed already
         if log:
             log(_LOG_LINE)
         return
     from megatron.core.distributed import DistributedDataParallel as DDP
 
-    make_hook = DDP._make_backward_post_hook
-    zero_grad_buffer = DDP.zero_grad_buffer
-    finish_grad_sync = DDP.finish_grad_sync
-    _ORIGINALS.update(_make_backward_post_hook=make_hook, zero_grad_buffer=zero_grad_buffer,
-                      finish_grad_sync=finish_grad_sync)
+    for name, wrap in (("_make_backward_post_hook", _writing_hooks),
+                       ("zero_grad_buffer", _zeroing_when_not_writing),
+                       ("finish_grad_sync", _zeroing_what_got_no_gradient)):
+        megatron_wrappers.install(DDP, name, __name__, wrap)
+    if log:
+        log(_LOG_LINE)
 
+
+def _writing_hooks(make_hook):
     def _make_backward_post_hook(self, param):
         megatron_hook = make_hook(self, param)
 
@@ -183,8 +185,12 @@ def install(log: Optional[Callable[[str], None]] = None) -> None:
 
         return hook
 
+    return _make_backward_post_hook
+
+
+def _zeroing_when_not_writing(zero_grad_buffer):
     def _zero_grad_buffer(self):
-        active = _STATE["enabled"] and _eligible(self)
+        active = _eligible(self)
         self._megagpt_grad_write_step = active
         _written(self).clear()
         _pending_copies(self).clear()
@@ -200,6 +206,10 @@ def install(log: Optional[Callable[[str], None]] = None) -> None:
         for bucket_group in self.bucket_groups + self.expert_parallel_bucket_groups:
             bucket_group.reset()
 
+    return _zero_grad_buffer
+
+
+def _zeroing_what_got_no_gradient(finish_grad_sync):
     def _finish_grad_sync(self, *args, **kwargs):
         if _active(self):
             _copy_pending(self)
@@ -210,26 +220,8 @@ def install(log: Optional[Callable[[str], None]] = None) -> None:
                     written.add(param)
         return finish_grad_sync(self, *args, **kwargs)
 
-    DDP._make_backward_post_hook = _make_backward_post_hook
-    DDP.zero_grad_buffer = _zero_grad_buffer
-    DDP.finish_grad_sync = _finish_grad_sync
-    if log:
-        log(_LOG_LINE)
+    return _finish_grad_sync
 
 
-def uninstall() -> None:
-    """Put megatron's DDP methods back (hooks of models wrapped meanwhile stay wrapped, and
-    do megatron's work while their DDP is not writing)."""
-    set_grad_write(False)
-    if not _ORIGINALS:
-        return
-    from megatron.core.distributed import DistributedDataParallel as DDP
-
-    for name, fn in _ORIGINALS.items():
-        setattr(DDP, name, fn)
-    _ORIGINALS.clear()
-
-
-_ORIGINALS: dict = {}
 _LOG_LINE = ("fast path: gradients written into megatron's buffer, not zeroed and added "
              "(--no-fast-grad-write adds them)")

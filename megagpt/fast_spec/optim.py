@@ -16,6 +16,9 @@ step, one host synchronisation for the norm as with apex). Where TE or apex prov
 multi-tensor kernels they are kept, and each part can be left out. Numerics: the same
 operations in fp32 (AdamW math is torch's own; the norm is the same 2-norm computed in
 another order).
+
+Each replacement is installed through ``megagpt.megatron_wrappers`` under this module's name
+(``megatron_wrappers.remove_all`` takes them all off again).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-_ORIGINALS: dict = {}
+from megagpt import megatron_wrappers
 
 
 # ---------------------------------------------------------------------------------------
@@ -222,12 +225,14 @@ def torch_fused_adam(
 
 # ---------------------------------------------------------------------------------------
 def megatron_uses_local_fallbacks() -> bool:
-    """True when megatron's optimizer modules took the no-TE/no-apex fallbacks."""
+    """True when megatron's optimizer modules took the no-TE/no-apex fallbacks (as megatron
+    set them, whatever this module has replaced since)."""
     import megatron.core.optimizer as mopt
 
-    if "USING_PYTORCH_OPTIMIZER" in _ORIGINALS:  # we already replaced them in this process
-        return bool(_ORIGINALS["USING_PYTORCH_OPTIMIZER"])
-    return bool(getattr(mopt, "USING_PYTORCH_OPTIMIZER", False))
+    try:
+        return bool(megatron_wrappers.original(mopt, "USING_PYTORCH_OPTIMIZER"))
+    except AttributeError:
+        return False
 
 
 def install_fast_optimizer(
@@ -254,68 +259,43 @@ def install_fast_optimizer(
     import megatron.core.optimizer.optimizer as moo
     from megatron.core import utils as mutils
 
+    def replace(module, name, value):
+        megatron_wrappers.replace(module, name, __name__, value)
+
+    def done(module, name):
+        return __name__ in megatron_wrappers.installed(module, name)
+
     changed: List[str] = []
-    if fused_adam and "Adam" not in _ORIGINALS:
+    if fused_adam and not done(mopt, "Adam"):
         local = megatron_uses_local_fallbacks()
-        _ORIGINALS["Adam"] = mopt.Adam
-        _ORIGINALS["USING_PYTORCH_OPTIMIZER"] = mopt.USING_PYTORCH_OPTIMIZER
-        mopt.Adam = torch_fused_adam
-        mopt.USING_PYTORCH_OPTIMIZER = False
+        replace(mopt, "Adam", torch_fused_adam)
+        replace(mopt, "USING_PYTORCH_OPTIMIZER", False)
         # torch's Adam, not TE's / apex's FusedAdam: the flat AdamW step builds on it
         changed.append("AdamW: torch fused=True (single kernel) instead of "
                        + ("foreach" if local else "TE's/apex's FusedAdam"))
 
-    if multi_tensor and "clip.l2_norm_impl" not in _ORIGINALS:
+    # the copies are replaced whatever megatron took, so they say whether this part is done
+    if multi_tensor and not done(moo, "_multi_tensor_copy_this_to_that"):
         if mclip.l2_norm_impl is mutils.local_multi_tensor_l2_norm:
-            _ORIGINALS["clip.l2_norm_impl"] = mclip.l2_norm_impl
-            mclip.l2_norm_impl = foreach_multi_tensor_l2norm
+            replace(mclip, "l2_norm_impl", foreach_multi_tensor_l2norm)
             changed.append("grad norm: torch._foreach_norm (was one host sync per tensor)")
         if mclip.multi_tensor_scale_impl is mutils.local_multi_tensor_scale:
-            _ORIGINALS["clip.multi_tensor_scale_impl"] = mclip.multi_tensor_scale_impl
-            mclip.multi_tensor_scale_impl = foreach_multi_tensor_scale
+            replace(mclip, "multi_tensor_scale_impl", foreach_multi_tensor_scale)
             changed.append("grad clip scale: torch._foreach_mul_")
         if moo.multi_tensor_scale_impl is mutils.local_multi_tensor_scale:
-            _ORIGINALS["opt.multi_tensor_scale_impl"] = moo.multi_tensor_scale_impl
-            moo.multi_tensor_scale_impl = foreach_multi_tensor_scale
-        _ORIGINALS["opt._multi_tensor_copy_this_to_that"] = moo._multi_tensor_copy_this_to_that
-        moo._multi_tensor_copy_this_to_that = foreach_copy_this_to_that
+            replace(moo, "multi_tensor_scale_impl", foreach_multi_tensor_scale)
+        replace(moo, "_multi_tensor_copy_this_to_that", foreach_copy_this_to_that)
         changed.append("main<->model param copies: torch._foreach_copy_")
-        cls = moo.Float16OptimizerWithFloat16Params
-        _ORIGINALS["opt.copy_model_grads"] = cls._copy_model_grads_to_main_grads
-        cls._copy_model_grads_to_main_grads = copy_model_grads_to_main_grads
+        replace(moo.Float16OptimizerWithFloat16Params, "_copy_model_grads_to_main_grads",
+                copy_model_grads_to_main_grads)
         changed.append("model->main grads: one fp32 cast per gradient buffer")
 
-    if tensor_clip and "clip.multi_tensor_scale_tensor_impl" not in _ORIGINALS:
-        if mclip.multi_tensor_scale_tensor_impl is None:
-            _ORIGINALS["clip.multi_tensor_scale_tensor_impl"] = None
-            mclip.multi_tensor_scale_tensor_impl = foreach_multi_tensor_scale_tensor
-            changed.append("grad norm and clipping stay on the GPU (no host sync for the norm)")
+    if (tensor_clip and not done(mclip, "multi_tensor_scale_tensor_impl")
+            and mclip.multi_tensor_scale_tensor_impl is None):
+        replace(mclip, "multi_tensor_scale_tensor_impl", foreach_multi_tensor_scale_tensor)
+        changed.append("grad norm and clipping stay on the GPU (no host sync for the norm)")
 
     if log:
         for c in changed:
             log(f"fast optimizer: {c}")
     return changed
-
-
-def uninstall_fast_optimizer() -> None:
-    """Undo ``install_fast_optimizer`` (tests, benchmarks comparing both)."""
-    import megatron.core.optimizer as mopt
-    import megatron.core.optimizer.clip_grads as mclip
-    import megatron.core.optimizer.optimizer as moo
-
-    if "Adam" in _ORIGINALS:
-        mopt.Adam = _ORIGINALS.pop("Adam")
-        mopt.USING_PYTORCH_OPTIMIZER = _ORIGINALS.pop("USING_PYTORCH_OPTIMIZER")
-    if "clip.l2_norm_impl" in _ORIGINALS:
-        mclip.l2_norm_impl = _ORIGINALS.pop("clip.l2_norm_impl")
-    if "clip.multi_tensor_scale_impl" in _ORIGINALS:
-        mclip.multi_tensor_scale_impl = _ORIGINALS.pop("clip.multi_tensor_scale_impl")
-    if "opt.multi_tensor_scale_impl" in _ORIGINALS:
-        moo.multi_tensor_scale_impl = _ORIGINALS.pop("opt.multi_tensor_scale_impl")
-    if "opt.copy_model_grads" in _ORIGINALS:
-        moo.Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads = _ORIGINALS.pop(
-            "opt.copy_model_grads")
-    if "clip.multi_tensor_scale_tensor_impl" in _ORIGINALS:
-        mclip.multi_tensor_scale_tensor_impl = _ORIGINALS.pop("clip.multi_tensor_scale_tensor_impl")
-    if "opt._multi_tensor_copy_this_to_that" in _ORIGINALS:
-        moo._multi_tensor_copy_this_to_that = _ORIGINALS.pop("opt._multi_tensor_copy_this_to_that")

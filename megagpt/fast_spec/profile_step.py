@@ -119,12 +119,13 @@ def build(shape, variant, dropout):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
-    from megagpt.fast_spec.optim import install_fast_optimizer, uninstall_fast_optimizer
+    from megagpt import megatron_wrappers
+    from megagpt.fast_spec import optim
 
-    uninstall_fast_optimizer()
+    megatron_wrappers.remove_all(optim.__name__)
     _, flags = _parts(variant)
     if "opt" in flags:
-        install_fast_optimizer()
+        optim.install_fast_optimizer()
     config = _config(shape, dropout)
     L, h, heads, seq, mb = SHAPES[shape]
     torch.manual_seed(1234)

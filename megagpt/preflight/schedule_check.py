@@ -42,12 +42,11 @@ def global_args(args):
     """megatron's global args are ``args`` inside (its functions read them with get_args)."""
     from megatron.training import global_vars
 
-    saved = global_vars._GLOBAL_ARGS
-    global_vars._GLOBAL_ARGS = args
-    try:
+    from megagpt import megatron_wrappers
+
+    with megatron_wrappers.wrapped(global_vars, [("_GLOBAL_ARGS", __name__,
+                                                  megatron_wrappers.replacing(args))]):
         yield
-    finally:
-        global_vars._GLOBAL_ARGS = saved
 
 
 @contextlib.contextmanager

@@ -91,15 +91,15 @@ def finalize_adds(fn: Callable[[], None]):
     """
     import megatron.training.checkpointing as mckpt
 
-    original = mckpt.schedule_async_save
+    from megagpt import megatron_wrappers
 
-    @functools.wraps(original)
-    def schedule_async_save(request):
-        request.add_finalize_fn(fn)
-        return original(request)
+    def adding_fn(original):
+        @functools.wraps(original)
+        def schedule_async_save(request):
+            request.add_finalize_fn(fn)
+            return original(request)
 
-    mckpt.schedule_async_save = schedule_async_save
-    try:
+        return schedule_async_save
+
+    with megatron_wrappers.wrapped(mckpt, [("schedule_async_save", __name__, adding_fn)]):
         yield
-    finally:
-        mckpt.schedule_async_save = original
