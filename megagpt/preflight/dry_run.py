@@ -137,9 +137,10 @@ def plan_lines(args, gpu: Gpu, params: est.ParameterCount, memory: est.MemoryEst
         + (f" (distributed over DP {dp})" if args.use_distributed_optimizer else ""),
         f"  activations     {est.gib(memory.activations)} ({memory.activation_formula})",
     ]
-    if memory.gradient_copies:
-        lines.append(f"  fp32 gradients  {est.gib(memory.gradient_copies)} at the optimizer "
-                     f"step, once the activations are freed (the larger of the two counts)")
+    if memory.optimizer_step:
+        lines.append(f"  optimizer step  {est.gib(memory.optimizer_step)} "
+                     f"({_optimizer_step_parts(memory)}), once the activations are freed (the "
+                     f"larger of the two counts)")
     lines += [
         f"  runtime reserve {est.gib(memory.reserve)} (CUDA context, NCCL, allocator)",
         f"  total           {est.gib(memory.total)} of {gpu.memory_gib:.1f} GiB",
@@ -150,6 +151,12 @@ def plan_lines(args, gpu: Gpu, params: est.ParameterCount, memory: est.MemoryEst
         f"{flops / args.world_size:.3e} per GPU",
     ]
     return lines
+
+
+def _optimizer_step_parts(memory: est.MemoryEstimate) -> str:
+    parts = [(memory.gradient_copies, "fp32 gradients"),
+             (memory.optimizer_temporaries, "torch AdamW's temporaries")]
+    return " + ".join(f"{name} {est.gib(value)}" for value, name in parts if value)
 
 
 def gpus(n: int) -> str:
@@ -179,10 +186,12 @@ class Plan:
         return MemoryBudgetError(
             f"estimated memory per GPU {est.gib(m.total)} (weights {est.gib(m.weights)} "
             f"+ gradients {est.gib(m.gradients)} + optimizer {est.gib(m.optimizer)} "
-            f"+ {'activations' if m.activations >= m.gradient_copies else 'fp32 gradients'} "
-            f"{est.gib(max(m.activations, m.gradient_copies))} + reserve {est.gib(m.reserve)}) "
+            f"+ {'activations' if m.activations >= m.optimizer_step else 'optimizer step'} "
+            f"{est.gib(max(m.activations, m.optimizer_step))} + reserve {est.gib(m.reserve)}) "
             f"is above the {gpu.name}'s {gpu.memory_gib:.1f} GiB; raise TP/PP, use "
-            f"--use-distributed-optimizer, --recompute-activations or a smaller micro-batch")
+            f"--use-distributed-optimizer, --recompute-activations or a smaller micro-batch"
+            + ("; without --no-fast-optimizer the fused AdamW allocates no temporaries"
+               if m.optimizer_temporaries else ""))
 
 
 def make_plan(args) -> Plan:

@@ -139,14 +139,19 @@ class MemoryEstimate:
     activations: float
     activation_formula: str
     reserve: float = RUNTIME_RESERVE_GIB * GIB
-    # fp32 copies of 16-bit gradients that the optimizer step makes, after the backward has
-    # freed the activations: the peak is the larger of the two
+    # what the optimizer step allocates after the backward has freed the activations (fp32
+    # copies of 16-bit gradients, Adam's temporaries): the peak is the larger of the two
     gradient_copies: float = 0.0
+    optimizer_temporaries: float = 0.0
+
+    @property
+    def optimizer_step(self) -> float:
+        return self.gradient_copies + self.optimizer_temporaries
 
     @property
     def total(self) -> float:
         return (self.weights + self.gradients + self.optimizer
-                + max(self.activations, self.gradient_copies) + self.reserve)
+                + max(self.activations, self.optimizer_step) + self.reserve)
 
 
 def _dtype_bytes(dtype, default: int) -> int:
@@ -285,7 +290,8 @@ def estimate_memory(args, params: ParameterCount, num_microbatches: int) -> Memo
     n = params.most_per_gpu
     activations, formula = activation_bytes(args, num_microbatches)
     return MemoryEstimate(n * weight, n * grad, n * optimizer, activations, formula,
-                          gradient_copies=n * gradient_copy_bytes(args))
+                          gradient_copies=n * gradient_copy_bytes(args),
+                          optimizer_temporaries=n * adam_temporary_bytes(args))
 
 
 def gradient_copy_bytes(args) -> float:
@@ -305,6 +311,36 @@ def gradient_copy_bytes(args) -> float:
             and getattr(args, "fast_optimizer", False):
         return 0.0
     return 4 / (args.data_parallel_size if args.use_distributed_optimizer else 1)
+
+
+# Bytes per parameter that torch's AdamW allocates inside its step in the default
+# multi-tensor (foreach) form: sqrt of the second moment for every parameter of a group at
+# once (``exp_avg_sq_sqrt`` in torch.optim.adam._multi_tensor_adam), fp32. Measured: one step
+# over 1 Gi fp32 parameters peaks 4.000 bytes per parameter above the resident parameters,
+# gradients and moments (torch 2.11 on an H200; fused=True: 0; foreach=False: 0.19).
+FOREACH_ADAM_TEMPORARY_BYTES = 4
+
+
+def adam_temporary_bytes(args) -> float:
+    """Bytes per parameter of Adam's temporaries at the step, on top of its resident state.
+
+    Megatron steps with torch's AdamW (foreach) where neither Transformer Engine nor apex is
+    installed, which the step-time model takes to be the case off Transformer Engine's path
+    (its optimizer bytes do the same); the entry's fast optimizer swaps in the fused AdamW,
+    which allocates nothing, and TE's and apex's FusedAdam allocate nothing either. The
+    distributed optimizer steps the rank's shard only; an offloaded share steps on the host.
+    """
+    from megagpt.preflight.cost import launch_path
+
+    if not args.optimizer.startswith("adam") or launch_path(args) == "te":
+        return 0.0
+    if getattr(args, "fast_optimizer", True):
+        return 0.0
+    per_param = FOREACH_ADAM_TEMPORARY_BYTES / (args.data_parallel_size
+                                                if args.use_distributed_optimizer else 1)
+    if getattr(args, "optimizer_cpu_offload", False):
+        per_param *= 1 - getattr(args, "optimizer_offload_fraction", 1.0)
+    return per_param
 
 
 def megatron_weight_and_optimizer_bytes(args) -> float:
