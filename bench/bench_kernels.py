@@ -33,6 +33,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -220,6 +222,7 @@ def main(argv=None) -> int:
                         "transformer_engine.pytorch, or megagpt,transformer_engine.pytorch "
                         "as the entry imports them")
     a = p.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # megagpt, as the entry has it
     for module in filter(None, a.import_first.split(",")):
         importlib.import_module(module)
     parts = [n for n in a.parts.split(",") if n]

@@ -9,7 +9,8 @@
 # Transformer Engine (built against this machine's torch). A run "with TE" has both on
 # PYTHONPATH, a run "without TE" only MCORE_SITE, so TE is importable for one and hidden
 # from the other in the same call. Steps (one per call, each fits a 10-minute call):
-#   tests   the TE GPU tests (pytest -m te_gpu; about 10 minutes)
+#   tests   the TE GPU tests (pytest -m te_gpu, 6 at once with pytest-xdist; over 5 minutes;
+#           TESTS_K=EXPR selects some; each failure is written to OUT/te_failures.txt at once)
 #   matrix  the flag matrix's rows that TE changes
 #   train   throughput, bf16, mock data, dropout 0: 345M and 1.3B, each: the entry's default
 #           with TE, TE's layers (--transformer-impl transformer_engine --fast-cuda-graph),
@@ -54,9 +55,12 @@ case "$STEP" in
 tests)
     # several tests at once where pytest-xdist is there (each test is its own processes)
     WORKERS=""; PYTHONPATH=$WITH_TE $PY -c "import xdist" 2>/dev/null && WORKERS="-n 6"
-    PYTHONPATH=$WITH_TE timeout $(( $(left) - 5 )) $PY -m pytest -q -p no:cacheprovider -s \
-        $WORKERS -m te_gpu tests/test_transformer_engine_gpu.py > "$OUT/te_tests.txt" 2>&1
-    grep -E "passed|failed|largest relative|Error" "$OUT/te_tests.txt" | tail -12
+    # each failure written as it happens: a run cut by the call's time limit keeps them
+    MEGAGPT_FAILURE_LOG="$OUT/te_failures.txt" PYTHONPATH=$WITH_TE timeout $(( $(left) - 5 )) \
+        $PY -m pytest -q -p no:cacheprovider -s -rA $WORKERS -m te_gpu \
+        tests/test_transformer_engine_gpu.py ${TESTS_K:+-k "$TESTS_K"} > "$OUT/te_tests.txt" 2>&1
+    grep -E "^(PASSED|FAILED|ERROR)|passed|failed|largest relative" "$OUT/te_tests.txt" | tail -20
+    [ -s "$OUT/te_failures.txt" ] && grep -E "^(== |E  )" "$OUT/te_failures.txt" | head -40
     ;;
 matrix)
     PYTHONPATH=$WITH_TE MEGAGPT_FLAG_MATRIX_DEVICE=gpu \
@@ -89,7 +93,7 @@ profile)
     done
     FLAGS=$($PY -c 'import sys, shlex; sys.path.insert(0, "bench")
 from bench_throughput import shape_flags
-print(shlex.join(shape_flags("345M", 26, 5, 1234)))')
+print(shlex.join(shape_flags("345M", 25, 5, 1234)))')
     for side in with without; do
         path=$WITH_TE; [ $side = with ] || path=$WITHOUT_TE
         [ "$(left)" -gt 90 ] || { echo "== profile TE $side: skipped"; continue; }

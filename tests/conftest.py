@@ -61,3 +61,13 @@ def _grad_write_off_afterwards():
     from megagpt.fast_spec import grad_write
 
     megatron_wrappers.remove_all(grad_write.__name__)
+
+
+def pytest_runtest_logreport(report):
+    """With MEGAGPT_FAILURE_LOG set, each failure is appended to that file as it happens: a run
+    stopped by a time limit (the GPU machine's calls) keeps what failed and why, which
+    pytest's own summary, written at the end, would lose."""
+    path = os.environ.get("MEGAGPT_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a") as log:
+            log.write(f"== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
