@@ -8,7 +8,8 @@ RNG state is read from the CUDA generator. Rather than patch each of those call 
 1. ``CudaToCpu`` — a ``TorchFunctionMode`` that rewrites every CUDA device argument of a
    torch call (factory functions, ``Tensor.to``, ``Tensor.cuda``) to the CPU.
 2. ``torch.cuda`` shims — device queries, streams, events, RNG state and memory
-   statistics become CPU-safe stand-ins while CPU mode is active.
+   statistics become CPU-safe stand-ins while CPU mode is active; ``torch.load`` maps
+   what it reads to the CPU where its caller names no place (a checkpoint saved on a GPU).
 3. A few argument settings (gloo, fp32, no-op CUDA RNG tracker) chosen in ``adapt_args``.
 
 Every megatron-core site this covers or changes is listed in ``megagpt.megatron_ledger``
@@ -326,6 +327,17 @@ def _forking(original_get_process):
     return classmethod(_get_process)
 
 
+def _loading_onto_the_cpu(load: Callable) -> Callable:
+    """``torch.load`` that puts tensors saved on a GPU on the CPU where its caller gives no
+    ``map_location``. torch's distributed checkpoint reads the objects of a checkpoint (not
+    its tensors) with a bare ``torch.load``, which restores a GPU run's CUDA tensors onto
+    the GPU: on a CPU-only machine that fails, and on a machine with a GPU the rebuilt tensor
+    is a CPU one (``CudaToCpu``) over CUDA storage, which torch refuses."""
+    def load_onto_the_cpu(f, map_location=None, *args, **kwargs):
+        return load(f, _CPU if map_location is None else map_location, *args, **kwargs)
+    return load_onto_the_cpu
+
+
 @contextlib.contextmanager
 def active():
     """Run the enclosed megatron code on the CPU (see the module docstring)."""
@@ -335,6 +347,7 @@ def active():
     import torch._dynamo
 
     saved_cuda = {name: getattr(torch.cuda, name) for name in _cuda_stand_ins()}
+    saved_load = torch.load
     saved_dynamo_disable = torch._dynamo.config.disable
 
     def allowing_no_cuda(initialize_megatron):
@@ -351,6 +364,7 @@ def active():
     try:
         for name, stand_in in _cuda_stand_ins().items():
             setattr(torch.cuda, name, stand_in)
+        torch.load = _loading_onto_the_cpu(saved_load)
         # torch.compile on a CPU needs a C++ toolchain and minutes of compiling, for no gain
         # in a development run; megatron's jit_fuser and the fast spec then run eagerly.
         torch._dynamo.config.disable = True
@@ -362,4 +376,5 @@ def active():
     finally:
         for name, original in saved_cuda.items():
             setattr(torch.cuda, name, original)
+        torch.load = saved_load
         torch._dynamo.config.disable = saved_dynamo_disable

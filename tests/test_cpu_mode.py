@@ -32,6 +32,37 @@ def test_stand_ins_are_removed_on_exit():
     assert torch.zeros(1).type() == "torch.FloatTensor"
 
 
+def saved_on_a_gpu(obj, monkeypatch) -> bytes:
+    """``obj`` serialised as a GPU run writes it: its storages tagged ``cuda:0`` (the tag is
+    all ``torch.load`` goes by to place them)."""
+    import io
+
+    buffer = io.BytesIO()
+    with monkeypatch.context() as m:
+        m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def test_objects_saved_on_a_gpu_load_onto_the_cpu(monkeypatch):
+    """torch's distributed checkpoint reads a checkpoint's objects with a bare torch.load:
+    in CPU mode what a GPU run saved lands on the CPU; a caller's own map_location stands."""
+    import io
+
+    state = {"step": torch.tensor(3.0), "moments": [torch.arange(4.0)]}
+    data = saved_on_a_gpu(state, monkeypatch)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA"):
+            torch.load(io.BytesIO(data), weights_only=False)
+    with cpu_mode.active():
+        loaded = torch.load(io.BytesIO(data), weights_only=False)
+        assert loaded["step"].device.type == "cpu" and loaded["step"].item() == 3.0
+        assert torch.equal(loaded["moments"][0], torch.arange(4.0))
+        kept = torch.load(io.BytesIO(data), map_location=lambda s, _: s, weights_only=False)
+        assert kept["step"].item() == 3.0
+    assert torch.load.__name__ == "load"
+
+
 def test_cpu_rng_tracker_forks_and_restores_generator_states():
     tracker = cpu_mode.CpuRngTracker()
     tracker.add("model-parallel-rng", 42)
