@@ -219,3 +219,36 @@ def test_te_and_torch_share_one_cudnn():
     libraries = out.stdout.split()[1:]
     # one folder: torch's copy only (the system's lives elsewhere, e.g. /usr/lib/...)
     assert libraries and len({os.path.dirname(p) for p in libraries}) == 1, libraries
+
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+# Each shipped config cut to one GPU and a few steps: two layers, no model parallelism, a
+# batch of two sequences, mock data; its width, heads, sequence, precision, recompute and
+# optimizer as shipped.
+ONE_GPU_FEW_STEPS = ["--num-layers", "2", "--tensor-model-parallel-size", "1",
+                     "--pipeline-model-parallel-size", "1", "--micro-batch-size", "1",
+                     "--global-batch-size", "2", "--train-iters", "3", "--lr-warmup-iters", "0",
+                     "--eval-iters", "0", "--log-interval", "1", "--mock-data",
+                     "--vocab-size", "512"]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
+def test_every_shipped_config_trains_with_te_installed(tmp_path, config):
+    out = run_entry(["--config", str(config), *ONE_GPU_FEW_STEPS], cwd=tmp_path, timeout=600)
+    assert out.returncode == 0 and "Traceback" not in out.stdout, out.stdout[-4000:]
+    losses = parse_losses(out.stdout)
+    assert sorted(losses) == [1, 2, 3] and all(map(math.isfinite, losses.values())), losses
+
+
+def test_the_345m_example_trains_on_one_gpu_with_te_installed(tmp_path):
+    """examples/train_gpt345m.sh as shipped, on one GPU, cut to three steps of 8 sequences."""
+    env = {"DATA_PATH": "mock", "RUN_DIR": str(tmp_path / "run"), "PYTHON": sys.executable}
+    out = subprocess.run(
+        ["bash", str(REPO / "examples" / "train_gpt345m.sh"), "1", "--", "--train-iters", "3",
+         "--global-batch-size", "8", "--eval-iters", "0", "--log-interval", "1"],
+        cwd=REPO, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, timeout=600)
+    assert out.returncode == 0 and "Traceback" not in out.stdout, out.stdout[-4000:]
+    assert sorted(parse_losses(out.stdout)) == [1, 2, 3], out.stdout[-3000:]
