@@ -9,8 +9,10 @@
 # Transformer Engine (built against this machine's torch). A run "with TE" has both on
 # PYTHONPATH, a run "without TE" only MCORE_SITE, so TE is importable for one and hidden
 # from the other in the same call. Steps (one per call, each fits a 10-minute call):
-#   tests   the TE GPU tests (pytest -m te_gpu, 6 at once with pytest-xdist; over 5 minutes;
-#           TESTS_K=EXPR selects some; each failure is written to OUT/te_failures.txt at once)
+#   tests   the TE GPU tests (pytest -m te_gpu, 6 at once with pytest-xdist; each failure is
+#           written to OUT/te_failures.txt at once). More than one call's worth: split them
+#           with TESTS_K, e.g. TESTS_K="config or example" in one call and
+#           TESTS_K="not config and not example" in the next
 #   matrix  the flag matrix's rows that TE changes
 #   train   throughput, bf16, mock data, dropout 0: 345M and 1.3B, each: the entry's default
 #           with TE, TE's layers (--transformer-impl transformer_engine --fast-cuda-graph),
