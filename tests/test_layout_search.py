@@ -14,12 +14,15 @@ from test_step_time import NARAYANAN
 # Where the model ranks layouts with less tensor and more pipeline parallelism clearly faster
 # than the published one, each holding the published layout's parameters per GPU (so memory
 # rules none of them out): at TP 8 every layer pays five NVLink all-reduces per micro-batch
-# (two forward, two recomputed, one exposed backward), every TP rank repeats the norms',
-# dropouts' and residuals' memory-bound work (no sequence parallelism), and the gradient
-# all-reduce leaves each node through one NIC per DP group; at TP 2 × PP 4 (18.4B) or
-# TP 2 × PP 8 (39.1B) those shrink more than the interleaved pipeline's bubble and InfiniBand
-# sends add. docs/cost.md has the breakdowns; the table grew TP with model size as a
-# weak-scaling study, not as a search for the fastest layout of each model.
+# (two forward, two recomputed, one exposed backward) and every TP rank repeats the norms',
+# dropouts' and residuals' memory-bound work (no sequence parallelism). Its gradient all-reduce
+# also moves 4 times the bytes across nodes: every GPU has its own NIC in both layouts, but a
+# TP 8 node holds one replica of the model, all distinct, where a TP 2 × PP 4 node holds four
+# DP replicas of one stage, which reduce over NVLink before a quarter of the bytes leaves the
+# node. At TP 2 × PP 4 (18.4B) or TP 2 × PP 8 (39.1B) those shrink more than the interleaved
+# pipeline's bubble and InfiniBand sends add. docs/cost.md has the breakdowns; the table grew
+# TP with model size as a weak-scaling study, not as a search for the fastest layout of each
+# model.
 LOWER_TP_FASTER = {"18.4B", "39.1B"}
 
 
