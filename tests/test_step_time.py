@@ -236,6 +236,16 @@ def test_each_dp_group_reduces_over_its_own_gpus_nics():
     assert estimate_step(tp2, A100, params).parts["DP reduce"] == pytest.approx(ring / 4, rel=0.01)
 
 
+def test_unfused_scores_cost_more_through_torch_and_most_with_an_fp32_softmax():
+    """The compiled scale-mask-softmax moves 16-bit scores once per step of the chain; torch's
+    fallback makes mask and softmax separate passes, and an fp32 softmax casts both ways."""
+    shape = narayanan_shape(48, 6144, 40, 8, 1, 256, 1024)
+    times = [estimate_step(StepShape(**{**shape.__dict__, **switch}), A100, 2.3e9)
+             .parts["attention"] for switch in ({}, {"fused_softmax": False},
+                                                {"fused_softmax": False, "softmax_in_fp32": True})]
+    assert times[0] < times[1] < times[2]
+
+
 def test_an_estimate_takes_well_under_a_millisecond():
     import time
 

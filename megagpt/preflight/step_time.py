@@ -44,6 +44,13 @@ FLASH_EFFICIENCY_HOPPER_CUDNN = 0.55
 # backward of each op).
 SCORE_BYTES_FUSED = (13, 19)
 SCORE_BYTES_TORCH = (18, 22)
+# The torch fallback with the softmax in fp32 (--attention-softmax-in-fp32, or forced by
+# --apply-query-key-layer-scaling) casts the scores up and the probabilities back: forward
+# the cast (read 2, write 4), the in-place mask and the softmax on 4-byte elements, the cast
+# back (read 4, write 2): 38, +20; backward the two casts' gradients and the softmax and mask
+# gradients on 4-byte elements: 44, +22. The fused kernel computes in fp32 in registers and
+# moves 16-bit elements either way.
+SCORE_BYTES_TORCH_FP32_EXTRA = (20, 22)
 # Attention dropout inside a flash kernel: one Philox draw per kept score, forward and again
 # backward; 2.65 ms for 3.2e9 draws (24 layers × 8 × 16 heads × 1024² / 2, twice) at 345M on
 # H200 (docs/speed.md: cuDNN with and without dropout) = 0.82 ps per score element. Taken
@@ -129,6 +136,8 @@ class StepShape:
     fp8: bool = False
     path: str = "te"  # te | fast | local
     flash_attention: bool = True
+    fused_softmax: bool = True  # unfused attention: megatron's compiled scale-mask-softmax
+    softmax_in_fp32: bool = False  # unfused attention: the softmax computed in fp32
     cuda_graph: bool = False
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
@@ -173,6 +182,16 @@ def bus_bandwidth(gpu: GpuSpec, inside_node: bool) -> float:
 
 
 # --- kernels -------------------------------------------------------------------------------
+
+def _score_bytes(shape: StepShape) -> tuple[int, int]:
+    """(forward, backward) bytes per score element of unfused attention with dropout."""
+    if shape.fused_softmax:
+        return SCORE_BYTES_FUSED
+    if not shape.softmax_in_fp32:
+        return SCORE_BYTES_TORCH
+    return (SCORE_BYTES_TORCH[0] + SCORE_BYTES_TORCH_FP32_EXTRA[0],
+            SCORE_BYTES_TORCH[1] + SCORE_BYTES_TORCH_FP32_EXTRA[1])
+
 
 class _Kernels:
     """Times of the pieces of one layer for one micro-batch on one GPU."""
@@ -230,7 +249,7 @@ class _Kernels:
         seq = s.seq // s.cp
         products = (self.gemm(seq, s.seq, s.head_dim, batch)  # QK^T
                     + self.gemm(seq, s.head_dim, s.seq, batch))  # PV
-        fwd_bytes, bwd_bytes = SCORE_BYTES_TORCH if s.path == "local" else SCORE_BYTES_FUSED
+        fwd_bytes, bwd_bytes = _score_bytes(s)
         if s.attention_dropout == 0:  # no dropout pass: read, write and mask byte saved
             fwd_bytes, bwd_bytes = fwd_bytes - 5, bwd_bytes - 5
         return (products + scores * fwd_bytes / self.hbm,
