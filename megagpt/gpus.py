@@ -20,7 +20,7 @@ class GpuSpec:
     fp8_tflops: float | None  # dense; None where the part has no FP8 tensor cores
     hbm_gb_s: float  # memory bandwidth
     nvlink_gb_s: float  # NVLink, per direction (half the datasheet's bidirectional figure)
-    network_gb_s: float  # one inter-node NIC per GPU, per direction
+    network_gb_s: float  # line rate of the GPU's own inter-node NIC, per direction
     gemm_efficiency: float  # share of the dense peak a large 16-bit GEMM sustains
     sources: str
     gpus_per_node: int = 8  # DGX / HGX boards
@@ -38,13 +38,25 @@ class GpuSpec:
 AMPERE_GEMM_EFFICIENCY = 0.8
 HOPPER_GEMM_EFFICIENCY = 0.65
 
+# The network: DGX nodes give every GPU its own compute NIC on the PCIe switch it shares with
+# it (GPUDirect RDMA), so the 8 GPUs of a node send and receive side by side, each at its NIC's
+# line rate, whatever the layout. DGX A100 (Selene, the Narayanan et al. 2021 runs): 8
+# single-port ConnectX-6 HDR InfiniBand, 200 Gb/s = 25 GB/s each, 1,600 Gb/s per node (DGX A100
+# User Guide, "Network Connections"; the two further ports are for storage). DGX H100 and DGX
+# H200: 8 ConnectX-7 NDR, 400 Gb/s = 50 GB/s each, 3,200 Gb/s per node (DGX H100/H200 User
+# Guide); HGX H200 servers built to NVIDIA's reference design carry the same 8 × 400 Gb/s.
+A100_NIC_GB_S = 200 / 8
+HOPPER_NIC_GB_S = 400 / 8
+
 _A100_SOURCES = ("NVIDIA A100 datasheet (312 TFLOP/s dense bf16/fp16; HBM2e 1,555 GB/s at 40 GB, "
-                 "2,039 GB/s at 80 GB; NVLink 3 600 GB/s bidirectional); DGX A100 / Selene: one "
-                 "200 Gb/s HDR InfiniBand port per GPU")
+                 "2,039 GB/s at 80 GB; NVLink 3 600 GB/s bidirectional); DGX A100 / Selene: 8 "
+                 "compute NICs, one 200 Gb/s HDR InfiniBand port per GPU")
 _H100_SOURCES = ("NVIDIA H100 datasheet, SXM5 (989 TFLOP/s dense bf16, 1,979 FP8; HBM3 3.35 TB/s; "
-                 "NVLink 4 900 GB/s bidirectional); DGX H100: one 400 Gb/s NDR port per GPU")
+                 "NVLink 4 900 GB/s bidirectional); DGX H100: 8 compute NICs, one 400 Gb/s NDR "
+                 "port per GPU")
 _H200_SOURCES = ("NVIDIA H200 datasheet, SXM (989 TFLOP/s dense bf16, 1,979 FP8; HBM3e 4.8 TB/s; "
-                 "NVLink 4 900 GB/s bidirectional); HGX H200: one 400 Gb/s NDR port per GPU")
+                 "NVLink 4 900 GB/s bidirectional); DGX H200 / HGX H200: 8 compute NICs, one "
+                 "400 Gb/s NDR port per GPU")
 
 
 @dataclass(frozen=True)
@@ -55,14 +67,14 @@ class KnownGpu:
 
 
 KNOWN_GPUS = {
-    "A100-40GB": KnownGpu(40960 / 1024, 8, GpuSpec(312, None, 1555, 300, 25, AMPERE_GEMM_EFFICIENCY,
-                                                       _A100_SOURCES)),
-    "A100-80GB": KnownGpu(81920 / 1024, 8, GpuSpec(312, None, 2039, 300, 25, AMPERE_GEMM_EFFICIENCY,
-                                                       _A100_SOURCES)),
-    "H100-SXM": KnownGpu(81559 / 1024, 9, GpuSpec(989, 1979, 3350, 450, 50, HOPPER_GEMM_EFFICIENCY,
-                                                     _H100_SOURCES)),
-    "H200": KnownGpu(143771 / 1024, 9, GpuSpec(989, 1979, 4800, 450, 50, HOPPER_GEMM_EFFICIENCY,
-                                                   _H200_SOURCES)),
+    "A100-40GB": KnownGpu(40960 / 1024, 8, GpuSpec(312, None, 1555, 300, A100_NIC_GB_S,
+                                                   AMPERE_GEMM_EFFICIENCY, _A100_SOURCES)),
+    "A100-80GB": KnownGpu(81920 / 1024, 8, GpuSpec(312, None, 2039, 300, A100_NIC_GB_S,
+                                                   AMPERE_GEMM_EFFICIENCY, _A100_SOURCES)),
+    "H100-SXM": KnownGpu(81559 / 1024, 9, GpuSpec(989, 1979, 3350, 450, HOPPER_NIC_GB_S,
+                                                  HOPPER_GEMM_EFFICIENCY, _H100_SOURCES)),
+    "H200": KnownGpu(143771 / 1024, 9, GpuSpec(989, 1979, 4800, 450, HOPPER_NIC_GB_S,
+                                               HOPPER_GEMM_EFFICIENCY, _H200_SOURCES)),
 }
 ALIASES = {"H100": "H100-SXM"}  # the name this option took before H100 PCIe/NVL were told apart
 DEFAULT_GPU = "A100-80GB"

@@ -8,23 +8,33 @@ import pytest
 
 from megagpt.arguments import parse_arguments
 from megagpt.preflight import make_plan
-from megagpt.preflight.layout_search import candidate_layouts, launch_layout, search
+from megagpt.preflight import estimate as est
+from megagpt.preflight.cost import shape_of
+from megagpt.preflight.layout_search import (Layout, args_for, candidate_layouts, launch_layout,
+                                              search)
 from test_step_time import NARAYANAN
 
 # Where the model ranks layouts with less tensor and more pipeline parallelism clearly faster
 # than the published one, each holding the published layout's parameters per GPU (so memory
 # rules none of them out): at TP 8 every layer pays five NVLink all-reduces per micro-batch
-# (two forward, two recomputed, one exposed backward), every TP rank repeats the norms',
-# dropouts' and residuals' memory-bound work (no sequence parallelism), and the gradient
-# all-reduce leaves each node through one NIC per DP group; at TP 2 × PP 4 (18.4B) or
-# TP 2 × PP 8 (39.1B) those shrink more than the interleaved pipeline's bubble and InfiniBand
-# sends add. docs/cost.md has the breakdowns; the table grew TP with model size as a
-# weak-scaling study, not as a search for the fastest layout of each model.
+# (two forward, two recomputed, one exposed backward) and every TP rank repeats the norms',
+# dropouts' and residuals' memory-bound work (no sequence parallelism). Its gradient all-reduce
+# also moves 4 times the bytes across nodes: every GPU has its own NIC in both layouts, but a
+# TP 8 node holds one replica of the model, all distinct, where a TP 2 × PP 4 node holds four
+# DP replicas of one stage, which reduce over NVLink before a quarter of the bytes leaves the
+# node. At TP 2 × PP 4 (18.4B) or TP 2 × PP 8 (39.1B) those shrink more than the interleaved
+# pipeline's bubble and InfiniBand sends add. Unfused attention, the paper's, does not change
+# that: its [b, heads/TP, s, s] scores are counted in memory, but the fastest layouts use
+# micro-batch 1 or 2, where they are 1 GB at TP 2, and their time is the same for every
+# layout of a row. docs/cost.md has the breakdowns; the table grew
+# TP with model size as a weak-scaling study, not as a search for the fastest layout of each
+# model.
 LOWER_TP_FASTER = {"18.4B", "39.1B"}
 
 
 def narayanan_plan(heads, hidden, layers, tp, pp, gpus, batch):
-    """The row as a launch through megatron's own layer modules (the paper's code path)."""
+    """The row as a launch through megatron's own layer modules (the paper's code path: its
+    attention is ``DotProductAttention``, unfused, wherever Transformer Engine is installed)."""
     argv = ["--mock-data", "--vocab-size", "51200", "--num-layers", str(layers),
             "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
             "--seq-length", "2048", "--max-position-embeddings", "2048",
@@ -32,7 +42,8 @@ def narayanan_plan(heads, hidden, layers, tp, pp, gpus, batch):
             "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
             "--fp16", "--recompute-granularity", "full", "--recompute-method", "uniform",
             "--recompute-num-layers", "1", "--lr", "1e-4", "--train-iters", "10",
-            "--no-fast-spec", "--no-fast-optimizer", "--no-fast-lm-loss",
+            "--transformer-impl", "local", "--no-fast-spec", "--no-fast-optimizer",
+            "--no-fast-lm-loss",
             "--dry-run", "--dry-run-world-size", str(gpus), "--gpu-type", "A100-80GB"]
     with contextlib.redirect_stdout(io.StringIO()):
         return make_plan(parse_arguments(argv))
@@ -88,3 +99,19 @@ def test_candidates_respect_megatron_divisibility(narayanan_plans):
         assert layout.tp * layout.pp * layout.dp == 1536
         assert 2304 % (layout.micro_batch * layout.dp) == 0
         assert (80 // layout.pp) % layout.virtual_stages == 0
+
+
+def test_unfused_attention_scores_cost_memory_and_the_same_time_in_every_layout(narayanan_plans):
+    """The 2021 code had no flash attention: megatron's local ``DotProductAttention`` writes the
+    [b, heads/TP, s, s] scores, and the layer being recomputed keeps 5 bytes per element of
+    them (softmax output, dropout mask and output). Their time per GPU and step is
+    B·heads·s²·layers / GPUs elements in every layout, so it ranks none above another."""
+    plan = narayanan_plans["18.4B"]
+    assert not shape_of(plan.args).flash_attention
+    layout = Layout(tp=2, pp=4, dp=32, micro_batch=8, virtual_stages=1, recompute="none")
+    unfused = est.layer_activation_bytes(args_for(plan.args, layout, "local"), "none")
+    flash = est.layer_activation_bytes(args_for(plan.args, layout, "fast"), "none")
+    assert unfused - flash == pytest.approx(5 * 8 * (48 // 2) * 2048**2)
+    ranked = search(plan.args, plan.gpu, recompute=("full",))
+    attention = {round(r.step.parts["attention"], 6) for r in ranked}
+    assert len(attention) == 1

@@ -15,7 +15,7 @@ import statistics
 import pytest
 
 from megagpt.gpus import KNOWN_GPUS
-from megagpt.preflight.step_time import StepShape, estimate_step
+from megagpt.preflight.step_time import StepShape, bus_bandwidth, estimate_step
 
 A100 = KNOWN_GPUS["A100-80GB"].spec
 H100 = KNOWN_GPUS["H100-SXM"].spec
@@ -222,6 +222,28 @@ def test_recompute_costs_a_forward_and_tp_across_nodes_is_slower():
     across = StepShape(**{**shape.__dict__, "tp": 16, "dp": shape.dp // 2, "heads": 64})
     assert estimate_step(across, A100, params / 2).parts["TP communication"] > \
         8 * full.parts["TP communication"] / 2
+
+
+def test_each_dp_group_reduces_over_its_own_gpus_nics():
+    """Every GPU of a DGX node has its own NIC: at TP 8 (one DP peer per node) the gradient
+    all-reduce runs at one NIC's bus bandwidth, the node's other 7 groups beside it on theirs;
+    at TP 2 a group's 4 peers in a node send a quarter of the bytes each."""
+    shape = narayanan_shape(48, 6144, 40, 8, 1, 256, 1024)
+    params = 2.3e9
+    ring = 2 * 31 / 32 * params * shape.grad_bytes / bus_bandwidth(A100, inside_node=False)
+    assert estimate_step(shape, A100, params).parts["DP reduce"] == pytest.approx(ring, rel=0.01)
+    tp2 = StepShape(**{**shape.__dict__, "tp": 2, "pp": 4})
+    assert estimate_step(tp2, A100, params).parts["DP reduce"] == pytest.approx(ring / 4, rel=0.01)
+
+
+def test_unfused_scores_cost_more_through_torch_and_most_with_an_fp32_softmax():
+    """The compiled scale-mask-softmax moves 16-bit scores once per step of the chain; torch's
+    fallback makes mask and softmax separate passes, and an fp32 softmax casts both ways."""
+    shape = narayanan_shape(48, 6144, 40, 8, 1, 256, 1024)
+    times = [estimate_step(StepShape(**{**shape.__dict__, **switch}), A100, 2.3e9)
+             .parts["attention"] for switch in ({}, {"fused_softmax": False},
+                                                {"fused_softmax": False, "softmax_in_fp32": True})]
+    assert times[0] < times[1] < times[2]
 
 
 def test_an_estimate_takes_well_under_a_millisecond():

@@ -32,6 +32,26 @@ def launch_path(args) -> str:
     return "fast" if fast_path_selected(args) else "local"
 
 
+def fused_softmax(args) -> bool:
+    """Whether megatron's unfused attention runs its compiled scale-mask-softmax kernel, by the
+    conditions of ``FusedScaleMaskSoftmax.is_kernel_available`` that the launch fixes: the
+    fusion on (megagpt.compat turns it off where the kernels are not installed), 16-bit scores,
+    16 < s ≤ 4096, s and micro-batch × heads per TP rank multiples of 4 (its rows-per-block
+    condition, read from the compiled kernel, is taken as met). Otherwise torch's
+    fallback (``forward_torch_softmax``) runs mask, softmax and cast as separate passes."""
+    heads_per_rank = args.num_attention_heads // args.tensor_model_parallel_size
+    return (bool(getattr(args, "masked_softmax_fusion", False)) and (args.fp16 or args.bf16)
+            and 16 < args.seq_length <= 4096 and args.seq_length % 4 == 0
+            and args.micro_batch_size * heads_per_rank % 4 == 0)
+
+
+def softmax_in_fp32(args) -> bool:
+    """The scores' softmax in fp32: asked for, or forced by query-key layer scaling (as
+    ``TransformerConfig.__post_init__`` does)."""
+    return bool(getattr(args, "attention_softmax_in_fp32", False)
+                or getattr(args, "apply_query_key_layer_scaling", False))
+
+
 def _cuda_graph(args) -> bool:
     return bool(getattr(args, "fast_cuda_graph", False) or getattr(args, "fast_layer_graphs", False)
                 or getattr(args, "cuda_graph_impl", "none") not in ("none", None)
@@ -69,7 +89,8 @@ def shape_of(args) -> StepShape:
         overlap_param_gather=bool(args.overlap_param_gather),
         tp_comm_overlap=bool(getattr(args, "tp_comm_overlap", False)),
         precision=precision, fp8=path == "te" and getattr(args, "fp8", None) is not None,
-        path=path, flash_attention=path != "local", cuda_graph=_cuda_graph(args),
+        path=path, flash_attention=path != "local", fused_softmax=fused_softmax(args),
+        softmax_in_fp32=softmax_in_fp32(args), cuda_graph=_cuda_graph(args),
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
         grad_bytes=_grad_bytes(args),
     )

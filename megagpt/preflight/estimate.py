@@ -188,13 +188,30 @@ def bytes_per_parameter(args) -> tuple[int, int, float]:
     return weight, grad, optimizer
 
 
+# Bytes per [b, heads/TP, s, s] element unfused attention keeps for its backward: the
+# softmax's output (2, kept by the softmax for its gradient), the dropout mask (1) and the
+# dropout's output (2, kept by the PV product): Korthikanti et al. 2022's 5·a·s/h. Torch's
+# fallback with an fp32 softmax keeps the softmax's output in fp32: 2 more. The compiled
+# kernel computes in fp32 but keeps a 16-bit output.
+SCORE_BYTES_KEPT = 5
+SCORE_BYTES_FP32_SOFTMAX_EXTRA = 2
+
+
+def score_bytes_per_element(args) -> int:
+    from megagpt.preflight.cost import fused_softmax, softmax_in_fp32
+
+    fp32_copy = not fused_softmax(args) and softmax_in_fp32(args)
+    return SCORE_BYTES_KEPT + (SCORE_BYTES_FP32_SOFTMAX_EXTRA if fp32_copy else 0)
+
+
 def layer_activation_bytes(args, recompute: str) -> float:
     """Bytes one transformer layer keeps for its backward, one micro-batch, 16-bit.
 
     Korthikanti et al. 2022 (arXiv 2205.05198), §4 and Table 2, per token and per hidden
     element: attention 11 (input of QKV 2, Q, K, V 6, input of the projection 2, dropout mask
     1) + MLP 19 (fc1 input 2, activation input 8, fc2 input 8, mask 1) + norms 4 = 34, plus
-    5·heads·s/h for unfused attention's scores, softmax and dropout mask. Flash attention keeps
+    5·heads·s/h for unfused attention's softmax output, dropout mask and dropout output
+    (``SCORE_BYTES_KEPT``; 7 with torch's fp32 softmax). Flash attention keeps
     only its output and softmax statistics, and selective recompute drops that term too.
     Without sequence parallelism the norms' and dropouts' inputs (10 of the 34) sit whole on
     every TP rank; with it, everything is split over TP. Grouped-query attention, GLU and
@@ -215,8 +232,9 @@ def layer_activation_bytes(args, recompute: str) -> float:
              + 2 * fc1_out / h + 2 * args.ffn_hidden_size / h)  # activation and fc2 inputs
     from megagpt.preflight.cost import launch_path
 
-    unfused = launch_path(args) == "local"
-    scores = 5 * heads * seq / h if unfused and recompute != "selective" else 0.0
+    unfused = launch_path(args) == "local"  # megatron's DotProductAttention: the scores in memory
+    scores = score_bytes_per_element(args) * heads * seq / h \
+        if unfused and recompute != "selective" else 0.0
     if sp:
         return sbh * (replicated + split + scores) / tp
     return sbh * (replicated + (split + scores) / tp)

@@ -44,6 +44,13 @@ FLASH_EFFICIENCY_HOPPER_CUDNN = 0.55
 # backward of each op).
 SCORE_BYTES_FUSED = (13, 19)
 SCORE_BYTES_TORCH = (18, 22)
+# The torch fallback with the softmax in fp32 (--attention-softmax-in-fp32, or forced by
+# --apply-query-key-layer-scaling) casts the scores up and the probabilities back: forward
+# the cast (read 2, write 4), the in-place mask and the softmax on 4-byte elements, the cast
+# back (read 4, write 2): 38, +20; backward the two casts' gradients and the softmax and mask
+# gradients on 4-byte elements: 44, +22. The fused kernel computes in fp32 in registers and
+# moves 16-bit elements either way.
+SCORE_BYTES_TORCH_FP32_EXTRA = (20, 22)
 # Attention dropout inside a flash kernel: one Philox draw per kept score, forward and again
 # backward; 2.65 ms for 3.2e9 draws (24 layers × 8 × 16 heads × 1024² / 2, twice) at 345M on
 # H200 (docs/speed.md: cuDNN with and without dropout) = 0.82 ps per score element. Taken
@@ -73,10 +80,16 @@ OPTIMIZER_BYTES_FUSED = 38
 OPTIMIZER_BYTES_FAST = 28
 OPTIMIZER_BYTES_FALLBACK = 52
 OPTIMIZER_BYTES_FP16_EXTRA = 8
-# NCCL's bus bandwidth as a share of the link's: ~0.8 for large all-reduces on DGX A100 and
-# H100 (nccl-tests all_reduce_perf: ~230 of 300 GB/s, ~360 of 450 GB/s), and a fixed cost
-# per collective of ~10 µs (nccl-tests small-message latency over NVLink).
-NCCL_BUS_EFFICIENCY = 0.8
+# NCCL's bus bandwidth as a share of the link's, at the sizes of TP activations and gradient
+# buckets. Over NVLink: 232 of 300 GB/s per direction on one DGX A100 (nccl-tests
+# all_reduce_perf, 8 GPUs; github.com/NVIDIA/nccl/issues/1048), ~360 of 450 GB/s on H100
+# without NVLink SHARP: 0.78. Over InfiniBand a ring keeps the NIC almost saturated: NCCL's
+# maintainers give ~24 GB/s per 200 Gb/s HDR NIC between nodes (25 GB/s line rate;
+# github.com/NVIDIA/nccl/issues/412) and 46-48 GB/s per 400 Gb/s NDR NIC (50 GB/s;
+# github.com/NVIDIA/nccl-tests/issues/290): 0.94. A fixed cost per collective of ~10 µs
+# (nccl-tests small-message latency over NVLink).
+NVLINK_BUS_EFFICIENCY = 0.78
+NETWORK_BUS_EFFICIENCY = 0.94
 NCCL_LATENCY_S = 10e-6
 # Host time per kernel launch through megatron's local modules, eager (Python module calls,
 # autograd, host synchronisations and the launch): ~1,700 launches per 345M step with the GPU
@@ -123,6 +136,8 @@ class StepShape:
     fp8: bool = False
     path: str = "te"  # te | fast | local
     flash_attention: bool = True
+    fused_softmax: bool = True  # unfused attention: megatron's compiled scale-mask-softmax
+    softmax_in_fp32: bool = False  # unfused attention: the softmax computed in fp32
     cuda_graph: bool = False
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
@@ -159,7 +174,24 @@ PART_NAMES = ("matmuls", "attention", "memory-bound", "TP communication", "pipel
               "PP send/receive", "DP reduce", "optimizer", "recompute", "host launches")
 
 
+def bus_bandwidth(gpu: GpuSpec, inside_node: bool) -> float:
+    """Bytes per second one GPU's collectives reach: NVLink inside a node, else its own NIC."""
+    if inside_node:
+        return gpu.nvlink_gb_s * 1e9 * NVLINK_BUS_EFFICIENCY
+    return gpu.network_gb_s * 1e9 * NETWORK_BUS_EFFICIENCY
+
+
 # --- kernels -------------------------------------------------------------------------------
+
+def _score_bytes(shape: StepShape) -> tuple[int, int]:
+    """(forward, backward) bytes per score element of unfused attention with dropout."""
+    if shape.fused_softmax:
+        return SCORE_BYTES_FUSED
+    if not shape.softmax_in_fp32:
+        return SCORE_BYTES_TORCH
+    return (SCORE_BYTES_TORCH[0] + SCORE_BYTES_TORCH_FP32_EXTRA[0],
+            SCORE_BYTES_TORCH[1] + SCORE_BYTES_TORCH_FP32_EXTRA[1])
+
 
 class _Kernels:
     """Times of the pieces of one layer for one micro-batch on one GPU."""
@@ -217,7 +249,7 @@ class _Kernels:
         seq = s.seq // s.cp
         products = (self.gemm(seq, s.seq, s.head_dim, batch)  # QK^T
                     + self.gemm(seq, s.head_dim, s.seq, batch))  # PV
-        fwd_bytes, bwd_bytes = SCORE_BYTES_TORCH if s.path == "local" else SCORE_BYTES_FUSED
+        fwd_bytes, bwd_bytes = _score_bytes(s)
         if s.attention_dropout == 0:  # no dropout pass: read, write and mask byte saved
             fwd_bytes, bwd_bytes = fwd_bytes - 5, bwd_bytes - 5
         return (products + scores * fwd_bytes / self.hbm,
@@ -250,8 +282,7 @@ class _Kernels:
         """Ring all-reduce ('ar'), reduce-scatter or all-gather ('rs', 'ag') of a buffer."""
         if ranks <= 1:
             return 0.0
-        link = self.gpu.nvlink_gb_s if inside_node else self.gpu.network_gb_s
-        bandwidth = link * 1e9 * NCCL_BUS_EFFICIENCY
+        bandwidth = bus_bandwidth(self.gpu, inside_node)
         factor = 2 if kind == "ar" else 1
         return factor * (ranks - 1) / ranks * volume_bytes / bandwidth + NCCL_LATENCY_S
 
@@ -336,7 +367,7 @@ def estimate_step(shape: StepShape, gpu: GpuSpec, params_per_gpu: float,
     parts["pipeline bubble"] = bubble
     if shape.pp > 1:
         inside = shape.gpus <= gpu.gpus_per_node  # neighbouring stages are TP·CP·DP ranks apart
-        link = (gpu.nvlink_gb_s if inside else gpu.network_gb_s) * 1e9 * NCCL_BUS_EFFICIENCY
+        link = bus_bandwidth(gpu, inside)
         # each stage sends its activations forward and its input gradient back per micro-batch
         # (and per model chunk when interleaved); each TP rank sends 1/TP of it over its own
         # link (megatron's scatter-gather across TP ranks, or the sequence-parallel shard)
@@ -368,17 +399,16 @@ def _dp_exposed(shape: StepShape, gpu: GpuSpec, k: _Kernels, params: float,
     dp = shape.dp
     if dp == 1:
         return 0.0
-    gpus_per_node = gpu.gpus_per_node
-    stride = shape.tp * shape.cp  # megatron orders ranks TP, CP, DP, PP
-    peers_in_node = max(1, min(dp, gpus_per_node // stride)) if stride < gpus_per_node else 1
+    peers_in_node = _dp_peers_in_node(shape, gpu.gpus_per_node)
     inside = dp <= peers_in_node
     grads = params * shape.grad_bytes
-    if inside:
-        link_scale = 1.0
-    else:
-        # hierarchical rings: the peers of a node each carry 1/peers of the data over their
-        # own NIC; never faster than NVLink
-        link_scale = min(peers_in_node, gpu.nvlink_gb_s / gpu.network_gb_s)
+    # Every GPU has its own NIC, so the node's DP groups (one per TP·CP rank of the node) reduce
+    # side by side, none waiting for another's NIC. A group with several peers in a node
+    # reduces among them over NVLink and sends only their distinct share across nodes, each
+    # peer its 1/peers over its own NIC (NCCL's rings, one channel per NIC): the network part
+    # runs peers times faster, never faster than NVLink.
+    link_scale = 1.0 if inside else \
+        min(peers_in_node, bus_bandwidth(gpu, True) / bus_bandwidth(gpu, False))
     if shape.distributed_optimizer:
         reduce = k.collective(grads, dp, inside, "rs") / link_scale
         gather = k.collective(params * 2, dp, inside, "ag") / link_scale
@@ -393,6 +423,15 @@ def _dp_exposed(shape: StepShape, gpu: GpuSpec, k: _Kernels, params: float,
     if shape.overlap_param_gather:
         gather = max(gather - forward, gather / max(1, _stage_layers(shape)))
     return reduce + gather
+
+
+def _dp_peers_in_node(shape: StepShape, gpus_per_node: int) -> int:
+    """Ranks of one DP group on one node: megatron orders ranks TP, CP, DP, PP, so DP peers
+    are TP·CP apart and a node holds gpus_per_node / (TP·CP) of them."""
+    stride = shape.tp * shape.cp
+    if stride >= gpus_per_node:
+        return 1
+    return max(1, min(shape.dp, gpus_per_node // stride))
 
 
 def _optimizer_seconds(shape: StepShape, k: _Kernels, params: float) -> float:
