@@ -36,6 +36,7 @@ LOCAL = "local"
 USER_SPEC = "user_spec"
 
 NCCL_CONNECT = "NCCL_RUNTIME_CONNECT"
+NCCL_CHOICE = "NCCL connect"
 
 # the fast path's own switches, for namespaces that did not go through its parser
 SWITCH_DEFAULTS = (
@@ -69,7 +70,7 @@ class Choice:
     def describe(self) -> str:
         value = {True: "on", False: "off"}.get(self.value, self.value) \
             if isinstance(self.value, bool) else self.value
-        return f"  {self.name:<18} {value}: {self.reason}"
+        return f"  {self.name:<17} {value} — {self.reason}"
 
 
 @dataclass(frozen=True)
@@ -269,23 +270,6 @@ def _full_iteration_asked(p: _Planner, impl) -> None:
               "the run naming its rank)")
 
 
-def _nccl_connect(p: _Planner) -> None:
-    # NCCL (2.22+) connects peers lazily, on a collective's first use of them; inside a
-    # capture that cannot happen (a DP=2 capture hung: docs/speed.md, "Full-iteration CUDA
-    # graph"). 0 connects them when each communicator is made, after this point.
-    full_iteration = p.get("cuda_graph_impl", "none") == "full_iteration"
-    current = p.environ.get(NCCL_CONNECT)
-    if not (full_iteration and p.world() != 1):
-        p.choose(NCCL_CONNECT, current or "unset", "no collective inside a full-iteration graph")
-    elif current is not None:
-        p.choose(NCCL_CONNECT, current, "as set in the environment")
-    else:
-        p.env[NCCL_CONNECT] = "0"
-        p.log("fast path: NCCL_RUNTIME_CONNECT=0 (every NCCL peer connected up front, as a "
-              "captured collective cannot connect one)")
-        p.choose(NCCL_CONNECT, "0", "a captured collective cannot connect a peer")
-
-
 def _layer_graphs(p: _Planner) -> None:
     """``fast_layer_graphs``: default, refusal, and megatron's ``cuda_graph_impl``."""
     asked = p.v.fast_layer_graphs
@@ -351,6 +335,23 @@ def _graph_choices(p: _Planner) -> None:
     else:
         p.choose("NaN check", "gradient norm", "each in-step check waits for the GPU under "
                  "per-layer graphs (--fast-step-nan-checks keeps them)")
+
+
+def _nccl_connect(p: _Planner) -> None:
+    # NCCL (2.22+) connects peers lazily, on a collective's first use of them; inside a
+    # capture that cannot happen (a DP=2 capture hung: docs/speed.md, "Full-iteration CUDA
+    # graph"). 0 connects them when each communicator is made, after this point.
+    full_iteration = p.get("cuda_graph_impl", "none") == "full_iteration"
+    current = p.environ.get(NCCL_CONNECT)
+    if not (full_iteration and p.world() != 1):
+        p.choose(NCCL_CHOICE, current or "unset", "no collective inside a full-iteration graph")
+    elif current is not None:
+        p.choose(NCCL_CHOICE, current, "as set in the environment")
+    else:
+        p.env[NCCL_CONNECT] = "0"
+        p.log("fast path: NCCL_RUNTIME_CONNECT=0 (every NCCL peer connected up front, as a "
+              "captured collective cannot connect one)")
+        p.choose(NCCL_CHOICE, "0", "a captured collective cannot connect a peer")
 
 
 def _bf16_grad_buffer(p: _Planner) -> None:
@@ -482,8 +483,8 @@ def _optimizer(p: _Planner) -> None:
 
 
 STEPS: tuple[Callable[[_Planner], None], ...] = (
-    _switch_defaults, _layers, _fused_layer, _full_iteration_graph, _nccl_connect,
-    _layer_graphs, _graph_choices, _bf16_grad_buffer, _grad_write, _attention_mask, _compile,
+    _switch_defaults, _layers, _fused_layer, _full_iteration_graph, _layer_graphs,
+    _graph_choices, _nccl_connect, _bf16_grad_buffer, _grad_write, _attention_mask, _compile,
     _lm_loss, _optimizer,
 )
 

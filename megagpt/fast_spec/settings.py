@@ -256,25 +256,18 @@ def transformer_engine_available() -> bool:
 
 
 def fast_path_selected(args) -> bool:
-    """Whether this run builds layers from the fast spec (mirrors gpt_builders' choice)."""
-    from .spec import fast_spec_unsupported_reason
+    """Whether this run builds layers from the fast spec (``plan.layer_path``)."""
+    from .plan import FAST, layer_path
 
-    if getattr(args, "spec", None):
-        return False
-    if getattr(args, "transformer_impl", "local") == "transformer_engine":
-        return False
-    if getattr(args, "num_experts", None) is not None:
-        return False
-    if getattr(args, "no_fast_spec", False):
-        return False
-    return fast_spec_unsupported_reason(args) is None
+    return layer_path(args)[0] == FAST
 
 
 def te_layers_selected(args) -> bool:
-    """Whether this run builds Transformer Engine's dense layer spec (gpt_builders' choice:
+    """Whether this run builds Transformer Engine's dense layer spec (``plan.layer_path``:
     no --spec, no MoE block)."""
-    return (getattr(args, "transformer_impl", "local") == "transformer_engine"
-            and not getattr(args, "spec", None) and getattr(args, "num_experts", None) is None)
+    from .plan import TRANSFORMER_ENGINE, layer_path
+
+    return layer_path(args)[0] == TRANSFORMER_ENGINE
 
 
 def _path_name(args) -> str:
