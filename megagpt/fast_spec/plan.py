@@ -68,8 +68,7 @@ class Choice:
     reason: str
 
     def describe(self) -> str:
-        value = {True: "on", False: "off"}.get(self.value, self.value) \
-            if isinstance(self.value, bool) else self.value
+        value = ("on" if self.value else "off") if isinstance(self.value, bool) else self.value
         return f"  {self.name:<17} {value} — {self.reason}"
 
 
@@ -134,8 +133,11 @@ class _View:
 
 
 class _Planner:
+    """One plan being made: the decisions so far (``decided``, seen through ``v``), the
+    environment to set, the log lines and the choices, each appended in order."""
+
     def __init__(self, args, environ: Mapping[str, str], installed):
-        self.args = args  # read only through self.v
+        self.args = args  # as parsed: what was asked; decisions read ``v``
         self.decided: dict = {}
         self.v = _View(args, self.decided)
         self.environ = environ
