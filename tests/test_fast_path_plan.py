@@ -49,7 +49,7 @@ TABLE = {
         "NaN check": ("gradient norm", "inside a CUDA graph"),
         "bf16 grad buffer": (True, "one micro-batch"),
         "grad write": (True, "nothing is accumulated"),
-        "NCCL connect": ("unset", "no collective"),
+        "NCCL connect": ("unset", "no NCCL collective"),
         "LM loss": ("chunked", "formed in forward"),
     }),
     "1 GPU, TE installed": ([], TE, {}, {

@@ -346,7 +346,7 @@ def _nccl_connect(p: _Planner) -> None:
     full_iteration = p.get("cuda_graph_impl", "none") == "full_iteration"
     current = p.environ.get(NCCL_CONNECT)
     if not (full_iteration and p.world() != 1):
-        p.choose(NCCL_CHOICE, current or "unset", "no collective inside a full-iteration graph")
+        p.choose(NCCL_CHOICE, current or "unset", "no NCCL collective is captured in a graph")
     elif current is not None:
         p.choose(NCCL_CHOICE, current, "as set in the environment")
     else:
