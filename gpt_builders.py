@@ -27,17 +27,15 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 
-from megagpt.fast_spec.spec import (
-    fast_decoder_block_spec,
-    fast_spec_unsupported_reason,
-    get_fast_gpt_layer_spec,
-)
+from megagpt.fast_spec import plan
+from megagpt.fast_spec.spec import fast_decoder_block_spec, get_fast_gpt_layer_spec
 
-TRANSFORMER_ENGINE = "transformer_engine"
-MOE_BLOCK = "moe_block"
-FAST = "fast"
-LOCAL = "local"
-USER_SPEC = "user_spec"
+# the layer paths, as the fast path's plan names them
+TRANSFORMER_ENGINE = plan.TRANSFORMER_ENGINE
+MOE_BLOCK = plan.MOE_BLOCK
+FAST = plan.FAST
+LOCAL = plan.LOCAL
+USER_SPEC = plan.USER_SPEC
 
 
 @dataclass(frozen=True)
@@ -50,21 +48,9 @@ class LayerSpecChoice:
 
 
 def choose_layer_spec(args) -> LayerSpecChoice:
-    """Decide the layer-spec path for this run from its (adapted) arguments."""
-    if args.spec is not None:
-        return LayerSpecChoice(USER_SPEC, f"--spec {' '.join(args.spec)}")
-    use_te = args.transformer_impl == "transformer_engine"
-    if args.num_experts is not None:
-        impl = "Transformer Engine" if use_te else "local"
-        return LayerSpecChoice(MOE_BLOCK, f"--num-experts {args.num_experts}, {impl} modules")
-    if use_te:
-        return LayerSpecChoice(TRANSFORMER_ENGINE, getattr(
-            args, "transformer_impl_reason", "--transformer-impl transformer_engine"))
-    reason = fast_spec_unsupported_reason(args)
-    if reason is None:
-        why = getattr(args, "transformer_impl_reason", "Transformer Engine is not installed")
-        return LayerSpecChoice(FAST, f"{why}; SDPA attention and fused kernels")
-    return LayerSpecChoice(LOCAL, f"megatron's local modules; fast spec off: {reason}")
+    """Decide the layer-spec path for this run from its (adapted) arguments: the plan's
+    ``layers`` choice (``megagpt.fast_spec.plan.layer_path``)."""
+    return LayerSpecChoice(*plan.layer_path(args))
 
 
 def layer_spec_builder(choice: LayerSpecChoice, args) -> Callable | None:

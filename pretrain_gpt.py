@@ -341,11 +341,11 @@ def main(argv: list[str] | None = None) -> int:
     from megagpt.errors import UserError
 
     try:
-        args = entry_arguments.parse_arguments(argv)
+        args, plan = entry_arguments.parse_arguments_and_plan(argv)
         default_single_process_env()
         if args.dry_run:
             from megagpt.preflight import run_dry_run
-            return run_dry_run(args)
+            return run_dry_run(args, plan)
         from megagpt import preflight
 
         # the dry run's checks, with their numbers, then megatron's; all before any model

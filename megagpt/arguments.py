@@ -4,7 +4,8 @@ Order, each step one function:
   1. ``--config FILE.yaml`` is expanded into argv (the command line after it wins);
   2. megatron's own parser reads it, plus this entry's options (``add_entry_arguments``);
   3. settings that need missing packages are adapted (``megagpt.compat``), and in
-     ``--cpu`` mode the CPU settings are applied (``megagpt.cpu_mode``);
+     ``--cpu`` mode the CPU settings are applied (``megagpt.cpu_mode``); then the fast
+     path's plan is made and applied (``megagpt.fast_spec.plan``);
   4. megatron's ``validate_args`` runs (without touching CUDA when none is present);
   5. megatron's global state is set and the tokenizer installed.
 
@@ -123,6 +124,12 @@ def _check_config_keys(path: str, extra_args_provider) -> None:
 def parse_arguments(argv: list[str] | None = None,
                     extra_args_provider: Callable | None = None) -> argparse.Namespace:
     """Parse, adapt and validate; returns megatron's args namespace (not yet global)."""
+    return parse_arguments_and_plan(argv, extra_args_provider)[0]
+
+
+def parse_arguments_and_plan(argv: list[str] | None = None,
+                             extra_args_provider: Callable | None = None):
+    """``parse_arguments``, with the fast path's plan it applied (``--dry-run`` prints it)."""
     from megatron.training.arguments import parse_args
 
     compat.quiet_fallback_warnings()
@@ -162,10 +169,12 @@ def parse_arguments(argv: list[str] | None = None,
     if args.eval_interval is None:
         # megatron 0.19 has no default and fails deep in training; upstream's was 1000.
         args.eval_interval = 1000
-    from megagpt.fast_spec.settings import apply_fast_path_defaults
+    from megagpt.fast_spec.plan import apply_plan, plan_fast_path
 
-    apply_fast_path_defaults(args, log)
-    return args
+    # last: the plan reads what the steps above adapted
+    plan = plan_fast_path(args, installed)
+    apply_plan(plan, args, log=log)
+    return args, plan
 
 
 def check_entry_limits(args) -> None:

@@ -373,7 +373,7 @@ def get_output_processor(args) -> Optional[Callable]:
         return None
     if getattr(args, "cross_entropy_loss_fusion", False):
         return None
-    # --fast-spec-compile, resolved by apply_fast_path_defaults before the model is built
+    # --fast-spec-compile, resolved by the fast path's plan before the model is built
     return functools.partial(
         fused_lm_head_loss, compile_kernels=bool(getattr(args, "fast_spec_compile", False)),
         grad_in_forward=lm_grad_in_forward_unsupported_reason(args) is None)

@@ -50,7 +50,8 @@
                                  all-reduces followed by .item())
 
 ``apply_fast_path_defaults(args, log)`` runs after parsing, before the model and optimizer
-are built, and resolves the automatic defaults. What it changes is listed in its docstring.
+are built, and resolves the automatic defaults: ``plan.plan_fast_path`` decides each, with
+its reason, and ``plan.apply_plan`` writes them.
 ``install_fast_path_patches(args, log)`` installs the optimizer and step replacements inside
 megatron's modules; the entry calls it when it launches training.
 """
@@ -255,25 +256,18 @@ def transformer_engine_available() -> bool:
 
 
 def fast_path_selected(args) -> bool:
-    """Whether this run builds layers from the fast spec (mirrors gpt_builders' choice)."""
-    from .spec import fast_spec_unsupported_reason
+    """Whether this run builds layers from the fast spec (``plan.layer_path``)."""
+    from .plan import FAST, layer_path
 
-    if getattr(args, "spec", None):
-        return False
-    if getattr(args, "transformer_impl", "local") == "transformer_engine":
-        return False
-    if getattr(args, "num_experts", None) is not None:
-        return False
-    if getattr(args, "no_fast_spec", False):
-        return False
-    return fast_spec_unsupported_reason(args) is None
+    return layer_path(args)[0] == FAST
 
 
 def te_layers_selected(args) -> bool:
-    """Whether this run builds Transformer Engine's dense layer spec (gpt_builders' choice:
+    """Whether this run builds Transformer Engine's dense layer spec (``plan.layer_path``:
     no --spec, no MoE block)."""
-    return (getattr(args, "transformer_impl", "local") == "transformer_engine"
-            and not getattr(args, "spec", None) and getattr(args, "num_experts", None) is None)
+    from .plan import TRANSFORMER_ENGINE, layer_path
+
+    return layer_path(args)[0] == TRANSFORMER_ENGINE
 
 
 def _path_name(args) -> str:
@@ -435,237 +429,35 @@ def grad_write_unsupported_reason(args) -> Optional[str]:
     return None
 
 
-def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None) -> None:
-    """Adjust a parsed megatron namespace for the fast path. Call after parsing, before
-    megatron's ``validate_args`` / the model and optimizer are built.
+def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None,
+                             installed=None):
+    """Resolve the fast path's automatic defaults in a parsed megatron namespace: the plan
+    (``plan.plan_fast_path``) applied (``plan.apply_plan``); returns the plan. Call after
+    parsing, before megatron's ``validate_args`` and before the model and optimizer are
+    built; it patches nothing in megatron (``install_fast_path_patches`` does, at launch)."""
+    from .plan import apply_plan, plan_fast_path
 
-    What it does:
-    - makes sure the fast-path attributes exist (``fast_spec``, ``fast_spec_fused_layer``,
-      ``fast_spec_compile``, ``fast_cuda_graph``, ``fast_optimizer``, ``fast_lm_loss``) with
-      their defaults, for namespaces that did not go through ``add_fast_path_arguments``;
-    - CUDA graph: if ``fast_cuda_graph`` is on (explicitly, or by default when
-      ``cuda_graph_unsupported_reason(args)`` is None): sets ``args.cuda_graph_impl =
-      "full_iteration"`` and ``args.check_for_nan_in_loss_and_grad = False`` (megatron
-      requires it: the NaN check synchronises with the host inside the captured step);
-    - compile: ``fast_spec_compile`` left at its default becomes True exactly when
-      ``args.cuda_graph_impl == "full_iteration"``; CPU mode forces it off;
-    - bf16 gradient buffer: sets megatron's ``grad_reduce_in_bf16`` when
-      ``fast_bf16_grad_buffer`` is on (by default where ``bf16_grad_buffer_unsupported_reason``
-      is None);
-    - gradients written instead of zeroed and added: ``fast_grad_write`` on by default where
-      ``grad_write_unsupported_reason`` is None (asked for where it is not: ``UserError``);
-    - attention mask: ``create_attention_mask_in_dataloader`` off where the fast spec is used
-      and no document mask (``--reset-attention-mask``) has to be honoured;
-    - changes no other argument and patches nothing in megatron (``install_fast_path_patches``
-      does, at launch). Every change is logged through ``log``.
-    """
-    log = log or (lambda s: None)
-    for name, default in (
-        ("fast_spec", True),
-        ("fast_spec_fused_layer", True),
-        ("fast_spec_compile", None),
-        ("fast_one_block_rows", True),
-        ("fast_hash_dropout", True),
-        ("fast_cuda_graph", None),
-        ("fast_layer_graphs", None),
-        ("fast_cuda_graph_capture_timeout", 300.0),
-        ("fast_multi_gpu_path", False),
-        ("fast_step_nan_checks", False),
-        ("fast_optimizer", True),
-        ("fast_lm_loss", True),
-        ("fast_lm_grad_in_forward", True),
-        ("fast_async_step", True),
-        ("fast_flat_adam", True),
-        ("fast_wgrad_fusion", False),
-        ("fast_bf16_grad_buffer", None),
-        ("fast_grad_write", None),
-    ):
-        if not hasattr(args, name):
-            setattr(args, name, default)
-
-    # --- fused layer and overlapped parameter gathers -------------------------------------
-    # With --overlap-param-gather, megatron's DDP waits for each bucket's all-gather in a
-    # forward pre-hook of the module that owns the parameters; the fused layer reads its
-    # weights without calling those modules, so with several buckets the waits never run
-    # (on two CPU ranks: "assert self.param_gather_handle is None" at the third step).
-    if (getattr(args, "overlap_param_gather", False) and args.fast_spec_fused_layer
-            and fast_path_selected(args)):
-        args.fast_spec_fused_layer = False
-        log("fast spec: fused layer off: --overlap-param-gather waits for each parameter "
-            "bucket in its modules' forward pre-hooks, which the fused layer does not call")
-
-    # --- full-iteration CUDA graph ---------------------------------------------------
-    if args.fast_cuda_graph is None:
-        reason = cuda_graph_unsupported_reason(args)
-        args.fast_cuda_graph = reason is None
-        if reason is not None and (fast_path_selected(args) or te_layers_selected(args)):
-            if getattr(args, "cuda_graph_impl", "none") == "full_iteration":
-                # megatron's own flag: its graph runs as asked, outside this switch's checks
-                log("fast path: megatron's --cuda-graph-impl full_iteration as given: each "
-                    "iteration's forward and backward are captured as one CUDA graph (on "
-                    f"{_planned_world_size(args)} GPU(s); --fast-cuda-graph's own default "
-                    "is for one GPU)")
-            else:
-                log(f"{_path_name(args)}: full-iteration CUDA graph off: {reason}")
-    elif args.fast_cuda_graph:
-        if getattr(args, "cpu", False) or not (fast_path_selected(args)
-                                                or te_layers_selected(args)):
-            log("fast path: --fast-cuda-graph ignored (CPU mode, or neither the fast spec nor "
-                "Transformer Engine's dense layers are used)")
-            args.fast_cuda_graph = False
-        elif getattr(args, "cuda_graph_impl", "none") not in ("none", None, "full_iteration"):
-            log(f"fast path: --fast-cuda-graph ignored: --cuda-graph-impl {args.cuda_graph_impl}")
-            args.fast_cuda_graph = False
-        elif (getattr(args, "pipeline_model_parallel_size", 1) or 1) != 1:
-            from megagpt.errors import UserError
-
-            # megatron's pipeline schedule waits on the host for its exchanges inside the
-            # step, which a capture forbids (a PP=2 capture failed: docs/speed.md,
-            # "Full-iteration CUDA graph")
-            raise UserError(
-                "--fast-cuda-graph with pipeline parallelism: megatron's pipeline schedule "
-                "synchronises with the host inside the step, which a CUDA graph capture "
-                "forbids. Leave the flag out (per-layer graphs: --fast-layer-graphs).")
-        elif _planned_world_size(args) != 1:
-            log(f"fast path: full-iteration CUDA graph on {_planned_world_size(args)} GPUs, "
-                "asked for: the data- and tensor-parallel collectives are captured inside it "
-                "(not yet measured on several GPUs; NCCL connects every peer when its "
-                "communicator is made, and a capture that does not finish within "
-                "--fast-cuda-graph-capture-timeout stops the run naming its rank)")
-    full_iteration = args.fast_cuda_graph or getattr(args, "cuda_graph_impl", "none") == \
-        "full_iteration"
-    if full_iteration and getattr(args, "overlap_param_gather", False):
-        from megagpt.errors import UserError
-
-        # megatron launches the all-gather of the updated parameters in one step and waits
-        # for it in the next forward pass: a graph captured per step holds only half of it
-        # (megatron stops at the second iteration, in start_param_sync)
-        raise UserError(
-            "--overlap-param-gather with the full-iteration CUDA graph: megatron starts the "
-            "parameter all-gather in one step and finishes it in the next, which a graph "
-            "captured per step cannot hold. Leave out --overlap-param-gather, or the graph "
-            "(--no-fast-cuda-graph)")
-    if args.fast_cuda_graph:
-        args.cuda_graph_impl = "full_iteration"
-        if getattr(args, "check_for_nan_in_loss_and_grad", False):
-            args.check_for_nan_in_loss_and_grad = False
-            log("fast path: --no-check-for-nan-in-loss-and-grad (needed inside a CUDA graph; "
-                "losses are still logged)")
-        log(f"{_path_name(args)}: forward+backward captured as one CUDA graph per iteration "
-            "(--cuda-graph-impl full_iteration; --no-fast-cuda-graph turns it off)")
-    if full_iteration and _planned_world_size(args) != 1:
-        import os
-
-        # NCCL (2.22+) connects peers lazily, on a collective's first use of them; inside
-        # a capture that cannot happen (a DP=2 capture hung: docs/speed.md, "Full-iteration
-        # CUDA graph"). 0 connects them
-        # when each communicator is made. Read by NCCL when the communicators are created,
-        # after this point.
-        if os.environ.get("NCCL_RUNTIME_CONNECT") is None:
-            os.environ["NCCL_RUNTIME_CONNECT"] = "0"
-            log("fast path: NCCL_RUNTIME_CONNECT=0 (every NCCL peer connected up front, as "
-                "a captured collective cannot connect one)")
-
-    # --- per-layer CUDA graphs ---------------------------------------------------------
-    _resolve_layer_graphs(args, log)
-
-    # --- bf16 gradient buffer -----------------------------------------------------------
-    if args.fast_bf16_grad_buffer is None:
-        args.fast_bf16_grad_buffer = bf16_grad_buffer_unsupported_reason(args) is None
-        if args.fast_bf16_grad_buffer:
-            log("fast path: gradients kept in a bf16 buffer (--grad-reduce-in-bf16): one "
-                "micro-batch, one data-parallel rank, so the values equal the fp32 buffer's "
-                "(--no-fast-bf16-grad-buffer keeps fp32)")
-    if args.fast_bf16_grad_buffer:
-        args.grad_reduce_in_bf16 = True
-
-    # --- gradients written, not zeroed and added ------------------------------------------
-    reason = grad_write_unsupported_reason(args)
-    if args.fast_grad_write is None:
-        args.fast_grad_write = reason is None
-    elif args.fast_grad_write and reason is not None:
-        from megagpt.errors import UserError
-
-        raise UserError(f"--fast-grad-write: {reason}: gradients are summed in the buffer "
-                        "there, which needs megatron's zeroing; leave the flag out")
-
-    # --- no attention mask from the data loader ---------------------------------------------
-    # The fast spec's attention is causal by construction (SDPA's is_causal); the [s, s]
-    # mask per sample is built by the loader's workers and copied to the GPU every step
-    # (8 MB at 345M, 16 MB at 1.3B) only to be ignored. Document masks still need it.
-    if (getattr(args, "create_attention_mask_in_dataloader", False)
-            and not getattr(args, "reset_attention_mask", False) and fast_path_selected(args)):
-        args.create_attention_mask_in_dataloader = False
-        log("fast path: no attention mask from the data loader (the fast spec's attention is "
-            "causal by construction; --no-fast-spec keeps megatron's)")
-
-    # --- torch.compile ------------------------------------------------------------------
-    if getattr(args, "cpu", False):
-        if args.fast_spec_compile:
-            log("fast spec: CPU mode: the fused layer runs eagerly (no torch.compile)")
-        args.fast_spec_compile = False
-    elif args.fast_spec_compile is None:
-        # inside a graph launch cost disappears and compiled kernels win; outside one the
-        # step is bound by launches, where the compiled layer is no faster than eager
-        args.fast_spec_compile = getattr(args, "cuda_graph_impl", "none") in (
-            "full_iteration", "local")
-    # the compiled layer runs on one tensor-parallel rank only (eager on several)
-    if (args.fast_spec_compile and fast_path_selected(args)
-            and (getattr(args, "tensor_model_parallel_size", 1) or 1) == 1):
-        from . import norm_rows
-
-        hidden = getattr(args, "hidden_size", 0) or 0
-        unavailable = norm_rows.unavailable_reason()
-        if not args.fast_one_block_rows:
-            log("fast spec: compiled layer: inductor's own row reductions "
-                "(--no-fast-one-block-rows)")
-        elif unavailable is not None:
-            log(f"fast spec: compiled layer: rows reduced as inductor chooses: {unavailable}")
-        elif norm_rows.INDUCTOR_MAX_ROW < hidden <= norm_rows.MAX_ROW:
-            log(f"fast spec: compiled layer: each norm row of {hidden} reduced in one block "
-                f"(inductor alone loops over rows longer than {norm_rows.INDUCTOR_MAX_ROW}; "
-                "--no-fast-one-block-rows)")
-        if (getattr(args, "hidden_dropout", 0.0) or 0.0) > 0.0:
-            log("fast spec: compiled layer: residual dropout masks "
-                + ("hashed from each element's index and a seed (--no-fast-hash-dropout)"
-                   if args.fast_hash_dropout else "from F.dropout (--no-fast-hash-dropout)"))
+    plan = plan_fast_path(args, installed)
+    apply_plan(plan, args, log=log)
+    return plan
 
 
-def _resolve_layer_graphs(args, log: Callable[[str], None]) -> None:
-    """``fast_layer_graphs``: default, refusal, and megatron's ``cuda_graph_impl``."""
-    given_local = (getattr(args, "cuda_graph_impl", "none") == "local"
-                   and args.fast_layer_graphs is None)
-    reason = layer_graphs_unsupported_reason(args)
-    if args.fast_layer_graphs is None:
-        off = reason or (None if given_local else layer_graphs_default_off_reason(args))
-        args.fast_layer_graphs = off is None
-        if off is not None and fast_path_selected(args) and not getattr(args, "cpu", False) \
-                and getattr(args, "cuda_graph_impl", "none") != "full_iteration":
-            log(f"fast path: per-layer CUDA graphs off: {off}")
-    elif args.fast_layer_graphs and reason is not None:
-        from megagpt.errors import UserError
-
-        raise UserError(f"--fast-layer-graphs: {reason}; leave the flag out")
-    if not args.fast_layer_graphs:
-        return
-    args.cuda_graph_impl = "local"
-    log("fast path: each layer's forward and backward captured as CUDA graphs, holding the "
-        "compiled fused layer (megatron's --cuda-graph-impl local; --no-fast-layer-graphs "
-        "turns them off)")
-    if getattr(args, "check_for_nan_in_loss_and_grad", False) and not getattr(
-            args, "fast_step_nan_checks", False):
-        # each check reads a GPU value on the host: once per micro-batch (the loss) and per
-        # gradient bucket; the host then has nothing queued and the GPU idles through its
-        # Python, the optimizer's per-parameter loops exposed behind the last wait (figures:
-        # docs/speed.md, "Per-layer CUDA graphs")
-        args.check_for_nan_in_loss_and_grad = False
-        log("fast path: megatron's in-step NaN/Inf checks off under per-layer graphs (each "
-            "waits for the GPU); every step's gradient norm is checked instead "
-            "(--fast-step-nan-checks keeps megatron's)")
-    default_off = layer_graphs_default_off_reason(args)
-    if default_off is not None:
-        log(f"fast path: per-layer CUDA graphs with {default_off.split(' (')[0]}: asked "
-            "for; not yet measured there")
+def fused_adam_left_out_reason(args, local_fallbacks: Callable[[], bool]) -> Optional[str]:
+    """Why torch's fused AdamW does not replace megatron's Adam here (None: it does).
+    ``local_fallbacks()``: whether megatron's optimizer took its no-TE/no-apex fallbacks."""
+    if getattr(args, "optimizer", "adam") != "adam":
+        return f"--optimizer {args.optimizer}: fused AdamW not applicable"
+    if getattr(args, "use_precision_aware_optimizer", False):
+        return "precision-aware optimizer requested; fused AdamW left out"
+    if getattr(args, "optimizer_cpu_offload", False):
+        return "optimizer CPU offload requested; fused AdamW left out"
+    if getattr(args, "use_distributed_optimizer", False) and not local_fallbacks():
+        # megatron's distributed optimizer reads and writes its checkpoint's Adam step the
+        # way TE's / apex's FusedAdam keeps it (in the parameter groups) whenever either is
+        # installed; that optimizer is already one fused kernel
+        return ("the distributed optimizer keeps TE's/apex's FusedAdam (its checkpoints "
+                "follow that optimizer's layout)")
+    return None
 
 
 def install_fast_path_patches(args, log: Optional[Callable[[str], None]] = None) -> None:
@@ -711,23 +503,10 @@ def install_fast_path_patches(args, log: Optional[Callable[[str], None]] = None)
         return
     from .optim import install_fast_optimizer, megatron_uses_local_fallbacks
 
-    fused_adam = True
-    if getattr(args, "optimizer", "adam") != "adam":
-        fused_adam = False
-        log(f"fast optimizer: --optimizer {args.optimizer}: fused AdamW not applicable")
-    elif getattr(args, "use_precision_aware_optimizer", False):
-        fused_adam = False
-        log("fast optimizer: precision-aware optimizer requested; fused AdamW left out")
-    elif getattr(args, "optimizer_cpu_offload", False):
-        fused_adam = False
-        log("fast optimizer: optimizer CPU offload requested; fused AdamW left out")
-    elif getattr(args, "use_distributed_optimizer", False) and not megatron_uses_local_fallbacks():
-        # megatron's distributed optimizer reads and writes its checkpoint's Adam step the
-        # way TE's / apex's FusedAdam keeps it (in the parameter groups) whenever either is
-        # installed; that optimizer is already one fused kernel
-        fused_adam = False
-        log("fast optimizer: the distributed optimizer keeps TE's/apex's FusedAdam (its "
-            "checkpoints follow that optimizer's layout)")
+    left_out = fused_adam_left_out_reason(args, megatron_uses_local_fallbacks)
+    fused_adam = left_out is None
+    if left_out is not None:
+        log(f"fast optimizer: {left_out}")
     async_step = bool(getattr(args, "fast_async_step", True))
     install_fast_optimizer(fused_adam=fused_adam, multi_tensor=True, tensor_clip=async_step,
                            log=log)

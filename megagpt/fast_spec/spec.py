@@ -127,7 +127,7 @@ def fused_layer_options(args) -> FusedLayerOptions:
 
 def compile_requested(args) -> bool:
     """Whether the fused layer and the chunked loss's kernels are compiled
-    (``--fast-spec-compile``; ``apply_fast_path_defaults`` resolves its default)."""
+    (``--fast-spec-compile``; the fast path's plan resolves its default)."""
     compile_ = _get(args, "fast_spec_compile", None)
     if compile_ is None:
         compile_ = _get(args, "cuda_graph_impl", "none") in ("full_iteration", "local")

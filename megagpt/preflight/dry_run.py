@@ -3,7 +3,7 @@
 Order: our layout checks (clear numbers) → outputs and tokenizer files → megatron's
 validate_args (at the intended world size, with the GPU's arch given rather than asked of
 CUDA) → the learning-rate schedule and the data → the plan: layout, batch, parameters,
-memory, FLOPs, time and cost (``cost``, ``step_time``; with ``--search-layouts`` the fastest
+memory, FLOPs, the fast path's choices with their reasons, time and cost (``cost``, ``step_time``; with ``--search-layouts`` the fastest
 layouts, ``layout_search``). A layout that cannot run, or whose memory estimate exceeds the
 GPU, exits non-zero with a message that names the numbers. The resolved configuration as YAML
 goes to ``--dry-run-yaml FILE`` (``-``: printed after the plan), never in its way.
@@ -220,8 +220,10 @@ def make_plan(args) -> Plan:
     return Plan(args, gpu, params, memory, cost.estimate_run(args, gpu, params))
 
 
-def run_dry_run(args) -> int:
+def run_dry_run(args, fast_path_plan=None) -> int:
     """Check the launch at its intended size and print the plan; 0 when it can run.
+    ``fast_path_plan``: the fast path's choices applied at parse time, printed after the
+    layout (``megagpt.fast_spec.plan``).
 
     The plan comes alone (a few dozen lines); the resolved configuration (every megatron
     argument, ~800 lines at 345M) only where ``--dry-run-yaml`` asks for it: written to the
@@ -229,6 +231,8 @@ def run_dry_run(args) -> int:
     """
     plan = make_plan(args)
     print("\n".join(plan_lines(plan.args, plan.gpu, plan.params, plan.memory)))
+    if fast_path_plan is not None:
+        print("\n".join(fast_path_plan.describe()))
     print("\n".join(cost.estimate_lines(plan.run, plan.gpu)))
     if getattr(args, "search_layouts", False):
         from megagpt.preflight.layout_search import search_lines

@@ -1,0 +1,226 @@
+"""The fast path's plan (megagpt.fast_spec.plan): a launch's layout and flags → each choice
+and its reason; planning changes nothing; applying writes exactly what the plan says."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+
+from megatron_parts import fast_path_namespace
+
+from megagpt.compat import Installed
+from megagpt.errors import UserError
+from megagpt.fast_spec.plan import apply_plan, plan_fast_path
+
+NO_TE = Installed(transformer_engine=False, apex=False, fused_layer_norm=False,
+                  masked_softmax_kernels=False, gradient_accumulation_kernels=False)
+TE = Installed(transformer_engine=True, apex=False, fused_layer_norm=False,
+               masked_softmax_kernels=False, gradient_accumulation_kernels=False)
+
+DP8 = dict(world_size=8, global_batch_size=512, use_distributed_optimizer=True)
+
+
+def launch(argv=(), installed=NO_TE, given=(), **attrs):
+    """The namespace the plan sees: the fast-path flags parsed, megatron's layout given (its
+    flags on the command line: ``given``), and --transformer-impl as ``megagpt.compat``
+    sets it (``layer_impl`` chooses)."""
+    from megagpt.flags import explicit_flags
+    from megagpt.layer_impl import choose_transformer_impl
+
+    args = fast_path_namespace(argv, **attrs)
+    impl = choose_transformer_impl(args, explicit_flags(argv) | set(given), installed)
+    args.transformer_impl, args.transformer_impl_reason = impl.impl, impl.reason
+    return args
+
+
+def plan_of(argv=(), installed=NO_TE, environ=None, **attrs):
+    return plan_fast_path(launch(argv, installed, **attrs), installed,
+                          {} if environ is None else environ)
+
+
+# layout/flags → {choice: (value, a piece of its reason)}
+TABLE = {
+    "1 GPU": ([], NO_TE, {}, {
+        "layers": ("fast", "Transformer Engine is not installed"),
+        "CUDA graph": ("full iteration", "one GPU"),
+        "compile": (True, "inside CUDA graphs"),
+        "NaN check": ("gradient norm", "inside a CUDA graph"),
+        "bf16 grad buffer": (True, "one micro-batch"),
+        "grad write": (True, "nothing is accumulated"),
+        "NCCL connect": ("unset", "no NCCL collective"),
+        "LM loss": ("chunked", "formed in forward"),
+    }),
+    "1 GPU, TE installed": ([], TE, {}, {
+        "layers": ("fast", "measured faster than TE's"),
+        "CUDA graph": ("full iteration", "one GPU"),
+    }),
+    "DP 8, 64 micro-batches": ([], NO_TE, DP8, {
+        "CUDA graph": ("per layer", "more than one GPU"),
+        "compile": (True, "inside CUDA graphs"),
+        "NaN check": ("gradient norm", "per-layer graphs"),
+        "bf16 grad buffer": (False, "more than one data-parallel rank"),
+        "grad write": (False, "more than one data-parallel rank"),
+    }),
+    "DP 8, --fast-step-nan-checks": (["--fast-step-nan-checks"], NO_TE, DP8, {
+        "CUDA graph": ("per layer", "more than one GPU"),
+        "NaN check": ("in step", "megatron's checks"),
+    }),
+    "TP 2 of 4 GPUs": ([], NO_TE, dict(world_size=4, tensor_model_parallel_size=2), {
+        "layers": ("fast", "not installed"),
+        "CUDA graph": ("none", "per layer: tensor parallelism"),
+        "compile": (False, "no CUDA graph"),
+        "NaN check": ("in step", "megatron's checks"),
+        "LM loss": ("megatron's", "tensor-parallel"),
+    }),
+    "TP 2, TE installed": ([], TE, dict(world_size=4, tensor_model_parallel_size=2), {
+        "layers": ("transformer_engine", "tensor x pipeline parallel 2 x 1"),
+        "CUDA graph": ("none", "not by default for Transformer Engine's layers"),
+        "grad write": (False, "the fast spec is not used"),
+        "LM loss": ("megatron's", "Transformer Engine's layers"),
+    }),
+    "PP 2 of 4 GPUs": ([], NO_TE, dict(world_size=4, pipeline_model_parallel_size=2), {
+        "CUDA graph": ("none", "per layer: pipeline parallelism"),
+        "LM loss": ("chunked", "recomputed in backward"),
+    }),
+    "PP 2, --fast-layer-graphs": (["--fast-layer-graphs"], NO_TE,
+                                  dict(world_size=4, pipeline_model_parallel_size=2), {
+        "CUDA graph": ("per layer", "--fast-layer-graphs"),
+        "compile": (True, "inside CUDA graphs"),
+    }),
+    "CPU": ([], NO_TE, dict(cpu=True), {
+        "layers": ("fast", "not installed"),
+        "CUDA graph": ("none", "full iteration: CPU mode; per layer: CPU mode"),
+        "compile": (False, "CPU mode"),
+        "bf16 grad buffer": (False, "CPU mode"),
+    }),
+    "CPU, TE installed": ([], TE, dict(cpu=True), {
+        "layers": ("fast", "--cpu"),
+    }),
+    "TE layers, --fast-cuda-graph": (["--fast-cuda-graph"], TE, dict(
+            given=["--transformer-impl"], transformer_impl="transformer_engine"), {
+        "layers": ("transformer_engine", "as given"),
+        "CUDA graph": ("full iteration", "--fast-cuda-graph"),
+        "NaN check": ("gradient norm", "inside a CUDA graph"),
+        "bf16 grad buffer": (False, "the fast spec is not used"),
+    }),
+    "--no-fast-spec": (["--no-fast-spec"], NO_TE, {}, {
+        "layers": ("local", "disabled by --no-fast-spec"),
+        "fused layer": (False, "the fast spec is not used"),
+        "CUDA graph": ("none", "the fast spec is not used"),
+        "compile": (False, "no CUDA graph"),
+    }),
+    "--no-fast-cuda-graph": (["--no-fast-cuda-graph"], NO_TE, {}, {
+        "CUDA graph": ("per layer", "full-iteration graph off: --no-fast-cuda-graph"),
+        # read from the plan's per-layer graphs: args' cuda_graph_impl is not written yet
+        "grad write": (False, "per-layer CUDA graphs"),
+    }),
+    "--cuda-graph-impl local": ([], NO_TE, dict(cuda_graph_impl="local"), {
+        "CUDA graph": ("per layer", "--cuda-graph-impl local as given"),
+    }),
+    "--fast-cuda-graph on 2 GPUs": (["--fast-cuda-graph"], NO_TE, dict(world_size=2), {
+        "CUDA graph": ("full iteration", "--fast-cuda-graph"),
+        "NCCL connect": ("0", "cannot connect a peer"),
+    }),
+    "--overlap-param-gather": ([], NO_TE, dict(overlap_param_gather=True, **DP8), {
+        "fused layer": (False, "--overlap-param-gather"),
+        "CUDA graph": ("none", "per layer: the fused layer is off"),
+    }),
+    "--no-fast-bf16-grad-buffer": (["--no-fast-bf16-grad-buffer"], NO_TE, {}, {
+        "bf16 grad buffer": (False, "--no-fast-bf16-grad-buffer"),
+        "grad write": (True, "nothing is accumulated"),
+    }),
+    "attention mask asked of the loader": ([], NO_TE,
+                                           dict(create_attention_mask_in_dataloader=True), {
+        "attention mask": (False, "causal"),
+    }),
+    "--no-check-for-nan-in-loss-and-grad, TP 2": (
+        [], NO_TE, dict(world_size=2, tensor_model_parallel_size=2,
+                        check_for_nan_in_loss_and_grad=False), {
+            "NaN check": ("off", "--no-check-for-nan-in-loss-and-grad"),
+        }),
+}
+
+
+@pytest.mark.parametrize("layout", list(TABLE))
+def test_layout_gives_choices_and_reasons(layout):
+    argv, installed, attrs, expected = TABLE[layout]
+    plan = plan_of(argv, installed, **attrs)
+    got = {name: (plan.value(name), plan.choice(name).reason) for name in expected}
+    for name, (value, reason) in expected.items():
+        assert got[name][0] == value and reason in got[name][1], (name, got[name])
+
+
+@pytest.mark.parametrize("argv,attrs,match", [
+    (["--fast-cuda-graph"], dict(world_size=2, pipeline_model_parallel_size=2),
+     "--fast-cuda-graph with pipeline parallelism"),
+    (["--fast-cuda-graph"], dict(world_size=2, overlap_param_gather=True),
+     "--overlap-param-gather with the full-iteration"),
+    (["--fast-layer-graphs"], dict(recompute_granularity="full"), "--fast-layer-graphs: "),
+    (["--no-fast-cuda-graph", "--fast-grad-write"], {}, "--fast-grad-write: per-layer"),
+])
+def test_switches_asked_for_where_they_cannot_run_are_refused_by_the_plan(argv, attrs, match):
+    with pytest.raises(UserError, match=match):
+        plan_of(argv, **attrs)
+
+
+@pytest.mark.parametrize("layout", list(TABLE))
+def test_planning_changes_neither_args_nor_the_environment(layout):
+    argv, installed, attrs, _ = TABLE[layout]
+    args = launch(argv, installed, **attrs)
+    before, environ = copy.deepcopy(vars(args)), {"PATH": "/bin"}
+    os_before = dict(os.environ)
+    plan = plan_fast_path(args, installed, environ)
+    assert vars(args) == before and environ == {"PATH": "/bin"}
+    assert dict(os.environ) == os_before
+    assert plan_fast_path(args, installed, environ) == plan  # the same question, the same plan
+
+
+@pytest.mark.parametrize("layout", list(TABLE))
+def test_apply_writes_exactly_what_the_plan_says(layout):
+    argv, installed, attrs, _ = TABLE[layout]
+    args = launch(argv, installed, **attrs)
+    before, environ, lines = dict(vars(args)), {}, []
+    plan = plan_fast_path(args, installed, environ)
+    apply_plan(plan, args, environ, lines.append)
+    changed = {k: v for k, v in vars(args).items() if k not in before or before[k] != v}
+    assert set(changed) <= set(dict(plan.args))
+    assert all(getattr(args, name) == value for name, value in plan.args)
+    assert environ == dict(plan.environ) and lines == list(plan.log)
+
+
+def test_the_plan_is_frozen_and_printed_one_line_per_choice():
+    import dataclasses
+
+    plan = plan_of()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.log = ()
+    lines = plan.describe()
+    assert lines[0] == "fast path:" and len(lines) == len(plan.choices) + 1
+    assert "  CUDA graph        full iteration — one GPU" in lines[lines.index(next(
+        line for line in lines if "CUDA graph" in line))]
+
+
+def test_the_users_nccl_setting_is_kept():
+    plan = plan_of(["--fast-cuda-graph"], world_size=2, environ={"NCCL_RUNTIME_CONNECT": "1"})
+    assert plan.environ == () and plan.value("NCCL connect") == "1"
+
+
+def test_apply_fast_path_defaults_is_the_plan_applied():
+    from megagpt.fast_spec.settings import apply_fast_path_defaults
+
+    args, lines = launch(world_size=8), []
+    plan = plan_fast_path(copy.deepcopy(args), NO_TE, {})
+    assert apply_fast_path_defaults(args, lines.append, NO_TE) == plan
+    assert lines == list(plan.log) and args.cuda_graph_impl == "local"
+
+
+def test_builders_build_the_layers_the_plan_names():
+    import gpt_builders
+
+    for argv, attrs in (([], {}), (["--no-fast-spec"], {}), ([], {"num_experts": 4})):
+        args = launch(argv, **attrs)
+        choice = gpt_builders.choose_layer_spec(args)
+        assert (choice.path, choice.reason) == (plan_of(argv, **attrs).value("layers"),
+                                                plan_of(argv, **attrs).choice("layers").reason)
