@@ -333,9 +333,8 @@ def gradient_copy_bytes(args) -> float:
 
 # Bytes per parameter that torch's AdamW allocates inside its step in the default
 # multi-tensor (foreach) form: sqrt of the second moment for every parameter of a group at
-# once (``exp_avg_sq_sqrt`` in torch.optim.adam._multi_tensor_adam), fp32. Measured: one step
-# over 1 Gi fp32 parameters peaks 4.000 bytes per parameter above the resident parameters,
-# gradients and moments (torch 2.11 on an H200; fused=True: 0; foreach=False: 0.19).
+# once (``exp_avg_sq_sqrt`` in torch.optim.adam._multi_tensor_adam), fp32; the fused form
+# keeps none (the measurement is in docs/cost.md).
 FOREACH_ADAM_TEMPORARY_BYTES = 4
 
 
