@@ -63,6 +63,16 @@ def _grad_write_off_afterwards():
     megatron_wrappers.remove_all(grad_write.__name__)
 
 
+@pytest.fixture(autouse=True)
+def _environment_as_before():
+    """The fast path's plan, applied in-process, sets variables such as NCCL_RUNTIME_CONNECT in
+    os.environ (as the entry does for its NCCL); the next test must not plan with them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def pytest_runtest_logreport(report):
     """With MEGAGPT_FAILURE_LOG set, each failure is appended to that file as it happens: a run
     stopped by a time limit (the GPU machine's calls) keeps what failed and why, which

@@ -59,7 +59,6 @@ megatron's modules; the entry calls it when it launches training.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from typing import Callable, Optional
 
 
@@ -242,17 +241,6 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
         "By default the fast path keeps the norm on the GPU and skips those waits.",
     )
     return parser
-
-
-def _have(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def transformer_engine_available() -> bool:
-    return _have("transformer_engine")
 
 
 def fast_path_selected(args) -> bool:
