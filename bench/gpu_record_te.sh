@@ -17,10 +17,12 @@
 #   train   throughput, bf16, mock data, dropout 0: 345M and 1.3B, each: the entry's default
 #           with TE, TE's layers (--transformer-impl transformer_engine --fast-cuda-graph),
 #           the default without TE
-#   profile what importing TE changes for the fast path: the attention kernels torch picks
-#           and the cuDNN libraries each process maps (bench_kernels.py: TE imported as such,
-#           TE imported after megagpt as the entry does, no TE), then a kernel profile of the 345M default with TE importable
-#           and hidden (bench/profile_entry.py; kernels.tsv of each)
+#   profile what importing TE changes for the fast path: the process's settings and mapped
+#           libraries and torch's GEMM / AdamW times (bench/te_import_effects.py), with
+#           PROFILE_ATTENTION=1 the attention kernels torch picks (bench_kernels.py: TE
+#           imported as such, after megagpt as the entry does, no TE), then a kernel profile
+#           of the 345M default with TE importable and hidden (bench/profile_entry.py;
+#           kernels.tsv of each)
 #   fp8     the wide shape (8 x 4096, seq 4096, micro-batch 1) and 1.3B: TE bf16, TE FP8
 #           hybrid (delayed scaling), TE FP8 current scaling (--fp8-recipe tensorwise), the
 #           entry's default; 50 iterations with their losses
@@ -56,10 +58,10 @@ bench() {  # NAME PYTHONPATH [bench_throughput args...]
 case "$STEP" in
 tests)
     # several tests at once where pytest-xdist is there (each test is its own processes)
-    WORKERS=""; PYTHONPATH=$WITH_TE $PY -c "import xdist" 2>/dev/null && WORKERS="-n 6"
+    WORKERS=""; PYTHONPATH=$WITH_TE $PY -c "import xdist" 2>/dev/null && WORKERS="-n ${TEST_WORKERS:-6}"
     # each failure written as it happens: a run cut by the call's time limit keeps them
     MEGAGPT_FAILURE_LOG="$OUT/te_failures.txt" PYTHONPATH=$WITH_TE timeout $(( $(left) - 5 )) \
-        $PY -m pytest -q -p no:cacheprovider -s -rA $WORKERS -m te_gpu \
+        $PY -m pytest -v -p no:cacheprovider -s -rA $WORKERS -m te_gpu \
         tests/test_transformer_engine_gpu.py ${TESTS_K:+-k "$TESTS_K"} > "$OUT/te_tests.txt" 2>&1
     grep -E "^(PASSED|FAILED|ERROR)|passed|failed|largest relative" "$OUT/te_tests.txt" | tail -20
     [ -s "$OUT/te_failures.txt" ] && grep -E "^(== |E  )" "$OUT/te_failures.txt" | head -40
@@ -84,8 +86,16 @@ train)
         --entry-args "$NODROP" --train-iters 30 --warmup-iters 10
     ;;
 profile)
-    # TE imported as such, TE imported as the entry imports it (after megagpt), no TE
-    for side in as_such as_entry without; do
+    # what importing TE changes in the process (environment, torch's settings, the libraries
+    # it maps) and torch's GEMM / fused AdamW times with TE importable and hidden
+    for side in with without; do
+        path=$WITH_TE; [ $side = with ] || path=$WITHOUT_TE
+        echo "== import effects, TE $side"
+        PYTHONPATH=$path timeout 120 $PY bench/te_import_effects.py \
+            --out "$OUT/effects_${side}_te.json" 2>&1 | grep -v -i jax | grep -E '"(environ|torch|libraries_added|modules_added)"|ms"|GB/s' | head -30
+    done
+    # the attention kernels torch picks, TE imported as such / as the entry imports it / no TE
+    for side in ${PROFILE_ATTENTION:+as_such as_entry without}; do
         path=$WITH_TE; first="--import-first transformer_engine.pytorch"
         [ $side = as_entry ] && first="--import-first megagpt,transformer_engine.pytorch"
         [ $side = without ] && { path=$WITHOUT_TE; first=""; }

@@ -78,6 +78,7 @@ def pytest_runtest_logreport(report):
     stopped by a time limit (the GPU machine's calls) keeps what failed and why, which
     pytest's own summary, written at the end, would lose."""
     path = os.environ.get("MEGAGPT_FAILURE_LOG")
-    if path and report.failed:
+    # under pytest-xdist the controller receives each worker's report again (with its node)
+    if path and report.failed and getattr(report, "node", None) is None:
         with open(path, "a") as log:
             log.write(f"== {report.nodeid} ({report.when})\n{report.longreprtext}\n")

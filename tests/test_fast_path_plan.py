@@ -105,6 +105,27 @@ TABLE = {
         "NaN check": ("gradient norm", "inside a CUDA graph"),
         "bf16 grad buffer": (False, "the fast spec is not used"),
     }),
+    # megatron cannot replay a recomputed module's dropout from a graph of the whole step
+    "1 GPU, selective recompute, attention dropout": (
+        [], NO_TE, dict(recompute_granularity="selective", attention_dropout=0.1), {
+            "CUDA graph": ("none", "full iteration: selective recompute of core attention "
+                                   "with attention dropout"),
+        }),
+    # megatron's older flag, as the shipped configs spell it (resolved after the plan)
+    "1 GPU, --recompute-activations, attention dropout": (
+        [], NO_TE, dict(recompute_activations=True, attention_dropout=0.1), {
+            "CUDA graph": ("none", "per layer: --recompute-granularity selective"),
+        }),
+    "1 GPU, selective recompute of the MLP, hidden dropout": (
+        [], NO_TE, dict(recompute_granularity="selective", recompute_modules=["mlp"],
+                        attention_dropout=0.1, hidden_dropout=0.1), {
+            "CUDA graph": ("none", "selective recompute of the MLP with hidden dropout"),
+        }),
+    "1 GPU, selective recompute, no dropout": (
+        [], NO_TE, dict(recompute_granularity="selective", attention_dropout=0.0,
+                        hidden_dropout=0.0), {
+            "CUDA graph": ("full iteration", "one GPU"),
+        }),
     "--no-fast-spec": (["--no-fast-spec"], NO_TE, {}, {
         "layers": ("local", "disabled by --no-fast-spec"),
         "fused layer": (False, "the fast spec is not used"),
@@ -158,6 +179,8 @@ def test_layout_gives_choices_and_reasons(layout):
     (["--fast-cuda-graph"], dict(world_size=2, overlap_param_gather=True),
      "--overlap-param-gather with the full-iteration"),
     (["--fast-layer-graphs"], dict(recompute_granularity="full"), "--fast-layer-graphs: "),
+    (["--fast-cuda-graph"], dict(recompute_granularity="selective", attention_dropout=0.1),
+     "--fast-cuda-graph with selective recompute of core attention"),
     (["--no-fast-cuda-graph", "--fast-grad-write"], {}, "--fast-grad-write: per-layer"),
 ])
 def test_switches_asked_for_where_they_cannot_run_are_refused_by_the_plan(argv, attrs, match):

@@ -256,6 +256,10 @@ def _full_iteration_asked(p: _Planner, impl) -> None:
         p.log(f"fast path: --fast-cuda-graph ignored: --cuda-graph-impl {impl}")
         p.set("fast_cuda_graph", False)
         p.full_off = f"--fast-cuda-graph ignored: --cuda-graph-impl {impl}"
+    elif s.graphed_recompute_conflict(p.v) is not None:
+        raise UserError(f"--fast-cuda-graph with {s.graphed_recompute_conflict(p.v)}. Leave "
+                        "out the flag, the dropout, or the module's recompute "
+                        "(--recompute-modules)")
     elif (p.get("pipeline_model_parallel_size", 1) or 1) != 1:
         # megatron's pipeline schedule waits on the host for its exchanges inside the step,
         # which a capture forbids (a PP=2 capture failed: docs/speed.md, "Full-iteration

@@ -307,6 +307,9 @@ def cuda_graph_unsupported_reason(args) -> Optional[str]:
         return "the fast spec is not used"
     if getattr(args, "cuda_graph_impl", "none") not in ("none", None):
         return f"--cuda-graph-impl {args.cuda_graph_impl} was given"
+    conflict = graphed_recompute_conflict(args)
+    if conflict is not None:
+        return conflict
     if _planned_world_size(args) != 1:
         return "more than one GPU (full-iteration graphs are validated on one GPU only)"
     if getattr(args, "check_for_spiky_loss", False):
@@ -318,6 +321,36 @@ def cuda_graph_unsupported_reason(args) -> Optional[str]:
         getattr(args, "pipeline_model_parallel_size", 1) or 1
     ) != 1:
         return "model parallelism"
+    return None
+
+
+def recompute_granularity(args) -> Optional[str]:
+    """``--recompute-granularity``, or "selective" for ``--recompute-activations`` (which
+    megatron turns into it once its arguments are validated, after the plan)."""
+    granularity = getattr(args, "recompute_granularity", None)
+    if granularity is None and getattr(args, "recompute_activations", False):
+        return "selective"
+    return granularity
+
+
+def graphed_recompute_conflict(args) -> Optional[str]:
+    """Why megatron refuses this launch's selective recompute inside a graph of the whole
+    step (None: it does not): a recomputed module that draws random numbers (dropout, MoE
+    input jitter) cannot be replayed from a CUDA graph. Megatron's check, from the same
+    arguments (``TransformerConfig.__post_init__``; no modules named means core attention)."""
+    if recompute_granularity(args) != "selective":
+        return None
+    modules = getattr(args, "recompute_modules", None)
+    modules = {"core_attn"} if modules is None else set(modules)
+    if (getattr(args, "attention_dropout", 0.0) or 0.0) > 0.0 and "core_attn" in modules:
+        return ("selective recompute of core attention with attention dropout (megatron does "
+                "not recompute dropout inside a CUDA graph)")
+    if (getattr(args, "hidden_dropout", 0.0) or 0.0) > 0.0 and modules & {"mlp", "moe"}:
+        return ("selective recompute of the MLP with hidden dropout (megatron does not "
+                "recompute dropout inside a CUDA graph)")
+    if getattr(args, "moe_input_jitter_eps", None) is not None and "moe" in modules:
+        return ("selective recompute of the MoE layer with --moe-input-jitter-eps (megatron "
+                "does not recompute random numbers inside a CUDA graph)")
     return None
 
 
@@ -341,10 +374,10 @@ def layer_graphs_unsupported_reason(args) -> Optional[str]:
         return "the full-iteration CUDA graph holds the whole step"
     if impl not in ("none", "local"):
         return f"--cuda-graph-impl {impl} was given"
-    if getattr(args, "recompute_granularity", None):
+    if recompute_granularity(args):
         # megatron: full recompute only with the full-iteration graph; the fused layer does
         # not recompute (selective recompute keeps megatron's layer) either way
-        return f"--recompute-granularity {args.recompute_granularity}"
+        return f"--recompute-granularity {recompute_granularity(args)}"
     if getattr(args, "cpu_offloading", False) or (
             getattr(args, "cpu_offloading_num_layers", 0) or 0) > 0:
         return "CPU offloading"
