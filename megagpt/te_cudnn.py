@@ -78,15 +78,28 @@ def use_torchs_cudnn_for_te(environ=os.environ, site: Path | None = None,
     ``CUDNN_HOME`` to torch's cuDNN and map that cuDNN's libraries. Returns the folder when
     it did, None when it left things as they were (TE not installed or already imported,
     the user's own setting, no cuDNN bundled with torch)."""
-    if any(environ.get(name) for name in ENV_VARS) or "transformer_engine" in sys.modules \
-            or importlib.util.find_spec("transformer_engine") is None:
+    if "transformer_engine" in sys.modules or importlib.util.find_spec("transformer_engine") is None:
         return None
     folder = torchs_cudnn_folder(site)
     if folder is None:
         return None
-    environ["CUDNN_HOME"] = str(folder)
+    given = [environ[name] for name in ENV_VARS if environ.get(name)]
+    if given and not _same_folder(given[0], folder):
+        return None  # the user's own cuDNN
+    # a process started by one that imported megagpt (torchrun's workers under a launcher,
+    # a tool's subprocesses) inherits CUDNN_HOME set to torch's folder: it still needs the
+    # libraries mapped, which no environment variable carries over
+    if not given:
+        environ["CUDNN_HOME"] = str(folder)
     map_torchs_cudnn(folder, load)
     return str(folder)
+
+
+def _same_folder(a, b) -> bool:
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return False
 
 
 def mapped_cudnn_folders(maps: str = "/proc/self/maps") -> list[str]:

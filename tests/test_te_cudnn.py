@@ -62,6 +62,19 @@ def test_te_gets_torchs_cudnn_only_where_torch_bundles_one(
         assert {os.path.dirname(p) for p in loaded} == {str(folder / "lib")}
 
 
+def test_an_inherited_cudnn_home_of_torchs_folder_still_maps_its_libraries(tmp_path, monkeypatch):
+    """A worker started by a process that imported megagpt (torchrun under a launcher, a
+    tool's subprocess) inherits CUDNN_HOME: the libraries still have to be mapped in it."""
+    site = wheel_site(tmp_path, with_cudnn=True)
+    folder = site / "nvidia" / "cudnn"
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "transformer_engine" else None)
+    monkeypatch.delitem(sys.modules, "transformer_engine", raising=False)
+    environ, loaded = {"CUDNN_HOME": str(folder)}, []
+    assert te_cudnn.use_torchs_cudnn_for_te(environ, site=site, load=loaded.append) == str(folder)
+    assert environ == {"CUDNN_HOME": str(folder)} and len(loaded) == len(CUDNN_LIBRARIES)
+
+
 def test_a_library_that_does_not_load_stops_the_mapping(tmp_path):
     folder = wheel_site(tmp_path, with_cudnn=True) / "nvidia" / "cudnn"
     tried = []
@@ -132,3 +145,22 @@ def test_the_log_names_each_folder_cudnn_is_mapped_from(tmp_path):
     assert folders == ["/lib/x86_64-linux-gnu", "/site/nvidia/cudnn/lib"]
     said = te_cudnn.cudnn_te_loads({}, folders)
     assert "mapped from 2 folders (/lib/x86_64-linux-gnu, /site/nvidia/cudnn/lib)" in said
+
+
+@pytest.mark.skipif(te_cudnn.torchs_cudnn_folder() is None,
+                    reason="this torch bundles no cuDNN")
+def test_a_child_of_a_megagpt_process_maps_torchs_cudnn_too(tmp_path):
+    """As under a launcher: the parent's CUDNN_HOME (torch's folder) is inherited, and the
+    child still maps torch's cuDNN when it imports megagpt (TE stood in by an empty package,
+    so that the child believes TE is installed and not yet imported)."""
+    fake = tmp_path / "fake_te" / "transformer_engine"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    folder = te_cudnn.torchs_cudnn_folder()
+    env = {**os.environ, "CUDNN_HOME": str(folder),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path / "fake_te"), REPO])}
+    code = "import megagpt; from megagpt import te_cudnn as t; print(*t.mapped_cudnn_folders())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(folder / "lib")]
