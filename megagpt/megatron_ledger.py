@@ -134,6 +134,12 @@ LEDGER: tuple[Change, ...] = (
            "megatron reports a bad checkpoint with a stack trace from torch.distributed or a "
            "bare sys.exit(); the wrapper makes it one line naming the checkpoint", PRETRAIN,
            "ee0f61114e6f"),
+    Change("megatron.core.optimizer.optimizer.FP32Optimizer.load_state_dict", WRAPS,
+           "megagpt.resilience.precision_change",
+           "a checkpoint of megatron's bf16/fp16 optimizer keeps its parameter groups' settings "
+           "one level down, where the fp32 optimizer (CPU mode, a launch without --bf16) does "
+           "not look, and megatron stops on 'Could not find parameter group'; they are moved "
+           "up first", PRETRAIN, "4e445929e714"),
     Change(T + "train_step", WRAPS, "megagpt.resilience.divergence",
            "with megatron's in-step NaN checks off (the CUDA graph) a NaN or Inf gradient "
            "norm stops the run, read one iteration late so the check never idles the GPU",

@@ -11,10 +11,11 @@ Two entry points for ``pretrain_gpt``:
     a context manager around ``megatron.training.pretrain`` that installs the contained
     adaptations of megatron's training loop: resume fidelity (``fidelity``), the resolved
     configuration beside every checkpoint (``config_snapshot``), load errors as one-line
-    messages (``checkpoint_guard``), and with the gradient-norm guard the divergence checks
-    (``divergence``). Each wraps one module-level function of ``megatron.training.training``
-    through ``megagpt.megatron_wrappers`` (in the order of ``megagpt.megatron_ledger``) and is
-    undone on exit.
+    messages (``checkpoint_guard``), a bf16/fp16 checkpoint resumed in fp32
+    (``precision_change``), and with the gradient-norm guard the divergence checks
+    (``divergence``). Each wraps one function of megatron (``megatron.training.training``'s,
+    or ``FP32Optimizer.load_state_dict``) through ``megagpt.megatron_wrappers`` (in the order
+    of ``megagpt.megatron_ledger``) and is undone on exit.
 
 docs/resilience.md describes the behaviour and the rules.
 """
@@ -25,7 +26,8 @@ import contextlib
 
 from megagpt import megatron_wrappers
 from megagpt.log import log
-from megagpt.resilience import checkpoint_guard, config_snapshot, divergence, fidelity, preemption
+from megagpt.resilience import (checkpoint_guard, config_snapshot, divergence, fidelity,
+                                precision_change, preemption)
 
 
 def prepare(args) -> None:
@@ -55,8 +57,13 @@ def active(args, container=None):
                                          final_iteration=getattr(args, "train_iters", None))
         wrappers += [("train_step", divergence.__name__, guard.train_step),
                      ("save_checkpoint", divergence.__name__, guard.save_checkpoint)]
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+
+    optimizer_wrappers = [("load_state_dict", precision_change.__name__,
+                           precision_change.reading_mixed_precision_checkpoints)]
     try:
-        with megatron_wrappers.wrapped(mtraining, wrappers):
+        with megatron_wrappers.wrapped(mtraining, wrappers), \
+                megatron_wrappers.wrapped(FP32Optimizer, optimizer_wrappers):
             yield
     except BaseException as exc:
         _stop_data_workers()
