@@ -53,6 +53,8 @@ bench() {  # NAME PYTHONPATH [bench_throughput args...]
     PYTHONPATH=$path timeout $(( $(left) - 10 )) $PY bench/bench_throughput.py "$@" \
         --out "$OUT/$name" > "$OUT/$name.txt" 2>&1
     grep -E "^(path|fast|te|local)|TFLOP|failed" "$OUT/$name.txt" | cut -c1-160 | head -12
+    # which cuDNN each launch ran on (a second folder means torch's attention lost cuDNN)
+    grep -h "installed:" "$OUT/$name"/entry_*.log 2>/dev/null | sort -u | cut -c1-240
 }
 
 case "$STEP" in
