@@ -78,7 +78,8 @@ def use_torchs_cudnn_for_te(environ=os.environ, site: Path | None = None,
     ``CUDNN_HOME`` to torch's cuDNN and map that cuDNN's libraries. Returns the folder when
     it did, None when it left things as they were (TE not installed or already imported,
     the user's own setting, no cuDNN bundled with torch)."""
-    if "transformer_engine" in sys.modules or importlib.util.find_spec("transformer_engine") is None:
+    if ("transformer_engine" in sys.modules
+            or importlib.util.find_spec("transformer_engine") is None):
         return None
     folder = torchs_cudnn_folder(site)
     if folder is None:
