@@ -8,13 +8,16 @@ tensors, the same keys in both layouts) loaded where the fp32 optimizer asked fo
 groups' parameter ids supplied by the launch (megatron's non-persistent objects), and the
 saved groups' settings and common step one level down, under "optimizer", where they were
 saved (``dist_checkpointing.load`` returns the saved common objects merged with what the
-launch asked for). The whole move runs on the GPU machine
-(tests/test_transformer_engine_gpu.py).
+launch asked for). The whole move runs where there is a GPU: the last test here (the fast
+path's checkpoint) and tests/test_transformer_engine_gpu.py (TE's layers').
 """
+
+import shutil
 
 import pytest
 import torch
 
+from helpers import parse_losses, run_entry
 from megagpt.cpu_mode import CudaToCpu
 from megagpt.resilience import precision_change
 
@@ -111,3 +114,34 @@ def test_resilience_installs_the_wrapper_for_pretrain_and_takes_it_off_after():
         assert precision_change.__name__ in megatron_wrappers.installed(
             FP32Optimizer, "load_state_dict")
     assert FP32Optimizer.load_state_dict is original
+
+
+TINY = ["--mock-data", "--vocab-size", "512", "--num-layers", "2", "--hidden-size", "64",
+        "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings", "64",
+        "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3",
+        "--lr-warmup-iters", "0", "--log-interval", "1", "--eval-iters", "0",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7", "--train-iters", "6"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_bf16_gpu_checkpoint_of_the_default_resumes_with_cpu(tmp_path):
+    """The default launch in bf16 on the GPU, saved at iteration 3 of 6, resumed with --cpu
+    (fp32): iterations 4-6 within 5 % of the uninterrupted GPU run (fp32 against bf16
+    arithmetic; the figure is printed)."""
+    whole = run_entry([*TINY, "--bf16"], cwd=tmp_path, timeout=600)
+    assert whole.returncode == 0, whole.stdout[-3000:]
+    saved = tmp_path / "saved"
+    out = run_entry([*TINY, "--bf16", "--exit-interval", "3", "--save", str(saved),
+                     "--save-interval", "3"], cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:]
+    moved = tmp_path / "moved"
+    shutil.copytree(saved, moved)
+    out = run_entry([*TINY, "--cpu", "--load", str(moved), "--save", str(moved),
+                     "--save-interval", "3"], cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:]
+    resumed, reference = parse_losses(out.stdout), parse_losses(whole.stdout)
+    assert sorted(resumed) == [4, 5, 6], resumed
+    worst = max(abs(resumed[i] - reference[i]) / reference[i] for i in (4, 5, 6))
+    print(f"bf16 GPU -> --cpu: largest relative loss difference {worst:.2e}")
+    assert worst < 5e-2
