@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,12 +52,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _address_in_use(result: subprocess.CompletedProcess) -> bool:
+    """torchrun could not listen on its master port: another process took the port between
+    ``_free_port`` closing it and torchrun binding it (gloo's connections in a neighbouring
+    test draw from the same ephemeral range)."""
+    text = (result.stdout or "") + (result.stderr or "")
+    return result.returncode != 0 and "EADDRINUSE" in text
+
+
+def _with_a_free_port(run: Callable[[], subprocess.CompletedProcess], nproc: int,
+                      attempts: int = 3) -> subprocess.CompletedProcess:
+    """``run()``, again with a new port where torchrun found its port taken (it stops before
+    any rank starts, so nothing was written)."""
+    result = run()
+    for _ in range(attempts - 1):
+        if nproc == 1 or not _address_in_use(result):
+            break
+        result = run()
+    return result
+
+
 def run_entry(args: list[str], cwd, env: dict | None = None, nproc: int = 1,
               timeout: float = 300) -> subprocess.CompletedProcess:
     """Run the entry to completion; stdout and stderr together in ``.stdout``."""
-    return subprocess.run(entry_command(args, nproc), cwd=cwd, env=entry_env(env),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout)
+    return _with_a_free_port(lambda: subprocess.run(
+        entry_command(args, nproc), cwd=cwd, env=entry_env(env), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=timeout), nproc)
 
 
 def parse_losses(log_text: str) -> dict[int, float]:
@@ -127,11 +148,15 @@ def run_tool(tool: str, args: list[str], cwd, timeout: float = 300,
     """Run ``tools/<tool>.py args`` (under torchrun with ``nproc`` > 1); stdout and stderr
     apart (``--json`` writes results on stdout only)."""
     script = str(TOOLS / f"{tool}.py")
-    command = [PYTHON, script, *args] if nproc == 1 else \
-        [TORCHRUN, "--nproc-per-node", str(nproc), "--master-port", str(_free_port()), script,
-         *args]
-    return subprocess.run(command, cwd=cwd, env=entry_env(env), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, timeout=timeout)
+
+    def command():
+        return [PYTHON, script, *args] if nproc == 1 else [
+            TORCHRUN, "--nproc-per-node", str(nproc), "--master-port", str(_free_port()),
+            script, *args]
+
+    return _with_a_free_port(lambda: subprocess.run(
+        command(), cwd=cwd, env=entry_env(env), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, timeout=timeout), nproc)
 
 
 def tiny_hf_tokenizer(folder) -> str:
