@@ -33,6 +33,9 @@ import megagpt  # noqa: E402,F401  first, as every entry imports it
 import torch  # noqa: E402
 from megagpt import te_cudnn  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import ATTENTION_SHAPES, cuda_time  # noqa: E402
+
 LIBRARY_WORDS = ("cublas", "cudnn", "cudart", "nvrtc", "nvjitlink", "nccl", "cufft", "curand",
                  "cusparse", "cusolver", "transformer_engine", "triton", "libtorch_cuda")
 
@@ -106,22 +109,6 @@ def diff(before: dict, after: dict) -> dict:
     return out
 
 
-def _time(fn, iters: int) -> float:
-    """Median milliseconds per call over ``iters`` CUDA-event timed calls (after warm-up)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def gemm_timings() -> dict:
     """bf16 GEMMs of one layer's forward and backward, tokens = micro-batch x sequence."""
     results = {}
@@ -133,9 +120,9 @@ def gemm_timings() -> dict:
             x = torch.randn(tokens, k_in, device="cuda", dtype=torch.bfloat16)
             w = torch.randn(n_out, k_in, device="cuda", dtype=torch.bfloat16)
             dy = torch.randn(tokens, n_out, device="cuda", dtype=torch.bfloat16)
-            fwd = _time(lambda: x @ w.t(), 50)
-            dgrad = _time(lambda: dy @ w, 50)
-            wgrad = _time(lambda: dy.t() @ x, 50)
+            fwd = cuda_time(lambda: x @ w.t(), 50)
+            dgrad = cuda_time(lambda: dy @ w, 50)
+            wgrad = cuda_time(lambda: dy.t() @ x, 50)
             results[f"{name} {label} fwd/dgrad/wgrad ms"] = [round(fwd, 4), round(dgrad, 4),
                                                              round(wgrad, 4)]
     return results
@@ -146,7 +133,7 @@ def attention_timings() -> dict:
     8, 16 heads of 64, sequence 1024), and its forward+backward time."""
     import torch.nn.functional as F
 
-    q, k, v = (torch.randn(8, 16, 1024, 64, device="cuda", dtype=torch.bfloat16,
+    q, k, v = (torch.randn(*ATTENTION_SHAPES["345M"], device="cuda", dtype=torch.bfloat16,
                            requires_grad=True) for _ in range(3))
     choice = int(torch._fused_sdp_choice(q, k, v, is_causal=True))
     try:
@@ -160,7 +147,7 @@ def attention_timings() -> dict:
     def step():
         F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
 
-    return {"345M SDPA backend": name, "345M SDPA fwd+bwd ms": round(_time(step, 20), 4)}
+    return {"345M SDPA backend": name, "345M SDPA fwd+bwd ms": round(cuda_time(step, 20), 4)}
 
 
 def optimizer_timings(numel: int = 100_000_000) -> dict:
@@ -168,9 +155,9 @@ def optimizer_timings(numel: int = 100_000_000) -> dict:
     p = torch.zeros(numel, device="cuda", requires_grad=True)
     p.grad = torch.randn(numel, device="cuda")
     opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
-    step_ms = _time(opt.step, 20)
+    step_ms = cuda_time(opt.step, 20)
     y = torch.empty_like(p)
-    add_ms = _time(lambda: torch.add(p.detach(), p.grad, out=y), 20)
+    add_ms = cuda_time(lambda: torch.add(p.detach(), p.grad, out=y), 20)
     return {"fused AdamW step, 100M fp32 ms": round(step_ms, 3),
             "fp32 add, 100M (1.2 GB moved) ms": round(add_ms, 3),
             "add bandwidth GB/s": round(1.2e9 / (add_ms * 1e-3) / 1e9, 1)}

@@ -20,8 +20,8 @@ stops ("undefined symbol ... libcudnn_graph.so.9"); where torch was imported aft
 Before TE is first imported, ``use_torchs_cudnn_for_te`` therefore points ``CUDNN_HOME`` at
 torch's bundled cuDNN (TE's own ``libcudnn`` is then torch's) and maps every library of that
 cuDNN into the process (TE's core then finds each of its dependencies already there).
-Nothing is changed where the user set ``CUDNN_HOME`` or ``CUDNN_PATH``, where torch bundles
-no cuDNN (a torch built against the system's, as in NVIDIA's containers), or once TE has
+Nothing is changed where the user's ``CUDNN_HOME`` or ``CUDNN_PATH`` names another folder,
+where torch bundles no cuDNN (a torch built against the system's, as in NVIDIA's containers), or once TE has
 been imported.
 """
 
@@ -53,8 +53,8 @@ def torchs_cudnn_folder(site: Path | None = None) -> Path | None:
 def torchs_cudnn_libraries(folder: Path) -> list[Path]:
     """Every library of the cuDNN in ``folder``, ``libcudnn_graph`` (which the others link)
     first."""
-    libraries = sorted(p for p in (folder / "lib").glob("libcudnn*.so*") if p.is_file())
-    return sorted(libraries, key=lambda p: not p.name.startswith("libcudnn_graph."))
+    return sorted((p for p in (folder / "lib").glob("libcudnn*.so*") if p.is_file()),
+                  key=lambda p: (not p.name.startswith("libcudnn_graph."), p))
 
 
 def map_torchs_cudnn(folder: Path, load: Callable[[str], object] | None = None) -> list[str]:

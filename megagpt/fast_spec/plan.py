@@ -256,8 +256,8 @@ def _full_iteration_asked(p: _Planner, impl) -> None:
         p.log(f"fast path: --fast-cuda-graph ignored: --cuda-graph-impl {impl}")
         p.set("fast_cuda_graph", False)
         p.full_off = f"--fast-cuda-graph ignored: --cuda-graph-impl {impl}"
-    elif s.graphed_recompute_conflict(p.v) is not None:
-        raise UserError(f"--fast-cuda-graph with {s.graphed_recompute_conflict(p.v)}. Leave "
+    elif (conflict := s.graphed_recompute_conflict(p.v)) is not None:
+        raise UserError(f"--fast-cuda-graph with {conflict}. Leave "
                         "out the flag, the dropout, or the module's recompute "
                         "(--recompute-modules)")
     elif (p.get("pipeline_model_parallel_size", 1) or 1) != 1:

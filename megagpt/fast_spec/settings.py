@@ -307,8 +307,7 @@ def cuda_graph_unsupported_reason(args) -> Optional[str]:
         return "the fast spec is not used"
     if getattr(args, "cuda_graph_impl", "none") not in ("none", None):
         return f"--cuda-graph-impl {args.cuda_graph_impl} was given"
-    conflict = graphed_recompute_conflict(args)
-    if conflict is not None:
+    if (conflict := graphed_recompute_conflict(args)) is not None:
         return conflict
     if _planned_world_size(args) != 1:
         return "more than one GPU (full-iteration graphs are validated on one GPU only)"
@@ -374,10 +373,11 @@ def layer_graphs_unsupported_reason(args) -> Optional[str]:
         return "the full-iteration CUDA graph holds the whole step"
     if impl not in ("none", "local"):
         return f"--cuda-graph-impl {impl} was given"
-    if recompute_granularity(args):
+    granularity = recompute_granularity(args)
+    if granularity:
         # megatron: full recompute only with the full-iteration graph; the fused layer does
         # not recompute (selective recompute keeps megatron's layer) either way
-        return f"--recompute-granularity {recompute_granularity(args)}"
+        return f"--recompute-granularity {granularity}"
     if getattr(args, "cpu_offloading", False) or (
             getattr(args, "cpu_offloading_num_layers", 0) or 0) > 0:
         return "CPU offloading"
