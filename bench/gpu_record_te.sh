@@ -23,7 +23,7 @@
 #           imported as such, after megagpt as the entry does, no TE), then a kernel profile
 #           of the 345M default with TE importable and hidden (bench/profile_entry.py;
 #           kernels.tsv of each)
-#   fp8     the wide shape (8 x 4096, seq 4096, micro-batch 1) and 1.3B: TE bf16, TE FP8
+#   fp8     the wide shape (8 x 4096, seq 4096, micro-batch 1) and 1.3B (FP8_SHAPES picks): TE bf16, TE FP8
 #           hybrid (delayed scaling), TE FP8 current scaling (--fp8-recipe tensorwise), the
 #           entry's default; 50 iterations with their losses
 set -uo pipefail
@@ -122,7 +122,7 @@ print(shlex.join(shape_flags("345M", 25, 5, 1234)))')
     ;;
 fp8)
     TE="--transformer-impl transformer_engine --fast-cuda-graph"
-    for shape in wide 1.3B; do
+    for shape in ${FP8_SHAPES:-wide 1.3B}; do
         bench fp8_$shape "$WITH_TE" --shape $shape --paths te,tefp8,tefp8cs,fast \
             --variant "tefp8=$TE --fp8-format hybrid" \
             --variant "tefp8cs=$TE --fp8-format hybrid --fp8-recipe tensorwise" \
