@@ -3,7 +3,7 @@
 Megatron assumes CUDA throughout: tensors are created with ``device="cuda"`` or
 ``device=torch.cuda.current_device()``, streams and events are used for overlap, and
 RNG state is read from the CUDA generator. Rather than patch each of those call sites
-(there are dozens across training/, optimizer/, distributed/), CPU mode does three things:
+(there are dozens across training/, optimizer/, distributed/), CPU mode does four things:
 
 1. ``CudaToCpu`` — a ``TorchFunctionMode`` that rewrites every CUDA device argument of a
    torch call (factory functions, ``Tensor.to``, ``Tensor.cuda``) to the CPU.
@@ -11,6 +11,8 @@ RNG state is read from the CUDA generator. Rather than patch each of those call 
    statistics become CPU-safe stand-ins while CPU mode is active; ``torch.load`` maps
    what it reads to the CPU where its caller names no place (a checkpoint saved on a GPU).
 3. A few argument settings (gloo, fp32, no-op CUDA RNG tracker) chosen in ``adapt_args``.
+4. Where Transformer Engine (or apex) is installed, megatron's optimizer modules get its own
+   torch fallbacks back in place of their CUDA-only kernels (``_torch_optimizer_kernels``).
 
 Every megatron-core site this covers or changes is listed in ``megagpt.megatron_ledger``
 (owner ``megagpt.cpu_mode``) with the text it depends on; ``tests/test_megatron_ledger.py``
@@ -338,6 +340,36 @@ def _loading_onto_the_cpu(load: Callable) -> Callable:
     return load_onto_the_cpu
 
 
+def _torch_optimizer_kernels() -> list[tuple[object, list]]:
+    """megatron's own torch fallbacks in place of the Transformer Engine (or apex) kernels its
+    optimizer modules bind at import when TE imports: FusedAdam and the multi-tensor norm,
+    scale and copy kernels run on CUDA memory only, and given the CPU tensors of a CPU run
+    they read host addresses on the GPU (an illegal memory access). Nothing to do where
+    megatron took the fallbacks itself. ``(module, [(name, owner, wrapper), ...])`` for
+    ``megatron_wrappers.wrapped``."""
+    import megatron.core.optimizer as mopt
+    import megatron.core.optimizer.clip_grads as mclip
+    import megatron.core.optimizer.optimizer as moo
+    import megatron.training.utils.common_utils as mcommon
+    from megatron.core import utils as mutils
+
+    if megatron_wrappers.original(mopt, "USING_PYTORCH_OPTIMIZER"):
+        return []
+    applier = mutils.local_multi_tensor_applier
+    l2norm, scale = mutils.local_multi_tensor_l2_norm, mutils.local_multi_tensor_scale
+    swaps = {
+        mopt: {"Adam": torch.optim.AdamW, "SGD": torch.optim.SGD,
+               "USING_PYTORCH_OPTIMIZER": True},
+        mclip: {"multi_tensor_applier": applier, "l2_norm_impl": l2norm,
+                "multi_tensor_scale_impl": scale, "multi_tensor_scale_tensor_impl": None},
+        moo: {"multi_tensor_applier": applier, "multi_tensor_scale_impl": scale},
+        mcommon: {"multi_tensor_applier": applier, "multi_tensor_l2norm": l2norm},
+    }
+    return [(module, [(name, __name__, megatron_wrappers.replacing(value))
+                      for name, value in names.items()])
+            for module, names in swaps.items()]
+
+
 @contextlib.contextmanager
 def active():
     """Run the enclosed megatron code on the CPU (see the module docstring)."""
@@ -368,10 +400,14 @@ def active():
         # torch.compile on a CPU needs a C++ toolchain and minutes of compiling, for no gain
         # in a development run; megatron's jit_fuser and the fast spec then run eagerly.
         torch._dynamo.config.disable = True
-        with _cpu_rng_tracker(), megatron_wrappers.wrapped(mtraining, megatron_changes), \
-                megatron_wrappers.wrapped(PersistentAsyncCaller,
-                                          [("_get_process", __name__, _forking)]), \
-                CudaToCpu():
+        with contextlib.ExitStack() as changes:
+            changes.enter_context(_cpu_rng_tracker())
+            changes.enter_context(megatron_wrappers.wrapped(mtraining, megatron_changes))
+            changes.enter_context(megatron_wrappers.wrapped(
+                PersistentAsyncCaller, [("_get_process", __name__, _forking)]))
+            for module, swaps in _torch_optimizer_kernels():
+                changes.enter_context(megatron_wrappers.wrapped(module, swaps))
+            changes.enter_context(CudaToCpu())
             yield
     finally:
         for name, original in saved_cuda.items():

@@ -134,3 +134,68 @@ def test_backward_functions_allocate_on_the_cpu_too():
         (grad,) = torch.autograd.grad(Doubling.apply(x).sum(), x)
         assert torch.cuda.current_device() == 0  # outside backward: the ordinal again
     assert x.grad.tolist() == [4.0, 4.0, 4.0] and grad.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_te_bound_optimizer_kernels_give_way_to_megatrons_torch_fallbacks(monkeypatch):
+    """Where Transformer Engine imports, megatron's optimizer modules bind its FusedAdam and
+    multi-tensor kernels, which read CUDA memory only (a CPU run's gradients made them an
+    illegal memory access on a GPU machine). In CPU mode megatron's own torch fallbacks take
+    their place, and the bindings come back after. TE cannot import without CUDA, so here its
+    kernels are stood in for by ones that refuse to run, bound where megatron binds TE's."""
+    import megatron.core.optimizer as mopt
+    import megatron.core.optimizer.clip_grads as mclip
+    import megatron.core.optimizer.optimizer as moo
+    import megatron.training.utils.common_utils as mcommon
+    from megatron.core import utils as mutils
+
+    from megagpt import megatron_wrappers
+    from megagpt.fast_spec import optim
+
+    def cuda_only(*args, **kwargs):
+        raise AssertionError("a CUDA-only kernel ran in CPU mode")
+
+    class FusedAdamStandIn:
+        def __init__(self, *args, **kwargs):
+            cuda_only()
+
+    te_bindings = {(mopt, "Adam"): FusedAdamStandIn, (mopt, "SGD"): FusedAdamStandIn,
+                   (mopt, "USING_PYTORCH_OPTIMIZER"): False}
+    for module, names in ((mclip, ("multi_tensor_applier", "l2_norm_impl",
+                                   "multi_tensor_scale_impl", "multi_tensor_scale_tensor_impl")),
+                          (moo, ("multi_tensor_applier", "multi_tensor_scale_impl")),
+                          (mcommon, ("multi_tensor_applier", "multi_tensor_l2norm"))):
+        te_bindings.update({(module, name): cuda_only for name in names})
+    # a fast optimizer installed by an earlier test of this process sits over some of them
+    had_fast_optimizer = bool(megatron_wrappers.installed_by(optim.__name__))
+    megatron_wrappers.remove_all(optim.__name__)
+    try:
+        for (module, name), value in te_bindings.items():
+            monkeypatch.setattr(module, name, value)
+        with cpu_mode.active():
+            assert mopt.Adam is torch.optim.AdamW and mopt.SGD is torch.optim.SGD
+            assert mopt.USING_PYTORCH_OPTIMIZER is True
+            assert mclip.multi_tensor_scale_tensor_impl is None
+            assert mcommon.multi_tensor_l2norm is mutils.local_multi_tensor_l2_norm
+            params = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 5)]
+            for p in params:
+                p.grad = torch.full_like(p, 2.0)
+            # megatron's own clipping, on CPU gradients: scaled by 1 / 2 through the fallback
+            mclip.clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=2.0)
+            assert all(torch.allclose(p.grad, torch.ones_like(p)) for p in params)
+            mopt.Adam(params, lr=0.1).step()
+        for (module, name), value in te_bindings.items():
+            assert getattr(module, name) is value, f"{module.__name__}.{name} not restored"
+    finally:
+        monkeypatch.undo()
+        if had_fast_optimizer:
+            optim.install_fast_optimizer()
+
+
+def test_megatrons_own_fallbacks_are_left_alone():
+    """Without TE or apex megatron took its torch fallbacks itself: CPU mode changes none."""
+    import megatron.core.optimizer as mopt
+    from megagpt import megatron_wrappers
+
+    if not megatron_wrappers.original(mopt, "USING_PYTORCH_OPTIMIZER"):
+        pytest.skip("TE or apex is installed here")
+    assert cpu_mode._torch_optimizer_kernels() == []

@@ -207,7 +207,7 @@ def test_a_replacement_is_undone_by_its_owner_and_wrapped_over():
             "megatron.core.optimizer.USING_PYTORCH_OPTIMIZER",
             "megatron.core.optimizer.clip_grads.l2_norm_impl"]
         with pytest.raises(LookupError, match="not in megagpt.megatron_ledger"):
-            megatron_wrappers.replace(mopt, "Adam", "megagpt.cpu_mode", object())
+            megatron_wrappers.replace(mopt, "Adam", "megagpt.inference", object())
     finally:
         megatron_wrappers.remove_all(owner)
     assert mopt.USING_PYTORCH_OPTIMIZER is using and mclip.l2_norm_impl is norm
