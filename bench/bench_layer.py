@@ -5,8 +5,7 @@ Times ``megagpt.fast_spec.layer.fused_layer_forward`` (torch.compile'd, bf16, we
 gradients written into ``main_grad`` views as in a training step, no dropout unless a setting
 says so) at the 345M and 1.3B shapes, once per inductor setting:
 
-  default              what the fast path compiles with (norm rows of up to 4096 elements
-                       reduced in one block: megagpt.fast_spec.norm_rows)
+  default              what the fast path compiles with
   no mix-order         the layer norms' weight/bias gradient sums as reductions of their own
                        (by default inductor's mix-order reduction sums them over 16-row
                        slices inside the norm-backward kernel, then the slices' partial sums
@@ -17,8 +16,6 @@ says so) at the 345M and 1.3B shapes, once per inductor setting:
   aggressive fusion    fuse kernels without common reads
   no split reductions  each reduction in one kernel rather than partial sums + a second pass
   multi-kernel         persistent and looped variants of each reduction, picked by timing
-  looped rows          inductor's own choice: rows longer than 1024 reduced in a loop
-                       (--no-fast-one-block-rows)
   dropout, attention dropout, hidden dropout
                        megatron's dropout 0.1 in attention and after the projection and fc2,
                        and each alone (not run unless named)
@@ -73,7 +70,7 @@ def _layer_inputs(hidden: int, heads: int, seq: int, batch: int, dev: str = "cud
     static = dict(rope=None, eps=1e-5, rms=False, groups=heads, q_per_group=1,
                   head_dim=hidden // heads, scale=(hidden // heads) ** -0.5, attn_p=0.0,
                   hidden_p=0.0, act="gelu_tanh", rotary_interleaved=False, rope_mscale=1.0,
-                  training=True, wgrad_write=True)
+                  training=True)
     return x, weights, main_grads, static
 
 
@@ -81,17 +78,15 @@ def capture_layer(shape: str, inductor_options: dict) -> torch.cuda.CUDAGraph:
     """One compiled layer's forward + backward under ``inductor_options``, captured as a
     CUDA graph (as the fast path runs its step: the GPU's time, not the host's launch rate;
     at 345M launching the layer's kernels eagerly takes longer than running them)."""
-    from megagpt.fast_spec import hash_dropout, norm_rows
+    from megagpt.fast_spec import hash_dropout
     from megagpt.fast_spec.layer import fused_layer_forward
 
     torch._dynamo.reset()
     options = dict(inductor_options)
-    # as the fast path compiles it (megagpt.fast_spec.layer.layer_function), unless "looped rows"
-    compile_ = (norm_rows.compile_with_one_block_rows if options.pop("_one_block_rows", True)
-                else torch.compile)
     dropout = {"attn_p": options.pop("_attn_p", 0.0), "hidden_p": options.pop("_hidden_p", 0.0)}
     hashed = options.pop("_hashed", False)
-    fn = compile_(fused_layer_forward, dynamic=False, fullgraph=True, options=options)
+    # as the fast path compiles it (megagpt.fast_spec.layer.layer_function)
+    fn = torch.compile(fused_layer_forward, dynamic=False, fullgraph=True, options=options)
     x, weights, main_grads, static = _layer_inputs(*SHAPES[shape])
     static.update(dropout)
     grad_out = torch.randn_like(x)
@@ -163,9 +158,7 @@ def summarise_kernels(per_kernel: dict) -> dict:
     return {"kernels_ms": total, "norm_and_sum_kernels_ms": norm}
 
 
-# named inductor settings (torch.compile options) to compare with the default; every setting
-# but "looped rows" (inductor's own limit of 1024 for rows reduced in one block) compiles
-# with the fast path's norm_rows choice, as the fast path does
+# named inductor settings (torch.compile options) to compare with the default
 SETTINGS = {
     "default": {},
     "no mix-order": {"triton.mix_order_reduction": False},
@@ -173,7 +166,6 @@ SETTINGS = {
     "aggressive fusion": {"aggressive_fusion": True},
     "no split reductions": {"split_reductions": False},
     "multi-kernel": {"triton.multi_kernel": 1},
-    "looped rows": {"_one_block_rows": False},
     # megatron's default dropout 0.1, in attention and after the projection and fc2; and each
     # alone (what each costs); "eager random": inductor takes its random numbers from aten's
     # kernels instead of drawing them inside its own (fallback_random)

@@ -3,10 +3,10 @@
 
 One invocation, one GPU. For each requested path it runs
 
-  local      pretrain_gpt.py --transformer-impl local --no-fast-spec --no-fast-optimizer
-             --no-fast-lm-loss   (megatron's local modules: upstream's path without TE)
+  local      pretrain_gpt.py --transformer-impl local --no-fast-spec --fast-disable optimizer
+             --fast-disable lm-loss   (megatron's local modules: upstream's path without TE)
   fast       pretrain_gpt.py   (the entry's default: the fast spec on one GPU)
-  te         pretrain_gpt.py --transformer-impl transformer_engine --fast-cuda-graph
+  te         pretrain_gpt.py --transformer-impl transformer_engine --fast-cuda-graphs iteration
              (TE's layers under the full-iteration graph; needs TE)
   reference  bench/reference_gpt.py   (plain PyTorch: SDPA, fused AdamW, torch.compile)
 
@@ -24,8 +24,8 @@ rows of docs/benchmarks.md from it.
 
 ``--compare-losses`` logs every iteration and prints how far the fast path's losses are from
 the local spec's (same data, same seed; dropout makes them differ within noise).
-Extra entry flags: ``--entry-args "--no-fast-spec-compile"`` (applied to every entry path);
-extra paths: ``--variant fp32grads="--no-fast-bf16-grad-buffer"`` (the fast path plus those
+Extra entry flags: ``--entry-args "--fast-compile off"`` (applied to every entry path);
+extra paths: ``--variant fp32grads="--fast-disable bf16-grad-buffer"`` (the fast path plus those
 flags), usable in ``--paths`` and ``--compare-paths fast,fp32grads``.
 """
 
@@ -54,11 +54,11 @@ from run_info import run_info  # noqa: E402
 VOCAB = 50257
 
 ENTRY_PATH_FLAGS = {
-    "local": ["--transformer-impl", "local", "--no-fast-spec", "--no-fast-optimizer",
-              "--no-fast-lm-loss"],
+    "local": ["--transformer-impl", "local", "--no-fast-spec",
+              "--fast-disable", "optimizer,lm-loss"],
     "fast": [],  # the entry's default: the fast spec on one GPU, with or without TE
     # TE's layers (needs TE) under the full-iteration graph, which they take when asked
-    "te": ["--transformer-impl", "transformer_engine", "--fast-cuda-graph"],
+    "te": ["--transformer-impl", "transformer_engine", "--fast-cuda-graphs", "iteration"],
 }
 
 ITER_RE = re.compile(

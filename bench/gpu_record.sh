@@ -23,7 +23,7 @@
 #   4. (experiment, not in the default STEPS) 345M with inductor's coordinate-descent tuning
 #      (at 1.3B on 2026-11-29 it changed nothing and tripled the compile time);
 #   5. (not in the default STEPS) kernel profiles of the 1.3B step without dropout, gradients
-#      written and added (--no-fast-grad-write), in one invocation: where the kernels that writing
+#      written and added (--fast-disable grad-write), in one invocation: where the kernels that writing
 #      removes went in the step time (2026-11-29, 47d94b0: 3.0 ms of kernels gone, 1.2 ms of
 #      step).
 #   6. (not in the default STEPS) bench/bench_layer.py at 1.3B: the compiled layer as the fast
@@ -40,7 +40,7 @@
 #      per-layer graphs).
 #
 # STEPS (default "0 0b 1 2 3") picks which of them run; PATHS the throughput paths of step 1
-# (default local,fast,nodrop,recompute,reference; noflat, wgrad and nowrite are also defined).
+# (default local,fast,nodrop,recompute,reference; noflat and nowrite are also defined).
 #
 # Needs: megatron-core (+ omegaconf) importable, one CUDA GPU, and the corpus: the embedded one
 # (python -m megagpt.data.corpus builds it) or DATA_PREFIX, VOCAB_FILE, MERGE_FILE.
@@ -80,14 +80,14 @@ if want 1; then
 echo "== 1. throughput 345M ($(left)s left)"
 # PATHS: local, fast, reference and the variants nodrop (the fast path without dropout),
 # nowrite (gradients zeroed and added, as megatron's DDP does, instead of written),
-# noflat (megatron's five-pass optimizer step instead of the flat one), wgrad (weight
-# gradients accumulated into main_grad by their GEMMs), recompute (the chunked loss
+# noflat (megatron's five-pass optimizer step instead of the flat one), recompute (the chunked loss
 # recomputes logits in backward instead of forming the LM head's gradients in forward)
 timeout 300 $PY bench/bench_throughput.py --shape 345M \
     --paths "${PATHS:-local,fast,nodrop,recompute,reference}" \
     --variant "nodrop=--hidden-dropout 0 --attention-dropout 0" \
-    --variant "noflat=--no-fast-flat-adam" --variant "wgrad=--fast-wgrad-fusion" \
-    --variant "recompute=--no-fast-lm-grad-in-forward" --variant "nowrite=--no-fast-grad-write" \
+    --variant "noflat=--fast-disable flat-adam" \
+    --variant "recompute=--fast-disable lm-grad-in-forward" \
+    --variant "nowrite=--fast-disable grad-write" \
     --train-iters 50 --warmup-iters 10 --out "$OUT/bench_345m" > "$OUT/bench_345m.txt" 2>&1
 tail -20 "$OUT/bench_345m.txt"
 fi
@@ -131,8 +131,8 @@ if want 3; then
 echo "== 3. throughput 1.3B ($(left)s left)"
 if [ "$(left)" -gt 100 ]; then
     timeout $(( $(left) - 10 )) $PY bench/bench_throughput.py --shape 1.3B \
-        --paths "${PATHS_13B:-fast,nodrop,reference}" --variant "noflat=--no-fast-flat-adam" \
-        --variant "wgrad=--fast-wgrad-fusion" --variant "nowrite=--no-fast-grad-write" \
+        --paths "${PATHS_13B:-fast,nodrop,reference}" --variant "noflat=--fast-disable flat-adam" \
+        --variant "nowrite=--fast-disable grad-write" \
         --variant "nodrop=--hidden-dropout 0 --attention-dropout 0" \
         --train-iters 30 --warmup-iters 10 --out "$OUT/bench_1.3b" > "$OUT/bench_1.3b.txt" 2>&1
     tail -12 "$OUT/bench_1.3b.txt"
@@ -154,7 +154,7 @@ echo "== 5. 1.3B kernel profiles, gradients written and added ($(left)s left)"
 SHAPE_13B=$(cd bench && $PY -c "from bench_throughput import shape_flags; print(' '.join(shape_flags('1.3B', 25, 5, 1234)))")
 for variant in written added; do
     extra=""
-    [ "$variant" = added ] && extra="--no-fast-grad-write"
+    [ "$variant" = added ] && extra="--fast-disable grad-write"
     timeout 150 $PY bench/profile_entry.py --light --start 16 --iters 3 --out "$OUT/profile_13b_$variant" \
         -- $SHAPE_13B --hidden-dropout 0 --attention-dropout 0 $extra > "$OUT/profile_13b_$variant.txt" 2>&1
     rm -f "$OUT/profile_13b_$variant"/*.json.gz
@@ -190,7 +190,7 @@ for spec in ${MG_SHAPES:-345M:8:8 345M:4:8 1.3B:4:8}; do
     [ "$(left)" -gt 60 ] || break
     timeout $(( $(left) - 5 )) $PY bench/bench_throughput.py --shape "$shape" \
         --micro-batch "$mb" --micro-batches "$n" --paths "${MG_PATHS:-fast,mgpu}" \
-        --variant "mgpu=$MG" --variant "mgpu_eager=$MG --no-fast-layer-graphs" \
+        --variant "mgpu=$MG" --variant "mgpu_eager=$MG --fast-cuda-graphs none" \
         --baseline fast --train-iters "${MG_ITERS:-30}" --warmup-iters 10 \
         --out "$OUT/mgpu_${shape}_mb${mb}x${n}" > "$OUT/mgpu_${shape}_mb${mb}x${n}.txt" 2>&1
     grep -A6 "^shape" "$OUT/mgpu_${shape}_mb${mb}x${n}.txt"

@@ -15,7 +15,7 @@
 #           TESTS_K="not config and not example" in the next
 #   matrix  the flag matrix's rows that TE changes
 #   train   throughput, bf16, mock data, dropout 0: 345M and 1.3B, each: the entry's default
-#           with TE, TE's layers (--transformer-impl transformer_engine --fast-cuda-graph),
+#           with TE, TE's layers (--transformer-impl transformer_engine --fast-cuda-graphs iteration),
 #           the default without TE
 #   profile what importing TE changes for the fast path: the process's settings and mapped
 #           libraries and torch's GEMM / AdamW times (bench/te_import_effects.py), with
@@ -121,7 +121,7 @@ print(shlex.join(shape_flags("345M", 25, 5, 1234)))')
     done
     ;;
 fp8)
-    TE="--transformer-impl transformer_engine --fast-cuda-graph"
+    TE="--transformer-impl transformer_engine --fast-cuda-graphs iteration"
     for shape in ${FP8_SHAPES:-wide 1.3B}; do
         bench fp8_$shape "$WITH_TE" --shape $shape --paths te,tefp8,tefp8cs,fast \
             --variant "tefp8=$TE --fp8-format hybrid" \

@@ -334,7 +334,7 @@ def main(argv=None) -> int:
                         "(needs Python stacks and no CUDA graph)")
     p.add_argument("--ops", type=int, default=0, metavar="N",
                    help="also print the N operators with the most GPU time, with their Python "
-                        "stacks (attributes kernels to ops; run with --no-fast-cuda-graph, as "
+                        "stacks (attributes kernels to ops; run with --fast-cuda-graphs none, as "
                         "ops inside a replayed CUDA graph are not recorded)")
     p.add_argument("--analyse", metavar="TRACE",
                    help="only report on an existing trace (e.g. megatron's "

@@ -35,7 +35,7 @@ is shown with its keys as headers):
     switches        row: shape, switch (the flags), dropout
                     figures: default_ms, switch_ms, default_mib, switch_mib
     layouts         row: shape, processes, layout (tp2, pp2, dp2, ...; flags after a space:
-                    "dp2 --fast-cuda-graph")
+                    "dp2 --fast-cuda-graphs iteration")
                     figures: ms_per_iter, tflops_per_gpu, per_gpu_vs_one, max_rel_loss_diff,
                     max_abs_loss_diff, iterations; or not_run / failed: the reason
     loss-agreement  row: shape, data, compared, flags

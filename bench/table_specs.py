@@ -286,7 +286,7 @@ TABLES = (
         "multi-gpu-path", "The several-GPU path on one GPU, against the single-GPU default",
         "A launch on several GPUs runs without the full-iteration CUDA graph (one GPU's "
         "default); the fast path then captures each layer as CUDA graphs holding the compiled "
-        "fused layer (`--fast-layer-graphs`, megatron's `--cuda-graph-impl local`). "
+        "fused layer (`--fast-cuda-graphs layers`, megatron's `--cuda-graph-impl local`). "
         "`--fast-multi-gpu-path` puts one GPU on that path (the defaults of two data-parallel "
         "ranks), with the distributed optimizer and the overlapped gradient reduce a "
         "data-parallel launch gives (`--use-distributed-optimizer --overlap-grad-reduce`), "
@@ -295,7 +295,8 @@ TABLES = (
         "OUT`). Shapes, bf16, mock data, dropout 0.1 and counting as in the first table; "
         "the batch is 8 micro-batches per step; \"vs default\" divides by the default "
         "measured in the same invocation. \"eager layers\" is the same path with "
-        "`--no-fast-layer-graphs`, as every several-GPU launch ran before commit 019a8c9.",
+        "`--fast-cuda-graphs none` (`--no-fast-layer-graphs` then), as every several-GPU "
+        "launch ran before commit 019a8c9.",
         columns=(("shape", rowval("shape")),
                  ("micro-batches × size",
                   lambda r: f"{r['row']['micro_batches']} × {r['row']['micro_batch']}"),

@@ -135,6 +135,9 @@ def parse_arguments_and_plan(argv: list[str] | None = None,
     compat.quiet_fallback_warnings()
     argv = list(sys.argv[1:] if argv is None else argv)
     argv, config_path = expand_config_file(argv)
+    from megagpt.fast_spec.settings import check_replaced_flags
+
+    check_replaced_flags(argv)
     if config_path is not None:
         _check_config_keys(config_path, extra_args_provider)
 

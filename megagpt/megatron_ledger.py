@@ -47,6 +47,7 @@ FAST_LAUNCH = ("at launch (pretrain_gpt.run -> fast_spec.settings.install_fast_p
                "for the rest of the process")
 PRETRAIN = "around megatron.training.pretrain (resilience.active), undone after"
 CPU_PRETRAIN = "with --cpu, around megatron.training.pretrain (cpu_mode.active), undone after"
+CPU_TE_KERNELS = CPU_PRETRAIN + ", where megatron bound TE's or apex's kernels"
 CPU_GENERATING = ("with --cpu, around megatron.core.inference's generation in the tools "
                   "(cpu_mode.generating), undone after")
 VALIDATION = ("around megatron's validate_args where no GPU answers "
@@ -237,47 +238,55 @@ LEDGER: tuple[Change, ...] = (
     Change("megatron.core.optimizer.Adam", REPLACES,
            "megagpt.cpu_mode",
            "TE's FusedAdam steps CUDA tensors only; torch's AdamW, megatron's own fallback",
-           CPU_PRETRAIN + ", where megatron bound TE's or apex's kernels", "8a40ef85203f"),
+           CPU_TE_KERNELS, "8a40ef85203f"),
     Change("megatron.core.optimizer.SGD", REPLACES,
            "megagpt.cpu_mode",
            "TE's FusedSGD likewise; torch's SGD",
-           CPU_PRETRAIN + ", where megatron bound TE's or apex's kernels", "dc17bf751abe"),
+           CPU_TE_KERNELS, "dc17bf751abe"),
     Change("megatron.core.optimizer.USING_PYTORCH_OPTIMIZER", REPLACES,
            "megagpt.cpu_mode",
            "True with torch's optimizers, so megatron passes them their arguments",
-           CPU_PRETRAIN + ", where megatron bound TE's or apex's kernels", "e901a03a490f"),
+           CPU_TE_KERNELS, "e901a03a490f"),
     Change("megatron.core.optimizer.clip_grads.multi_tensor_applier", REPLACES,
            "megagpt.cpu_mode",
-           "TE's multi-tensor kernel reads CUDA memory only (a CPU tensor is an illegal memory access on the GPU); megatron's local fallback",
-           CPU_PRETRAIN + ", where megatron bound TE's or apex's kernels", "b93615652a38"),
+           "TE's multi-tensor kernel reads CUDA memory only (a CPU tensor is an illegal "
+           "memory access on the GPU); megatron's local fallback",
+           CPU_TE_KERNELS, "b93615652a38"),
     Change("megatron.core.optimizer.clip_grads.l2_norm_impl", REPLACES,
            "megagpt.cpu_mode",
-           "TE's multi-tensor kernel reads CUDA memory only (a CPU tensor is an illegal memory access on the GPU); megatron's local fallback",
-           CPU_PRETRAIN + ", where megatron bound TE's or apex's kernels", "27093e9af287"),
+           "TE's multi-tensor kernel reads CUDA memory only (a CPU tensor is an illegal "
+           "memory access on the GPU); megatron's local fallback",
+           CPU_TE_KERNELS, "27093e9af287"),
     Change("megatron.core.optimizer.clip_grads.multi_tensor_scale_impl", REPLACES,
            "megagpt.cpu_mode",
-           "TE's multi-tensor kernel reads CUDA memory only (a CPU tensor is an illegal memory access on the GPU); megatron's local fallback",
-           CPU_PRETRAIN + ", where megatron bound TE's or apex's kernels", "19c4e8618112"),
+           "TE's multi-tensor kernel reads CUDA memory only (a CPU tensor is an illegal "
+           "memory access on the GPU); megatron's local fallback",
+           CPU_TE_KERNELS, "19c4e8618112"),
     Change("megatron.core.optimizer.clip_grads.multi_tensor_scale_tensor_impl", REPLACES,
            "megagpt.cpu_mode",
-           "TE's multi-tensor kernel reads CUDA memory only (a CPU tensor is an illegal memory access on the GPU); megatron's local fallback",
-           CPU_PRETRAIN + ", where megatron bound TE's or apex's kernels", "f2ef0c158231"),
+           "TE's multi-tensor kernel reads CUDA memory only (a CPU tensor is an illegal "
+           "memory access on the GPU); megatron's local fallback",
+           CPU_TE_KERNELS, "f2ef0c158231"),
     Change("megatron.core.optimizer.optimizer.multi_tensor_applier", REPLACES,
            "megagpt.cpu_mode",
-           "TE's multi-tensor kernel reads CUDA memory only (a CPU tensor is an illegal memory access on the GPU); megatron's local fallback",
-           CPU_PRETRAIN + ", where megatron bound TE's or apex's kernels", "2aff861f79ca"),
+           "TE's multi-tensor kernel reads CUDA memory only (a CPU tensor is an illegal "
+           "memory access on the GPU); megatron's local fallback",
+           CPU_TE_KERNELS, "2aff861f79ca"),
     Change("megatron.core.optimizer.optimizer.multi_tensor_scale_impl", REPLACES,
            "megagpt.cpu_mode",
-           "TE's multi-tensor kernel reads CUDA memory only (a CPU tensor is an illegal memory access on the GPU); megatron's local fallback",
-           CPU_PRETRAIN + ", where megatron bound TE's or apex's kernels", "19c4e8618112"),
+           "TE's multi-tensor kernel reads CUDA memory only (a CPU tensor is an illegal "
+           "memory access on the GPU); megatron's local fallback",
+           CPU_TE_KERNELS, "19c4e8618112"),
     Change("megatron.training.utils.common_utils.multi_tensor_applier", REPLACES,
            "megagpt.cpu_mode",
-           "TE's multi-tensor kernel reads CUDA memory only (a CPU tensor is an illegal memory access on the GPU); megatron's local fallback",
-           CPU_PRETRAIN + ", where megatron bound TE's or apex's kernels", "5b95ab86582a"),
+           "TE's multi-tensor kernel reads CUDA memory only (a CPU tensor is an illegal "
+           "memory access on the GPU); megatron's local fallback",
+           CPU_TE_KERNELS, "5b95ab86582a"),
     Change("megatron.training.utils.common_utils.multi_tensor_l2norm", REPLACES,
            "megagpt.cpu_mode",
-           "TE's multi-tensor kernel reads CUDA memory only (a CPU tensor is an illegal memory access on the GPU); megatron's local fallback",
-           CPU_PRETRAIN + ", where megatron bound TE's or apex's kernels", "900df480fbd2"),
+           "TE's multi-tensor kernel reads CUDA memory only (a CPU tensor is an illegal "
+           "memory access on the GPU); megatron's local fallback",
+           CPU_TE_KERNELS, "900df480fbd2"),
     # --- the full-iteration CUDA graph (megagpt.fast_spec.capture_watchdog) ---------------------
     Change("megatron.core.full_cuda_graph.FullCudaGraphWrapper.__call__", WRAPS,
            "megagpt.fast_spec.capture_watchdog",
@@ -289,18 +298,18 @@ LEDGER: tuple[Change, ...] = (
     Change(DDP + "_make_backward_post_hook", WRAPS, "megagpt.fast_spec.grad_write",
            "its hook adds each gradient into the buffer megatron zeroed; with one micro-batch "
            "per step and one data-parallel rank the hook copies instead",
-           FAST_LAUNCH + ", with --fast-grad-write (the default where it applies)",
+           FAST_LAUNCH + ", with gradients written (the default where it applies)",
            "01aa652d523b"),
     Change(DDP + "zero_grad_buffer", WRAPS, "megagpt.fast_spec.grad_write",
            "it fills the whole gradient buffer with zeros every step (2.6 GB at 1.3B); where "
            "gradients are written it resets megatron's bookkeeping only (gradients are written "
            "while grad_write's wrappers are installed, process-wide as megatron's DDP methods "
            "are; install puts them in place at launch)",
-           FAST_LAUNCH + ", with --fast-grad-write", "3e76d9a34a92"),
+           FAST_LAUNCH + ", with gradients written", "3e76d9a34a92"),
     Change(DDP + "finish_grad_sync", WRAPS, "megagpt.fast_spec.grad_write",
            "before any reduction, parameters that got no gradient this step are zeroed and "
            "the small gradients held back are copied together",
-           FAST_LAUNCH + ", with --fast-grad-write", "2081a02efcfb"),
+           FAST_LAUNCH + ", with gradients written", "2081a02efcfb"),
     # --- the fast layer spec: the project's modules in megatron's places -----------------------
     Change("megatron.core.transformer.transformer_layer.TransformerLayer.forward", STANDS_IN,
            "megagpt.fast_spec.layer",
@@ -319,13 +328,13 @@ LEDGER: tuple[Change, ...] = (
            "FastTransformerLayer sends only training calls with gradients through megatron's "
            "per-layer graphs: for evaluation megatron's graph manager would replay the graph "
            "captured in training (dropout on, activations saved for a backward that never "
-           "comes)", MODEL + ", with per-layer graphs (--fast-layer-graphs)", "abb8c1b2916c"),
+           "comes)", MODEL + ", with per-layer graphs (--fast-cuda-graphs layers)", "abb8c1b2916c"),
     Change("megatron.core.transformer.cuda_graphs._CudaGraphRunner.create_bwd_graph",
            RELIES_ON, "megagpt.fast_spec.layer",
            "its captured backward adds each weight gradient into main_grad itself (decided at "
            "capture), so under per-layer graphs the fused layer's GEMMs hand their gradients "
            "to autograd and gradients are not written (settings.grad_write_unsupported_reason)",
-           MODEL + ", with per-layer graphs (--fast-layer-graphs)",
+           MODEL + ", with per-layer graphs (--fast-cuda-graphs layers)",
            "ff66d92c732c", needle="param.main_grad.add_(wgrad)"),
     Change("megatron.core.transformer.dot_product_attention.DotProductAttention", STANDS_IN,
            "megagpt.fast_spec.attention",

@@ -88,12 +88,12 @@ def parse_losses(log_text: str) -> dict[int, float]:
 def losses_with_and_without_grad_write(args: list[str], cwd, nproc: int = 1):
     """The entry run twice on ``args``: with gradients written into megatron's buffer (the
     default at one micro-batch per step; the log must say so) and with
-    ``--no-fast-grad-write``. Returns both runs' ``{iteration: lm loss}``."""
+    ``--fast-disable grad-write``. Returns both runs' ``{iteration: lm loss}``."""
     from pathlib import Path
 
     (Path(cwd) / "added").mkdir()
     written = run_entry(args, cwd=cwd, nproc=nproc)
-    added = run_entry([*args, "--no-fast-grad-write"], cwd=Path(cwd) / "added", nproc=nproc)
+    added = run_entry([*args, "--fast-disable", "grad-write"], cwd=Path(cwd) / "added", nproc=nproc)
     for out in (written, added):
         assert out.returncode == 0, out.stdout[-3000:]
     assert "gradients written into megatron's buffer" in written.stdout

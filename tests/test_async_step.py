@@ -267,10 +267,11 @@ def test_bf16_grad_buffer_only_where_values_are_unchanged(attrs, argv, needle):
 def test_bf16_grad_buffer_switch_wins():
     from megagpt.fast_spec.settings import apply_fast_path_defaults
 
-    args = fast_path_namespace(["--no-fast-bf16-grad-buffer"])
+    args = fast_path_namespace(["--fast-disable", "bf16-grad-buffer"])
     apply_fast_path_defaults(args, lambda s: None)
     assert not args.grad_reduce_in_bf16
-    args = fast_path_namespace(["--fast-bf16-grad-buffer"], global_batch_size=32)
+    # asked for on the namespace (no option asks for it: megatron's --grad-reduce-in-bf16 does)
+    args = fast_path_namespace(global_batch_size=32, fast_bf16_grad_buffer=True)
     apply_fast_path_defaults(args, lambda s: None)
     assert args.grad_reduce_in_bf16
 
@@ -387,7 +388,7 @@ def test_async_step_trains_like_megatrons_synchronous_step(tmp_path):
     # clipping active on most steps (small --clip-grad), so the on-device clip factor is used
     args = [*TINY_MODEL, "--train-iters", "12", "--clip-grad", "0.05"]
     runs = {}
-    for name, extra in (("async", []), ("sync", ["--no-fast-async-step"])):
+    for name, extra in (("async", []), ("sync", ["--fast-disable", "async-step"])):
         proc = run_entry(args + extra, cwd=tmp_path)
         assert proc.returncode == 0, proc.stdout[-3000:]
         runs[name] = proc.stdout

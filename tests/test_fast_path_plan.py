@@ -63,7 +63,7 @@ TABLE = {
         "bf16 grad buffer": (False, "more than one data-parallel rank"),
         "grad write": (False, "more than one data-parallel rank"),
     }),
-    "DP 8, --fast-step-nan-checks": (["--fast-step-nan-checks"], NO_TE, DP8, {
+    "DP 8, --fast-disable deferred-nan-checks": (["--fast-disable", "deferred-nan-checks"], NO_TE, DP8, {
         "CUDA graph": ("per layer", "more than one GPU"),
         "NaN check": ("in step", "megatron's checks"),
     }),
@@ -84,9 +84,9 @@ TABLE = {
         "CUDA graph": ("none", "per layer: pipeline parallelism"),
         "LM loss": ("chunked", "recomputed in backward"),
     }),
-    "PP 2, --fast-layer-graphs": (["--fast-layer-graphs"], NO_TE,
+    "PP 2, --fast-cuda-graphs layers": (["--fast-cuda-graphs", "layers"], NO_TE,
                                   dict(world_size=4, pipeline_model_parallel_size=2), {
-        "CUDA graph": ("per layer", "--fast-layer-graphs"),
+        "CUDA graph": ("per layer", "--fast-cuda-graphs layers"),
         "compile": (True, "inside CUDA graphs"),
     }),
     "CPU": ([], NO_TE, dict(cpu=True), {
@@ -98,10 +98,10 @@ TABLE = {
     "CPU, TE installed": ([], TE, dict(cpu=True), {
         "layers": ("fast", "--cpu"),
     }),
-    "TE layers, --fast-cuda-graph": (["--fast-cuda-graph"], TE, dict(
+    "TE layers, --fast-cuda-graphs iteration": (["--fast-cuda-graphs", "iteration"], TE, dict(
             given=["--transformer-impl"], transformer_impl="transformer_engine"), {
         "layers": ("transformer_engine", "as given"),
-        "CUDA graph": ("full iteration", "--fast-cuda-graph"),
+        "CUDA graph": ("full iteration", "--fast-cuda-graphs iteration"),
         "NaN check": ("gradient norm", "inside a CUDA graph"),
         "bf16 grad buffer": (False, "the fast spec is not used"),
     }),
@@ -132,24 +132,25 @@ TABLE = {
         "CUDA graph": ("none", "the fast spec is not used"),
         "compile": (False, "no CUDA graph"),
     }),
-    "--no-fast-cuda-graph": (["--no-fast-cuda-graph"], NO_TE, {}, {
-        "CUDA graph": ("per layer", "full-iteration graph off: --no-fast-cuda-graph"),
+    "--fast-cuda-graphs layers": (["--fast-cuda-graphs", "layers"], NO_TE, {}, {
+        "CUDA graph": ("per layer", "--fast-cuda-graphs layers"),
         # read from the plan's per-layer graphs: args' cuda_graph_impl is not written yet
         "grad write": (False, "per-layer CUDA graphs"),
     }),
     "--cuda-graph-impl local": ([], NO_TE, dict(cuda_graph_impl="local"), {
         "CUDA graph": ("per layer", "--cuda-graph-impl local as given"),
     }),
-    "--fast-cuda-graph on 2 GPUs": (["--fast-cuda-graph"], NO_TE, dict(world_size=2), {
-        "CUDA graph": ("full iteration", "--fast-cuda-graph"),
+    "--fast-cuda-graphs iteration on 2 GPUs": (
+        ["--fast-cuda-graphs", "iteration"], NO_TE, dict(world_size=2), {
+        "CUDA graph": ("full iteration", "--fast-cuda-graphs iteration"),
         "NCCL connect": ("0", "cannot connect a peer"),
     }),
     "--overlap-param-gather": ([], NO_TE, dict(overlap_param_gather=True, **DP8), {
         "fused layer": (False, "--overlap-param-gather"),
         "CUDA graph": ("none", "per layer: the fused layer is off"),
     }),
-    "--no-fast-bf16-grad-buffer": (["--no-fast-bf16-grad-buffer"], NO_TE, {}, {
-        "bf16 grad buffer": (False, "--no-fast-bf16-grad-buffer"),
+    "--fast-disable bf16-grad-buffer": (["--fast-disable", "bf16-grad-buffer"], NO_TE, {}, {
+        "bf16 grad buffer": (False, "--fast-disable bf16-grad-buffer"),
         "grad write": (True, "nothing is accumulated"),
     }),
     "attention mask asked of the loader": ([], NO_TE,
@@ -174,14 +175,17 @@ def test_layout_gives_choices_and_reasons(layout):
 
 
 @pytest.mark.parametrize("argv,attrs,match", [
-    (["--fast-cuda-graph"], dict(world_size=2, pipeline_model_parallel_size=2),
-     "--fast-cuda-graph with pipeline parallelism"),
-    (["--fast-cuda-graph"], dict(world_size=2, overlap_param_gather=True),
+    (["--fast-cuda-graphs", "iteration"], dict(world_size=2, pipeline_model_parallel_size=2),
+     "--fast-cuda-graphs iteration with pipeline parallelism"),
+    (["--fast-cuda-graphs", "iteration"], dict(world_size=2, overlap_param_gather=True),
      "--overlap-param-gather with the full-iteration"),
-    (["--fast-layer-graphs"], dict(recompute_granularity="full"), "--fast-layer-graphs: "),
-    (["--fast-cuda-graph"], dict(recompute_granularity="selective", attention_dropout=0.1),
-     "--fast-cuda-graph with selective recompute of core attention"),
-    (["--no-fast-cuda-graph", "--fast-grad-write"], {}, "--fast-grad-write: per-layer"),
+    (["--fast-cuda-graphs", "layers"], dict(recompute_granularity="full"),
+     "--fast-cuda-graphs layers: "),
+    (["--fast-cuda-graphs", "iteration"],
+     dict(recompute_granularity="selective", attention_dropout=0.1),
+     "--fast-cuda-graphs iteration with selective recompute of core attention"),
+    # asked for on the namespace (no option asks for it)
+    (["--fast-cuda-graphs", "layers"], dict(fast_grad_write=True), "gradients written: per-layer"),
 ])
 def test_switches_asked_for_where_they_cannot_run_are_refused_by_the_plan(argv, attrs, match):
     with pytest.raises(UserError, match=match):
@@ -226,7 +230,7 @@ def test_the_plan_is_frozen_and_printed_one_line_per_choice():
 
 
 def test_the_users_nccl_setting_is_kept():
-    plan = plan_of(["--fast-cuda-graph"], world_size=2, environ={"NCCL_RUNTIME_CONNECT": "1"})
+    plan = plan_of(["--fast-cuda-graphs", "iteration"], world_size=2, environ={"NCCL_RUNTIME_CONNECT": "1"})
     assert plan.environ == () and plan.value("NCCL connect") == "1"
 
 

@@ -292,7 +292,7 @@ def test_dropout_is_applied_in_training_and_not_in_eval(cpu_buffers):
 def test_only_a_compiled_layer_draws_hash_dropout_seeds(cpu_buffers, monkeypatch):
     """The fast spec's layer draws two seeds per forward where its function is compiled and
     hash dropout is on; eagerly (CPU mode, tensor parallelism) and with
-    ``--no-fast-hash-dropout`` it keeps F.dropout."""
+    ``--fast-disable hash-dropout`` it keeps F.dropout."""
     import torch._dynamo
 
     import megagpt.fast_spec.layer as layer_mod
@@ -606,13 +606,42 @@ def test_flags_parse_on_a_parser_and_on_a_group():
     a = _parse([])
     assert a.fast_spec and a.fast_spec_fused_layer and a.fast_optimizer and a.fast_lm_loss
     assert a.fast_spec_compile is None and a.fast_cuda_graph is None
-    a = _parse(["--no-fast-spec", "--no-fast-spec-compile", "--no-fast-cuda-graph",
-                "--no-fast-optimizer", "--no-fast-lm-loss", "--no-fast-spec-fused-layer"])
-    assert not any([a.fast_spec, a.fast_spec_compile, a.fast_cuda_graph, a.fast_optimizer,
-                    a.fast_lm_loss, a.fast_spec_fused_layer])
+    assert a.fast_layer_graphs is None and a.fast_disable == []
+    a = _parse(["--no-fast-spec", "--fast-compile", "off", "--fast-cuda-graphs", "none",
+                "--fast-disable", "optimizer,lm-loss", "--fast-disable", "fused-layer"])
+    assert not any([a.fast_spec, a.fast_spec_compile, a.fast_cuda_graph, a.fast_layer_graphs,
+                    a.fast_optimizer, a.fast_lm_loss, a.fast_spec_fused_layer])
+    assert a.fast_disable == ["optimizer", "lm-loss", "fused-layer"]
+    assert a.fast_flat_adam and a.fast_async_step  # only the pieces named
+    a = _parse(["--fast-disable", "deferred-nan-checks", "--fast-cuda-graphs", "layers"])
+    assert a.fast_step_nan_checks is True
+    assert (a.fast_cuda_graph, a.fast_layer_graphs) == (False, True)
     p = argparse.ArgumentParser()
     add_fast_path_arguments(p.add_argument_group("entry"))
-    assert p.parse_args(["--fast-cuda-graph"]).fast_cuda_graph is True
+    assert p.parse_args(["--fast-cuda-graphs", "iteration"]).fast_cuda_graph is True
+    assert p.parse_args(["--fast-compile", "on"]).fast_spec_compile is True
+
+
+def test_an_unknown_piece_is_refused_naming_the_known_ones(capsys):
+    with pytest.raises(SystemExit):
+        _parse(["--fast-disable", "flat-adam,warp-drive"])
+    err = capsys.readouterr().err
+    assert "unknown piece(s) warp-drive" in err and "flat-adam" in err.split("known:")[1]
+
+
+@pytest.mark.parametrize("old,new", [
+    ("--fast-cuda-graph", "--fast-cuda-graphs iteration"),
+    ("--no-fast-layer-graphs", "--fast-cuda-graphs none"),
+    ("--no-fast-flat-adam", "--fast-disable flat-adam"),
+    ("--fast-wgrad-fusion", "removed"),
+])
+def test_an_earlier_versions_option_is_refused_with_its_new_spelling(tmp_path, old, new):
+    """Through the entry's parser, before megatron's: one line naming what to use."""
+    from megagpt.arguments import parse_arguments
+    from megagpt.errors import UserError
+
+    with pytest.raises(UserError, match=f"{old} is no longer an option: .*{new}"):
+        parse_arguments(["--num-layers", "2", "--hidden-size", "64", old, "--cpu"])
 
 
 def test_defaults_single_gpu_fast_path_uses_graph_and_compile(restore_optimizer):
@@ -628,11 +657,11 @@ def test_defaults_single_gpu_fast_path_uses_graph_and_compile(restore_optimizer)
     [
         # where the fast spec runs without the full-iteration graph, per-layer graphs hold
         # the compiled layer
-        (["--no-fast-cuda-graph"], {}, None, "local"),
+        (["--fast-cuda-graphs", "layers"], {}, None, "local"),
         ([], {"world_size": 8}, "more than one GPU", "local"),
         ([], {"check_for_spiky_loss": True}, "spiky", "local"),
         ([], {"cuda_graph_impl": "local"}, "--cuda-graph-impl local", "local"),
-        (["--no-fast-cuda-graph", "--no-fast-layer-graphs"], {}, None, "none"),
+        (["--fast-cuda-graphs", "none"], {}, None, "none"),
         (["--no-fast-spec"], {}, None, "none"),
         ([], {"context_parallel_size": 2}, None, "none"),
         ([], {"transformer_impl": "transformer_engine", "world_size": 2}, "asks for it",
@@ -656,13 +685,13 @@ def test_graph_stays_off_where_it_does_not_apply(restore_optimizer, argv, attrs,
 def test_te_dense_layers_on_one_gpu_take_the_full_iteration_graph_when_asked(
         restore_optimizer):
     """Transformer Engine's layer spec takes the launch-level graph when asked for
-    (--fast-cuda-graph: megatron's --cuda-graph-impl full_iteration, with the fast path's
+    (--fast-cuda-graphs iteration: megatron's --cuda-graph-impl full_iteration, with the fast path's
     capture deadline and NaN handling; docs/speed.md has its measured gain), and says how to
     ask where it is off; per-layer graphs and the gradient writes stay the fast spec's."""
     args, lines = _resolved([], transformer_impl="transformer_engine")
     assert not args.fast_cuda_graph and args.cuda_graph_impl == "none"
-    assert any("--fast-cuda-graph asks for it" in line for line in lines), lines
-    args, lines = _resolved(["--fast-cuda-graph"], transformer_impl="transformer_engine")
+    assert any("--fast-cuda-graphs iteration asks for it" in line for line in lines), lines
+    args, lines = _resolved(["--fast-cuda-graphs", "iteration"], transformer_impl="transformer_engine")
     assert args.fast_cuda_graph and args.cuda_graph_impl == "full_iteration"
     assert args.check_for_nan_in_loss_and_grad is False
     assert not args.fast_layer_graphs and not args.fast_grad_write
@@ -688,19 +717,19 @@ def test_graph_asked_for_on_several_gpus(restore_optimizer, monkeypatch):
     from megagpt.errors import UserError
 
     monkeypatch.delenv("NCCL_RUNTIME_CONNECT", raising=False)
-    args, lines = _resolved(["--fast-cuda-graph"], world_size=2)
+    args, lines = _resolved(["--fast-cuda-graphs", "iteration"], world_size=2)
     assert args.cuda_graph_impl == "full_iteration" and not args.fast_layer_graphs
     assert any("on 2 GPUs, asked for" in line for line in lines), lines
     import os
 
     assert os.environ["NCCL_RUNTIME_CONNECT"] == "0"
     monkeypatch.setenv("NCCL_RUNTIME_CONNECT", "1")  # the user's own setting is kept
-    _resolved(["--fast-cuda-graph"], world_size=2)
+    _resolved(["--fast-cuda-graphs", "iteration"], world_size=2)
     assert os.environ["NCCL_RUNTIME_CONNECT"] == "1"
-    with pytest.raises(UserError, match="--fast-cuda-graph with pipeline parallelism"):
-        _resolved(["--fast-cuda-graph"], world_size=2, pipeline_model_parallel_size=2)
+    with pytest.raises(UserError, match="--fast-cuda-graphs iteration with pipeline parallelism"):
+        _resolved(["--fast-cuda-graphs", "iteration"], world_size=2, pipeline_model_parallel_size=2)
     with pytest.raises(UserError, match="--overlap-param-gather with the full-iteration"):
-        _resolved(["--fast-cuda-graph"], world_size=2, overlap_param_gather=True)
+        _resolved(["--fast-cuda-graphs", "iteration"], world_size=2, overlap_param_gather=True)
     with pytest.raises(UserError, match="--overlap-param-gather with the full-iteration"):
         _resolved([], cuda_graph_impl="full_iteration", overlap_param_gather=True,
                   check_for_nan_in_loss_and_grad=False)
@@ -710,12 +739,12 @@ def test_graph_asked_for_on_several_gpus(restore_optimizer, monkeypatch):
     assert not args.fast_cuda_graph and args.cuda_graph_impl == "none"
     assert any("full-iteration CUDA graph off: --overlap-param-gather" in line
                for line in lines), lines
-    args, _ = _resolved(["--fast-cuda-graph"], world_size=1)
+    args, _ = _resolved(["--fast-cuda-graphs", "iteration"], world_size=1)
     assert args.cuda_graph_impl == "full_iteration"
 
 
 def test_cpu_mode_never_compiles_or_graphs(restore_optimizer):
-    args, _ = _resolved(["--fast-spec-compile", "--fast-cuda-graph"], cpu=True)
+    args, _ = _resolved(["--fast-compile", "on", "--fast-cuda-graphs", "iteration"], cpu=True)
     assert args.fast_spec_compile is False and not args.fast_cuda_graph
     assert args.cuda_graph_impl == "none"
 
@@ -724,7 +753,7 @@ def test_no_fast_optimizer_leaves_megatron_alone(restore_optimizer):
     import megatron.core.optimizer as mopt
 
     before = mopt.Adam
-    _resolved(["--no-fast-optimizer"])
+    _resolved(["--fast-disable", "optimizer"])
     assert mopt.Adam is before
 
 
@@ -766,11 +795,11 @@ def test_no_fast_flat_adam_keeps_megatrons_step(restore_optimizer):
     if not optim.megatron_uses_local_fallbacks():
         pytest.skip("TE or apex installed: megatron has its fused kernels")
     megatron_wrappers.remove_all(flat_adam.__name__)
-    args, _ = _resolved(["--no-fast-flat-adam"])
+    args, _ = _resolved(["--fast-disable", "flat-adam"])
     lines = []
     install_fast_path_patches(args, lines.append)
     assert not megatron_wrappers.installed_by(flat_adam.__name__)
-    assert any("--no-fast-flat-adam" in line for line in lines)
+    assert any("--fast-disable flat-adam" in line for line in lines)
 
 
 @pytest.mark.parametrize(

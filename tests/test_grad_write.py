@@ -1,5 +1,5 @@
 """Gradients written into megatron's gradient buffer instead of zeroed and added
-(``--fast-grad-write``, ``megagpt.fast_spec.grad_write``).
+(``megagpt.fast_spec.grad_write``; ``--fast-disable grad-write`` adds them).
 
 Two tiny GPTs of the fast spec with the same weights, each in megatron's real DDP, run the
 same batches on the CPU: one with writing on, one with megatron's zeroing and adding. After
@@ -54,8 +54,7 @@ def _fast_model(grad_dtype, overlap_grad_reduce=False):
     from megagpt.fast_spec.spec import get_fast_gpt_layer_spec
 
     spec = get_fast_gpt_layer_spec(argparse.Namespace(
-        fast_spec=True, fast_spec_fused_layer=True, fast_spec_compile=False,
-        fast_wgrad_fusion=False))
+        fast_spec=True, fast_spec_fused_layer=True, fast_spec_compile=False))
     return tiny_ddp_gpt(spec, grad_dtype, overlap_grad_reduce=overlap_grad_reduce)
 
 
@@ -182,7 +181,7 @@ def test_parameter_without_a_gradient_reads_zero(writing):
 def test_a_second_gradient_in_one_step_stops_the_run(writing, grad_dtype):
     model = _fast_model(grad_dtype)
     _step(model, 0, write=True)
-    with pytest.raises(RuntimeError, match="--no-fast-grad-write"):
+    with pytest.raises(RuntimeError, match="--fast-disable grad-write"):
         _step(model, 1, write=True, zero=False)  # two micro-batches' backward passes
 
 
@@ -224,10 +223,10 @@ def test_switch_off_and_refused_where_gradients_are_summed():
     from megagpt.fast_spec import grad_write
     from megagpt.fast_spec.settings import apply_fast_path_defaults
 
-    args = fast_path_namespace(["--no-fast-grad-write"])
+    args = fast_path_namespace(["--fast-disable", "grad-write"])
     apply_fast_path_defaults(args, lambda s: None)
     assert args.fast_grad_write is False and not grad_write.grad_write_enabled()
-    args = fast_path_namespace(["--fast-grad-write"], global_batch_size=32)
+    args = fast_path_namespace(global_batch_size=32, fast_grad_write=True)  # asked for
     with pytest.raises(UserError, match="micro-batch"):
         apply_fast_path_defaults(args, lambda s: None)
 

@@ -127,7 +127,7 @@ def test_the_switch_reaches_the_layers():
 
     parser = argparse.ArgumentParser()
     add_fast_path_arguments(parser)
-    on, off = parser.parse_args([]), parser.parse_args(["--no-fast-hash-dropout"])
+    on, off = parser.parse_args([]), parser.parse_args(["--fast-disable", "hash-dropout"])
     assert on.fast_hash_dropout and not off.fast_hash_dropout
     assert fused_layer_options(on).hash_dropout and not fused_layer_options(off).hash_dropout
 

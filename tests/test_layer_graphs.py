@@ -1,4 +1,4 @@
-"""Per-layer CUDA graphs holding the fused layer (``--fast-layer-graphs``, megatron's
+"""Per-layer CUDA graphs holding the fused layer (``--fast-cuda-graphs layers``, megatron's
 ``--cuda-graph-impl local``) and the one-GPU stand-in for several GPUs
 (``--fast-multi-gpu-path``): which runs take them, what they refuse, how the fused layer
 behaves under megatron's graph manager, and (GPU) that graphed training gives the losses of
@@ -39,9 +39,9 @@ def test_in_step_nan_checks_give_way_to_the_norm_check_unless_kept():
     args, lines = _resolved(world_size=8)
     assert args.cuda_graph_impl == "local" and not args.check_for_nan_in_loss_and_grad
     assert any("in-step NaN/Inf checks off" in line for line in lines), lines
-    args, _ = _resolved(["--fast-step-nan-checks"], world_size=8)
+    args, _ = _resolved(["--fast-disable", "deferred-nan-checks"], world_size=8)
     assert args.cuda_graph_impl == "local" and args.check_for_nan_in_loss_and_grad
-    args, _ = _resolved(["--no-fast-layer-graphs"], world_size=8)
+    args, _ = _resolved(["--fast-cuda-graphs", "none"], world_size=8)
     assert args.check_for_nan_in_loss_and_grad  # megatron's default without graphs
 
 
@@ -75,7 +75,7 @@ def test_model_parallel_layouts_leave_layer_graphs_off_unless_asked(attrs, needl
     assert not args.fast_layer_graphs and args.cuda_graph_impl == "none"
     assert args.fast_spec_compile is False  # eager without a graph
     assert any("per-layer CUDA graphs off" in line and needle in line for line in lines), lines
-    args, lines = _resolved(["--fast-layer-graphs"], world_size=4, **attrs)
+    args, lines = _resolved(["--fast-cuda-graphs", "layers"], world_size=4, **attrs)
     assert args.fast_layer_graphs and args.cuda_graph_impl == "local"
     assert any("asked for; not yet measured there" in line for line in lines), lines
 
@@ -85,7 +85,7 @@ def test_model_parallel_layouts_leave_layer_graphs_off_unless_asked(attrs, needl
     # the fused layer does not call the modules whose pre-hooks wait for the gathers
     ([], {"overlap_param_gather": True, "use_distributed_optimizer": True},
      "the fused layer is off"),
-    (["--no-fast-spec-fused-layer"], {}, "fused layer is off"),
+    (["--fast-disable", "fused-layer"], {}, "fused layer is off"),
     ([], {"cpu": True}, "CPU mode"),
     ([], {"cuda_graph_impl": "transformer_engine"}, "--cuda-graph-impl transformer_engine"),
 ])
@@ -95,8 +95,8 @@ def test_layer_graphs_are_refused_where_they_cannot_hold_the_layers(argv, attrs,
     args, _ = _resolved(argv, world_size=2, **attrs)
     assert not args.fast_layer_graphs
     assert args.cuda_graph_impl == attrs.get("cuda_graph_impl", "none")
-    with pytest.raises(UserError, match=f"--fast-layer-graphs: .*{needle}"):
-        _resolved(["--fast-layer-graphs", *argv], world_size=2, **attrs)
+    with pytest.raises(UserError, match=f"--fast-cuda-graphs layers: .*{needle}"):
+        _resolved(["--fast-cuda-graphs", "layers", *argv], world_size=2, **attrs)
 
 
 def test_written_gradients_are_refused_under_layer_graphs():
@@ -105,12 +105,12 @@ def test_written_gradients_are_refused_under_layer_graphs():
     from megagpt.errors import UserError
     from megagpt.fast_spec.settings import grad_write_unsupported_reason
 
-    args, _ = _resolved(["--no-fast-cuda-graph"])
+    args, _ = _resolved(["--fast-cuda-graphs", "layers"])
     assert args.fast_layer_graphs and not args.fast_grad_write
     assert "per-layer CUDA graphs" in grad_write_unsupported_reason(args)
-    with pytest.raises(UserError, match="--fast-grad-write: per-layer CUDA graphs"):
-        _resolved(["--no-fast-cuda-graph", "--fast-grad-write"])
-    args, _ = _resolved(["--no-fast-cuda-graph", "--no-fast-layer-graphs"])
+    with pytest.raises(UserError, match="gradients written: per-layer CUDA graphs"):
+        _resolved(["--fast-cuda-graphs", "layers"], fast_grad_write=True)
+    args, _ = _resolved(["--fast-cuda-graphs", "none"])
     assert args.fast_grad_write  # one micro-batch, one rank, no graph: written again
 
 
@@ -123,7 +123,7 @@ def test_megatrons_own_local_flag_holds_the_fused_layer():
 def test_the_switches_parse():
     a = fast_path_namespace([])
     assert a.fast_layer_graphs is None and a.fast_multi_gpu_path is False
-    a = fast_path_namespace(["--no-fast-layer-graphs", "--fast-multi-gpu-path"])
+    a = fast_path_namespace(["--fast-cuda-graphs", "none", "--fast-multi-gpu-path"])
     assert a.fast_layer_graphs is False and a.fast_multi_gpu_path is True
 
 
@@ -176,12 +176,10 @@ def test_fused_layer_accepts_per_layer_graphs_and_leaves_gradients_to_autograd(f
               layer.mlp.linear_fc1.weight, layer.mlp.linear_fc2.weight):
         w.main_grad = torch.zeros_like(w)
         w.grad_added_to_main_grad = False
+        w._megagpt_grad_write = True  # its DDP writes this step (grad_write)
     weights = [layer.self_attention.linear_qkv.weight, layer.mlp.linear_fc1.weight]
-    from megagpt.fast_spec.layer import FusedLayerOptions
-
-    layer.fused_options = FusedLayerOptions.make(wgrad_fusion=True)
     try:
-        assert layer.wgrad_mode(weights) == "accumulate"
+        assert layer.wgrad_mode(weights) == "write"
         layer.config.cuda_graph_impl = "local"
         assert layer._static_fused_check() is None
         # megatron's captured backward adds the gradients itself
@@ -203,7 +201,7 @@ GPU_MODEL = [
     "--lr", "3e-4", "--lr-warmup-iters", "2", "--bf16", "--log-interval", "1",
     "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
     "--transformer-impl", "local", "--fast-multi-gpu-path",
-    "--use-distributed-optimizer", "--overlap-grad-reduce", "--fast-spec-compile",
+    "--use-distributed-optimizer", "--overlap-grad-reduce", "--fast-compile", "on",
 ]
 
 
@@ -212,7 +210,7 @@ def test_gpu_graphed_layers_train_as_the_eager_layers(tmp_path):
     from helpers import parse_losses, run_entry
 
     runs = {}
-    for name, extra in (("graphs", []), ("eager", ["--no-fast-layer-graphs"])):
+    for name, extra in (("graphs", []), ("eager", ["--fast-cuda-graphs", "none"])):
         (tmp_path / name).mkdir()
         out = run_entry([*GPU_MODEL, *extra], cwd=tmp_path / name, timeout=400)
         assert out.returncode == 0, out.stdout[-4000:]

@@ -42,8 +42,8 @@ def narayanan_plan(heads, hidden, layers, tp, pp, gpus, batch):
             "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
             "--fp16", "--recompute-granularity", "full", "--recompute-method", "uniform",
             "--recompute-num-layers", "1", "--lr", "1e-4", "--train-iters", "10",
-            "--transformer-impl", "local", "--no-fast-spec", "--no-fast-optimizer",
-            "--no-fast-lm-loss",
+            "--transformer-impl", "local", "--no-fast-spec", "--fast-disable",
+            "optimizer,lm-loss",
             "--dry-run", "--dry-run-world-size", str(gpus), "--gpu-type", "A100-80GB"]
     with contextlib.redirect_stdout(io.StringIO()):
         return make_plan(parse_arguments(argv))

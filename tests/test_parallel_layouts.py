@@ -72,7 +72,7 @@ def test_sequence_parallel_matches_one_process(tmp_path):
 ], ids=["tp2sp", "pp2"])
 def test_gradients_written_under_model_parallelism(tmp_path, layout):
     """One micro-batch per step, so gradients are written into megatron's buffer instead of
-    zeroed and added (--fast-grad-write, the default there). Under TP + SP the norms'
+    zeroed and added (gradients written, the default there). Under TP + SP the norms'
     gradient halves are summed after the backward pass, and under PP the stages exchange the
     tied embedding's gradient then: the losses must equal those of megatron's zeroing and
     adding in the same layout (SGD, large step, no clipping: a stale or missing gradient

@@ -157,13 +157,13 @@ def test_torch_adamw_temporaries_count_at_the_optimizer_step():
     """Without TE or apex megatron steps with torch's AdamW, whose foreach form allocates the
     square root of the second moment for every parameter at once (4 bytes each); the fast
     optimizer's fused AdamW allocates none; the distributed optimizer steps a 1/DP shard."""
-    foreach = plan("--bf16", "--no-fast-spec", "--no-fast-optimizer", "--global-batch-size", "4")
+    foreach = plan("--bf16", "--no-fast-spec", "--fast-disable", "optimizer", "--global-batch-size", "4")
     n = foreach.params.most_per_gpu
     assert foreach.memory.optimizer_temporaries == 4 * n
     assert foreach.memory.optimizer_step == foreach.memory.gradient_copies + 4 * n
     assert plan("--bf16", "--no-fast-spec", "--global-batch-size", "4").memory \
         .optimizer_temporaries == 0
-    sharded = plan("--bf16", "--no-fast-optimizer", "--use-distributed-optimizer",
+    sharded = plan("--bf16", "--fast-disable", "optimizer", "--use-distributed-optimizer",
                    "--global-batch-size", "16", world_size=8)
     assert sharded.memory.optimizer_temporaries == 4 * sharded.params.most_per_gpu / 8
 

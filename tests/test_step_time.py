@@ -158,7 +158,7 @@ H200_RUNS = [
     ("1.3B", "fast", 0.0, 135.0, 33366),
 ]
 BENCH_SHAPES = {"345M": (24, 1024, 16, 1024, 8), "1.3B": (24, 2048, 16, 2048, 4)}
-PATH_FLAGS = {"local": ["--no-fast-spec", "--no-fast-optimizer", "--no-fast-lm-loss"],
+PATH_FLAGS = {"local": ["--no-fast-spec", "--fast-disable", "optimizer,lm-loss"],
               "fast": []}
 
 

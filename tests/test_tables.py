@@ -106,10 +106,10 @@ def test_throughput_output_becomes_training_switch_and_loss_records():
                  peak_mem_mib=12604.8)
     summary = dict(
         info=info, flops_per_iter=18.61e12, entry_args="", data="mock",
-        path_flags={"local": ["--no-fast-spec", "--no-fast-optimizer", "--no-fast-lm-loss"],
+        path_flags={"local": ["--no-fast-spec", "--fast-disable", "optimizer,lm-loss"],
                     "fast": [], "nodrop": ["--hidden-dropout", "0", "--attention-dropout", "0"],
                     "nowrite": ["--hidden-dropout", "0", "--attention-dropout", "0",
-                                "--no-fast-grad-write"]},
+                                "--fast-disable", "grad-write"]},
         results={"fast": entry, "nodrop": dict(entry, ms_per_iter=45.0),
                  "nowrite": dict(entry, ms_per_iter=45.6), "local": dict(entry, ms_per_iter=170.0),
                  "reference": dict(ms_per_iter=52.0, dropout=0.0, tokens_per_s=1.0,
@@ -123,7 +123,7 @@ def test_throughput_output_becomes_training_switch_and_loss_records():
     assert rows[("train-1gpu", ("345M", "fast", 0.0))]["figures"]["ms_per_iter"] == 45.0
     assert ("train-1gpu", ("345M", "local", 0.1)) in rows
     assert ("train-1gpu", ("345M", "reference", 0.0)) in rows
-    switch = rows[("switches", ("345M", "--no-fast-grad-write", 0.0))]["figures"]
+    switch = rows[("switches", ("345M", "--fast-disable grad-write", 0.0))]["figures"]
     assert (switch["default_ms"], switch["switch_ms"]) == (45.0, 45.6)
     agreement = rows[("loss-agreement", ("345M", "mock", "fast vs local", ""))]["figures"]
     assert agreement["max_abs_diff"] == 0.05

@@ -48,18 +48,18 @@ LAUNCHES = [
     ([], "layer spec: fast", "no tensor or pipeline parallelism"),
     # eager (no graphs, no compile): the layer choice is what is tested, and compiling
     # the same fused layer again would only cost time
-    (["--use-distributed-optimizer", "--no-fast-cuda-graph", "--no-fast-layer-graphs"],
+    (["--use-distributed-optimizer", "--fast-cuda-graphs", "none", "--fast-cuda-graphs", "none"],
      "layer spec: fast", "layer spec: fast"),
     (["--transformer-impl", "transformer_engine"], "layer spec: transformer_engine",
      "gradient-accumulation fusion in Transformer Engine's layers"),
     (["--transformer-impl", "transformer_engine", "--use-distributed-optimizer"],
      "layer spec: transformer_engine", "keeps TE's/apex's FusedAdam"),
-    (["--transformer-impl", "transformer_engine", "--no-fast-cuda-graph",
-      "--no-fast-optimizer"], "layer spec: transformer_engine", "layer spec: transformer_engine"),
+    (["--transformer-impl", "transformer_engine", "--fast-cuda-graphs", "none",
+      "--fast-disable", "optimizer"], "layer spec: transformer_engine", "layer spec: transformer_engine"),
     (["--fp8-format", "hybrid"], "layer spec: transformer_engine", "FP8"),
     # TE's layers under the full-iteration graph, asked for; head size 64 (the graph is not
     # TE's default: at this file's head size of 16 such launches failed)
-    (["--transformer-impl", "transformer_engine", "--fast-cuda-graph", "--hidden-size", "128",
+    (["--transformer-impl", "transformer_engine", "--fast-cuda-graphs", "iteration", "--hidden-size", "128",
       "--num-attention-heads", "2"], "layer spec: transformer_engine",
      "captured as one CUDA graph"),
     (["--transformer-impl", "local", "--no-fast-spec"], "layer spec: local",
@@ -84,7 +84,7 @@ def _train(tmp_path, name: str, impl: str, until: int, extra=()):
     ckpt = tmp_path / name
     out = run_entry([*TINY, "--transformer-impl", impl, "--train-iters", "6",
                      "--exit-interval", str(until), "--save", str(ckpt), "--save-interval", "3",
-                     "--load", str(ckpt), "--no-fast-cuda-graph", "--no-fast-layer-graphs",
+                     "--load", str(ckpt), "--fast-cuda-graphs", "none", "--fast-cuda-graphs", "none",
                      *extra], cwd=tmp_path, timeout=600)
     assert out.returncode == 0 and "Traceback" not in out.stdout, why(out.stdout)
     return ckpt, parse_losses(out.stdout)
@@ -159,7 +159,7 @@ def test_a_te_checkpoint_resumes_generates_and_exports_without_te(tmp_path):
     tiny = [f for i, f in enumerate(TINY) if f != "--vocab-size" and TINY[i - 1] != "--vocab-size"]
     tiny_gpt2 = [*tiny, "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
                  gpt2.vocab_file, "--merge-file", gpt2.merge_file]
-    te = ["--transformer-impl", "transformer_engine", "--no-fast-cuda-graph"]
+    te = ["--transformer-impl", "transformer_engine", "--fast-cuda-graphs", "none"]
     out = run_entry([*tiny_gpt2, *te, "--train-iters", "6"], cwd=tmp_path, timeout=600)
     assert out.returncode == 0, why(out.stdout)
     uninterrupted = parse_losses(out.stdout)

@@ -35,7 +35,7 @@ reads each norm one iteration late — by then the GPU is working on the next it
 the read does not idle it — and before every checkpoint save.
 
 ``install(log)`` wraps them through ``megagpt.megatron_wrappers`` (``remove_all`` with this
-module's name takes them off); ``--no-fast-async-step`` keeps megatron's behaviour.
+module's name takes them off); ``--fast-disable async-step`` keeps megatron's behaviour.
 """
 
 from __future__ import annotations
@@ -193,6 +193,6 @@ def install(log: Optional[Callable[[str], None]] = None) -> list[str]:
         changed.append(name)
     if changed and log:
         log("fast path: no host synchronisation inside a step (single-rank reductions are "
-            "identities; scalars logged without blocking; --no-fast-async-step keeps "
+            "identities; scalars logged without blocking; --fast-disable async-step keeps "
             "megatron's)")
     return changed

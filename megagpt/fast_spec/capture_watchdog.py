@@ -32,7 +32,7 @@ def run_with_deadline(call: Callable, timeout_s: float, what: str, rank: int,
             out = stream or sys.stderr
             print(f"error: rank {rank}: {what} did not finish within {timeout_s:g} s; "
                   "stopping rather than hanging (--fast-cuda-graph-capture-timeout sets the "
-                  "limit; --no-fast-cuda-graph runs without the graph)", file=out, flush=True)
+                  "limit; --fast-cuda-graphs none runs without the graph)", file=out, flush=True)
             exit_fn(EXIT_STATUS)
 
     watcher = threading.Thread(target=watch, name="megagpt-capture-watchdog", daemon=True)

@@ -1,4 +1,5 @@
-"""megatron's bf16 AdamW step as one pass over flat buffers (``--no-fast-flat-adam`` to leave out).
+"""megatron's bf16 AdamW step as one pass over flat buffers (``--fast-disable flat-adam``
+leaves it out).
 
 Without TE/apex, megatron's ``Float16OptimizerWithFloat16Params`` steps in five passes over
 memory, each a full read (and most a write) of every parameter's worth of data:
@@ -528,7 +529,7 @@ def attach_after_setup(setup: Callable, log: Callable[[str], None], compiled: bo
             state = attach(subs[0], params, compiled=compiled)
             log(f"fast optimizer: flat AdamW step over {state.grad.numel():,} gradient-buffer "
                 f"elements ({state.grad.dtype}), {'compiled' if compiled else 'eager'}: "
-                "clip, AdamW and the bf16 weight copy in one pass (--no-fast-flat-adam: "
+                "clip, AdamW and the bf16 weight copy in one pass (--fast-disable flat-adam: "
                 "megatron's step)")
         return result
 

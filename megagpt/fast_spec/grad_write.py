@@ -8,9 +8,9 @@ parameter used twice, like tied embeddings), and ``0 + g`` is ``g``. So the zero
 (2 bytes per parameter in a bf16 buffer) and the add's read of the zeros (2 more) move memory
 for nothing, and the add needs the gradient in a tensor of its own first: one more write
 of the whole buffer and one more read of it per step (the kernel time and the step-time gain:
-docs/speed.md, "Gradients written"; docs/benchmarks.md, ``--no-fast-grad-write``).
+docs/speed.md, "Gradients written"; docs/benchmarks.md, ``--fast-disable grad-write``).
 
-With writing on (``--fast-grad-write``, the default where it applies):
+With writing on (the default where it applies; ``--fast-disable grad-write`` turns it off):
 
 - the buffer is not zeroed at the start of a step (megatron's bookkeeping is still reset);
 - the DDP hook copies the gradient into ``main_grad`` instead of adding it (small ones,
@@ -126,10 +126,10 @@ def mark_written_by_gemm(param) -> None:
 
 def _second_gradient(param) -> RuntimeError:
     return RuntimeError(
-        f"--fast-grad-write: a second gradient of a parameter of shape {tuple(param.shape)} "
+        f"gradients written: a second gradient of a parameter of shape {tuple(param.shape)} "
         "arrived in one step (more than one micro-batch, or a parameter's gradient "
         "accumulated outside megagpt's fused layer); gradients must be added there: "
-        "relaunch with --no-fast-grad-write")
+        "relaunch with --fast-disable grad-write")
 
 
 def install(log: Optional[Callable[[str], None]] = None) -> None:
@@ -224,4 +224,4 @@ def _zeroing_what_got_no_gradient(finish_grad_sync):
 
 
 _LOG_LINE = ("fast path: gradients written into megatron's buffer, not zeroed and added "
-             "(--no-fast-grad-write adds them)")
+             "(--fast-disable grad-write adds them)")

@@ -16,7 +16,7 @@ where the layer runs: a seeded run draws the same masks, and a checkpoint's RNG 
 continues them on resume.
 
 The fast spec uses it where the fused layer is compiled (one tensor-parallel rank); eager
-layers (CPU mode, tensor parallelism) keep ``F.dropout``. ``--no-fast-hash-dropout`` keeps
+layers (CPU mode, tensor parallelism) keep ``F.dropout``. ``--fast-disable hash-dropout`` keeps
 ``F.dropout`` everywhere.
 """
 

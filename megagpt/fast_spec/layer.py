@@ -20,19 +20,11 @@ FP8, ...) goes through ``TransformerLayer.forward`` unchanged, with the SDPA cor
 of the fast spec.
 
 Gradients reach the parameters through ordinary autograd, and megatron's DDP hooks add them
-into ``main_grad`` — except for the four weight matrices where their GEMM can deliver them
-there itself (as TE's and apex's linears do for megatron; autograd then receives a
-placeholder gradient, and ``grad_added_to_main_grad`` tells the hook that the value is in the
-buffer already):
-
-- written (beta = 0) when megatron's DDP writes this step's gradients instead of zeroing its
-  buffer and adding (``--fast-grad-write``, ``grad_write.py``: one micro-batch per step, the
-  default there) and the buffer has the weights' dtype;
-- accumulated (``addmm_``, beta = 1) with ``--fast-wgrad-fusion``, off by default: it
-  measured within run-to-run noise, with one micro-batch per step and with eight
-  accumulated into an fp32 buffer (docs/benchmarks.md, ``--fast-wgrad-fusion``).
-
-Without megatron's DDP (no ``main_grad``) neither applies.
+into ``main_grad`` — except for the four weight matrices where megatron's DDP writes this
+step's gradients instead of zeroing its buffer and adding (``grad_write.py``: one
+micro-batch per step) and the buffer has the weights' dtype: there each weight GEMM writes its
+product straight into the buffer, and autograd receives a placeholder gradient. Without
+megatron's DDP (no ``main_grad``) this does not apply.
 """
 
 from __future__ import annotations
@@ -64,7 +56,7 @@ from megatron.core.utils import make_viewless_tensor
 
 from megagpt import model_math
 
-from . import grad_write, hash_dropout, norm_rows
+from . import grad_write, hash_dropout
 from .attention import SDPADotProductAttention
 
 logger = logging.getLogger(__name__)
@@ -75,25 +67,19 @@ class FusedLayerOptions:
     to every ``FastTransformerLayer`` through the layer spec's ``params``.
 
     ``compile``: ``torch.compile`` the fused function (``compile_options``: its keyword
-    arguments, as ``(name, value)`` pairs); ``one_block_rows``: inductor reduces the norms'
-    rows of up to 4096 elements in one block (``norm_rows``); ``wgrad_fusion``: the four
-    weight GEMMs accumulate their gradients into ``main_grad`` (``--fast-wgrad-fusion``);
-    ``hash_dropout``: a compiled layer's residual dropouts take their masks from
-    ``hash_dropout`` rather than ``F.dropout`` (``--no-fast-hash-dropout``).
+    arguments, as ``(name, value)`` pairs); ``hash_dropout``: a compiled layer's residual
+    dropouts take their masks from ``hash_dropout`` rather than ``F.dropout``
+    (``--fast-disable hash-dropout``).
     """
 
     compile: bool = False
     compile_options: tuple = ()
-    one_block_rows: bool = True
-    wgrad_fusion: bool = False
     hash_dropout: bool = True
 
     @classmethod
     def make(cls, compile: bool = False, options: Optional[dict] = None,
-             one_block_rows: bool = True, wgrad_fusion: bool = False,
              hash_dropout: bool = True) -> "FusedLayerOptions":
-        return cls(bool(compile), tuple(sorted((options or {}).items())), bool(one_block_rows),
-                   bool(wgrad_fusion), bool(hash_dropout))
+        return cls(bool(compile), tuple(sorted((options or {}).items())), bool(hash_dropout))
 
 
 # One compiled function per compile setting, shared by every layer that runs under it
@@ -103,43 +89,34 @@ _COMPILE_FAILED: set = set()
 
 
 @torch.library.custom_op("megagpt::wgrad_into_main_grad", mutates_args=("main_grad",))
-def wgrad_into_main_grad(grad_out: Tensor, inp: Tensor, main_grad: Tensor, write: bool) -> Tensor:
-    """``main_grad += grad_out^T @ inp`` over all leading dims (``write``: ``main_grad =
-    grad_out^T @ inp``, the GEMM's output written straight into the buffer); returns a
+def wgrad_into_main_grad(grad_out: Tensor, inp: Tensor, main_grad: Tensor) -> Tensor:
+    """``main_grad = grad_out^T @ inp`` over all leading dims, the GEMM's output written
+    straight into the buffer (of the same dtype: ``wgrad_mode`` checked it); returns a
     placeholder weight gradient (uninitialised, as megatron's own fusion returns) for
     autograd to hand on."""
     g = grad_out.reshape(-1, grad_out.shape[-1])
     x = inp.reshape(-1, inp.shape[-1])
-    if write:  # same dtype: wgrad_mode checked it
-        torch.mm(g.t(), x, out=main_grad)
-    elif main_grad.dtype == g.dtype:
-        main_grad.addmm_(g.t(), x)
-    else:  # an fp32 buffer for bf16 activations
-        from .lm_loss import accumulate_weight_grad
-
-        accumulate_weight_grad(main_grad, g, x)
+    torch.mm(g.t(), x, out=main_grad)
     return torch.empty(main_grad.shape, dtype=grad_out.dtype, device=grad_out.device)
 
 
 @wgrad_into_main_grad.register_fake
-def _(grad_out: Tensor, inp: Tensor, main_grad: Tensor, write: bool) -> Tensor:
+def _(grad_out: Tensor, inp: Tensor, main_grad: Tensor) -> Tensor:
     return grad_out.new_empty(main_grad.shape)
 
 
 class _LinearIntoMainGrad(torch.autograd.Function):
-    """``x @ w^T + b`` whose weight gradient goes into ``main_grad`` in backward (added, or
-    with ``write`` written). The bias stays inside the GEMM (cuBLAS's bias epilogue), as in
+    """``x @ w^T + b`` whose weight gradient is written into ``main_grad`` in backward.
+    The bias stays inside the GEMM (cuBLAS's bias epilogue), as in
     ``F.linear``: added afterwards, in front of SDPA it would cost a pass over the QKV
     output of its own."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Tensor,
-                write: bool) -> Tensor:
+    def forward(ctx, x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Tensor) -> Tensor:
         ctx.save_for_backward(x, w)
         # not a saved tensor: every view of the gradient buffer shares one version counter,
-        # which the other weights' accumulations bump before this backward runs
+        # which the other weights' writes bump before this backward runs
         ctx.main_grad = main_grad
-        ctx.write = write
         ctx.has_bias = b is not None
         return F.linear(x, w, b)
 
@@ -147,29 +124,29 @@ class _LinearIntoMainGrad(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor):
         x, w = ctx.saved_tensors
         grad_x = grad_out @ w if ctx.needs_input_grad[0] else None
-        grad_w = torch.ops.megagpt.wgrad_into_main_grad(grad_out, x, ctx.main_grad, ctx.write)
+        grad_w = torch.ops.megagpt.wgrad_into_main_grad(grad_out, x, ctx.main_grad)
         grad_b = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None
 
 
-def _linear(x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Optional[Tensor],
-            write: bool = False) -> Tensor:
+def _linear(x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Optional[Tensor]
+            ) -> Tensor:
     if main_grad is None:
         return F.linear(x, w, b)
-    return _LinearIntoMainGrad.apply(x, w, b, main_grad, write)
+    return _LinearIntoMainGrad.apply(x, w, b, main_grad)
 
 
 def _column_linear(x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Optional[Tensor],
-                   tp_group, sequence_parallel: bool, write: bool = False) -> Tensor:
+                   tp_group, sequence_parallel: bool) -> Tensor:
     """A column-parallel linear. Under tensor parallelism megatron's own linear function
     does what its ColumnParallelLinear does: the input's gradient all-reduced across the
     ranks in backward, overlapped with the weight-gradient GEMM; with sequence parallelism
     the input gathered along the sequence first (its gradient reduce-scattered back).
     Weight-gradient fusion is not used under tensor parallelism."""
     if tp_group is None:
-        return _linear(x, w, b, main_grad, write)
+        return _linear(x, w, b, main_grad)
     return linear_with_grad_accumulation_and_async_allreduce(
         x, w, b, gradient_accumulation_fusion=False, allreduce_dgrad=not sequence_parallel,
         sequence_parallel=sequence_parallel, tp_group=tp_group)
@@ -227,16 +204,15 @@ def fused_layer_forward(
     proj_main_grad: Optional[Tensor] = None,
     fc1_main_grad: Optional[Tensor] = None,
     fc2_main_grad: Optional[Tensor] = None,
-    wgrad_write: bool = False,
     tp_group=None,
     sequence_parallel: bool = False,
     dropout_seeds: Optional[Tensor] = None,
 ) -> Tensor:
     """One dense pre-norm GPT layer on ``x`` of shape [s, b, h]; megatron's layouts.
 
-    ``*_main_grad``: megatron's gradient-buffer views of the four weights, to accumulate
-    their gradients into directly (None: ordinary autograd gradients); ``wgrad_write``:
-    write them there instead (the buffer holds nothing of this step to add to).
+    ``*_main_grad``: megatron's gradient-buffer views of the four weights, to write their
+    gradients into directly (the buffer holds nothing of this step to add to; None:
+    ordinary autograd gradients).
     ``tp_group``: the tensor-parallel group when the weights are this rank's shards
     (megatron's column-parallel QKV and fc1, row-parallel projection and fc2);
     ``groups`` then counts this rank's query groups. ``sequence_parallel``: ``x`` is this
@@ -245,8 +221,7 @@ def fused_layer_forward(
     seeds, one per residual dropout, whose masks then come from ``hash_dropout`` (None:
     ``F.dropout``)."""
     y = model_math.norm(x, ln1_w, ln1_b, eps, rms)
-    qkv = _column_linear(y, qkv_w, qkv_b, qkv_main_grad, tp_group, sequence_parallel,
-                         wgrad_write)
+    qkv = _column_linear(y, qkv_w, qkv_b, qkv_main_grad, tp_group, sequence_parallel)
     s, b = qkv.shape[0], qkv.shape[1]  # the whole sequence, also under sequence parallelism
     q, k, v = model_math.split_qkv(qkv, groups, q_per_group, head_dim)
     if rope is not None:
@@ -260,15 +235,15 @@ def fused_layer_forward(
         v = v.repeat_interleave(q_per_group, dim=1)
     o = _attention(q, k, v, attn_p if training else 0.0, scale, tp_group, sequence_parallel)
     o = o.permute(2, 0, 1, 3).reshape(s, b, groups * q_per_group * head_dim)
-    a = _row_parallel_output(_linear(o, proj_w, None, proj_main_grad, wgrad_write), tp_group,
+    a = _row_parallel_output(_linear(o, proj_w, None, proj_main_grad), tp_group,
                              sequence_parallel)
     if proj_b is not None:
         a = a + proj_b
     x = x + _residual_dropout(a, hidden_p, training, dropout_seeds, 0)
     y = model_math.norm(x, ln2_w, ln2_b, eps, rms)
     f = model_math.activation(_column_linear(y, fc1_w, fc1_b, fc1_main_grad, tp_group,
-                                             sequence_parallel, wgrad_write), act)
-    m = _row_parallel_output(_linear(f, fc2_w, None, fc2_main_grad, wgrad_write), tp_group,
+                                             sequence_parallel), act)
+    m = _row_parallel_output(_linear(f, fc2_w, None, fc2_main_grad), tp_group,
                              sequence_parallel)
     if fc2_b is not None:
         m = m + fc2_b
@@ -285,24 +260,20 @@ def _residual_dropout(x: Tensor, p: float, training: bool, seeds: Optional[Tenso
 def layer_function(options: FusedLayerOptions) -> Callable:
     """The fused layer function ``options`` ask for: ``fused_layer_forward`` itself, or its
     compiled form (built once per compile setting)."""
-    key = (options.compile_options, options.one_block_rows)
+    key = options.compile_options
     if not options.compile or key in _COMPILE_FAILED:
         return fused_layer_forward
     if key not in _COMPILED:
         opts = dict(options.compile_options)
         opts.setdefault("dynamic", False)
         opts.setdefault("fullgraph", True)
-        one_block = (options.one_block_rows and opts.get("backend", "inductor") == "inductor"
-                     and "mode" not in opts  # torch.compile takes a mode or options
-                     and norm_rows.unavailable_reason() is None)
-        compile_ = norm_rows.compile_with_one_block_rows if one_block else torch.compile
-        _COMPILED[key] = compile_(fused_layer_forward, **opts)
+        _COMPILED[key] = torch.compile(fused_layer_forward, **opts)
     return _COMPILED[key]
 
 
 def compile_failed(options: FusedLayerOptions) -> None:
     """The compiler failed under ``options``: their layers run eagerly from now on."""
-    _COMPILE_FAILED.add((options.compile_options, options.one_block_rows))
+    _COMPILE_FAILED.add(options.compile_options)
 
 
 def _mlp_activation_name(mlp: MLP) -> Optional[str]:
@@ -509,24 +480,16 @@ class FastTransformerLayer(TransformerLayer):
         )
         weights = dict(qkv_main_grad=att.linear_qkv.weight, proj_main_grad=att.linear_proj.weight,
                        fc1_main_grad=mlp.linear_fc1.weight, fc2_main_grad=mlp.linear_fc2.weight)
-        mode = self.wgrad_mode(weights.values())
-        if mode is not None:
+        if self.wgrad_mode(weights.values()) == "write":
             for name, w in weights.items():
                 consts[name] = w.main_grad
-                if mode == "write":
-                    grad_write.mark_written_by_gemm(w)
-                else:
-                    # megatron's DDP hook: the value is in main_grad already, do not add the
-                    # placeholder (its zero_grad_buffer resets this flag every iteration)
-                    w.grad_added_to_main_grad = True
-            consts["wgrad_write"] = mode == "write"
+                grad_write.mark_written_by_gemm(w)
         return tensors, consts
 
     def wgrad_mode(self, weights) -> Optional[str]:
         """How this forward's weight GEMMs deliver their gradients in backward: ``"write"``
-        them into megatron's buffer (``--fast-grad-write``: nothing of this step is there to
-        add to), ``"accumulate"`` into it (``--fast-wgrad-fusion``), or None (autograd and
-        megatron's DDP hook)."""
+        them into megatron's buffer (gradients written, ``grad_write``: nothing of this step
+        is there to add to), or None (autograd and megatron's DDP hook)."""
         weights = list(weights)
         if getattr(self.config, "cuda_graph_impl", "none") == "local":
             # megatron's captured backward adds each weight's gradient into main_grad
@@ -542,7 +505,7 @@ class FastTransformerLayer(TransformerLayer):
         if all(grad_write.gemm_may_write(w) and w.main_grad.dtype == w.dtype
                for w in weights):
             return "write"
-        return "accumulate" if self.fused_options.wgrad_fusion else None
+        return None
 
     def _fused_forward(self, hidden_states: Tensor, rope: Optional[Tensor]) -> Tensor:
         tensors, consts = self.fused_arguments(rope)

@@ -15,7 +15,7 @@ softmax statistics over bf16 logits.
 the LM head's gradients in the forward pass instead, while each chunk's logits are at hand
 (no recompute), for losses whose upstream gradient is a scalar multiple of ``loss_weights``
 (the entry's masked-sum loss); ``get_output_processor`` picks it unless
-``--no-fast-lm-grad-in-forward`` or pipeline parallelism.
+``--fast-disable lm-grad-in-forward`` or pipeline parallelism.
 
 It plugs into ``GPTModel.forward(..., output_processor=...)`` through
 ``fused_lm_head_loss``; ``get_output_processor(args)`` returns it or None. Where the
@@ -333,7 +333,7 @@ def fused_lm_head_loss(
     ``grad_in_forward``: form the LM head's gradients in the forward pass (no logit
     recompute), for a caller whose loss is a masked sum of these losses with ``loss_mask``
     (``pretrain_gpt.loss_func``); used only when gradients are being recorded.
-    ``compile_kernels``: the per-chunk kernels compiled (``--fast-spec-compile``)."""
+    ``compile_kernels``: the per-chunk kernels compiled (``--fast-compile``)."""
     reason = None if labels is not None else "no labels"
     if reason is None:
         reason = fused_lm_head_unsupported_reason(output_layer, config)
@@ -363,7 +363,7 @@ def fused_lm_head_loss(
 def get_output_processor(args) -> Optional[Callable]:
     """The output processor for ``model(..., output_processor=...)``, or None.
 
-    None (megatron's own LM head and loss) with ``--no-fast-lm-loss``, with Transformer
+    None (megatron's own LM head and loss) with ``--fast-disable lm-loss``, with Transformer
     Engine selected (``--transformer-impl transformer_engine``: its path stays as upstream's),
     and with ``--cross-entropy-loss-fusion`` (the user asked for megatron's fused loss).
     """
@@ -373,7 +373,7 @@ def get_output_processor(args) -> Optional[Callable]:
         return None
     if getattr(args, "cross_entropy_loss_fusion", False):
         return None
-    # --fast-spec-compile, resolved by the fast path's plan before the model is built
+    # --fast-compile, resolved by the fast path's plan before the model is built
     return functools.partial(
         fused_lm_head_loss, compile_kernels=bool(getattr(args, "fast_spec_compile", False)),
         grad_in_forward=lm_grad_in_forward_unsupported_reason(args) is None)
@@ -382,11 +382,11 @@ def get_output_processor(args) -> Optional[Callable]:
 def lm_grad_in_forward_unsupported_reason(args) -> Optional[str]:
     """Why the LM head's gradient is not formed in the forward pass (None: it is).
 
-    Off with ``--no-fast-lm-grad-in-forward`` and under pipeline parallelism, where several
+    Off with ``--fast-disable lm-grad-in-forward`` and under pipeline parallelism, where several
     micro-batches' forward passes run before their backward passes and each would hold an
     fp32 [vocab, hidden] weight gradient until then."""
     if not getattr(args, "fast_lm_grad_in_forward", True):
-        return "--no-fast-lm-grad-in-forward"
+        return "--fast-disable lm-grad-in-forward"
     if (getattr(args, "pipeline_model_parallel_size", 1) or 1) != 1:
         return "pipeline parallelism (micro-batches in flight would each hold a weight gradient)"
     return None

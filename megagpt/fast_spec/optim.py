@@ -209,7 +209,7 @@ def torch_fused_adam(
         raise TypeError(
             "torch fused AdamW does not take "
             + ", ".join(sorted(unsupported))
-            + " (TE-only options); run with --no-fast-optimizer"
+            + " (TE-only options); run with --fast-disable optimizer"
         )
     cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
     return cls(

@@ -38,29 +38,6 @@ USER_SPEC = "user_spec"
 NCCL_CONNECT = "NCCL_RUNTIME_CONNECT"
 NCCL_CHOICE = "NCCL connect"
 
-# the fast path's own switches, for namespaces that did not go through its parser
-SWITCH_DEFAULTS = (
-    ("fast_spec", True),
-    ("fast_spec_fused_layer", True),
-    ("fast_spec_compile", None),
-    ("fast_one_block_rows", True),
-    ("fast_hash_dropout", True),
-    ("fast_cuda_graph", None),
-    ("fast_layer_graphs", None),
-    ("fast_cuda_graph_capture_timeout", 300.0),
-    ("fast_multi_gpu_path", False),
-    ("fast_step_nan_checks", False),
-    ("fast_optimizer", True),
-    ("fast_lm_loss", True),
-    ("fast_lm_grad_in_forward", True),
-    ("fast_async_step", True),
-    ("fast_flat_adam", True),
-    ("fast_wgrad_fusion", False),
-    ("fast_bf16_grad_buffer", None),
-    ("fast_grad_write", None),
-)
-
-
 @dataclass(frozen=True)
 class Choice:
     name: str
@@ -179,7 +156,7 @@ class _Planner:
 # --- the steps, in the order each reads the ones before -----------------------------------
 
 def _switch_defaults(p: _Planner) -> None:
-    for name, default in SWITCH_DEFAULTS:
+    for name, default in s.SWITCH_DEFAULTS:
         if not hasattr(p.args, name):
             p.set(name, default)
 
@@ -201,7 +178,7 @@ def _fused_layer(p: _Planner) -> None:
               "bucket in its modules' forward pre-hooks, which the fused layer does not call")
         p.choose("fused layer", False, "--overlap-param-gather")
     elif not p.v.fast_spec_fused_layer:
-        p.choose("fused layer", False, "--no-fast-spec-fused-layer")
+        p.choose("fused layer", False, "--fast-disable fused-layer")
     else:
         p.choose("fused layer", True, "the fast spec's default")
 
@@ -218,13 +195,14 @@ def _full_iteration_graph(p: _Planner) -> None:
                 # megatron's own flag: its graph runs as asked, outside this switch's checks
                 p.log("fast path: megatron's --cuda-graph-impl full_iteration as given: each "
                       "iteration's forward and backward are captured as one CUDA graph (on "
-                      f"{p.world()} GPU(s); --fast-cuda-graph's own default is for one GPU)")
+                      f"{p.world()} GPU(s); the fast path's own graph is automatic on one GPU "
+                      "only)")
             else:
                 p.log(f"{s._path_name(p.v)}: full-iteration CUDA graph off: {reason}")
     elif asked:
         _full_iteration_asked(p, impl)
     else:
-        p.full_off = "--no-fast-cuda-graph"
+        p.full_off = _graphs_given(p)
     full_iteration = p.v.fast_cuda_graph or impl == "full_iteration"
     if full_iteration and p.get("overlap_param_gather", False):
         # megatron launches the all-gather of the updated parameters in one step and waits
@@ -234,7 +212,7 @@ def _full_iteration_graph(p: _Planner) -> None:
             "--overlap-param-gather with the full-iteration CUDA graph: megatron starts the "
             "parameter all-gather in one step and finishes it in the next, which a graph "
             "captured per step cannot hold. Leave out --overlap-param-gather, or the graph "
-            "(--no-fast-cuda-graph)")
+            "(--fast-cuda-graphs none)")
     if p.v.fast_cuda_graph:
         p.set("cuda_graph_impl", "full_iteration")
         if p.get("check_for_nan_in_loss_and_grad", False):
@@ -242,22 +220,29 @@ def _full_iteration_graph(p: _Planner) -> None:
             p.log("fast path: --no-check-for-nan-in-loss-and-grad (needed inside a CUDA graph; "
                   "losses are still logged)")
         p.log(f"{s._path_name(p.v)}: forward+backward captured as one CUDA graph per "
-              "iteration (--cuda-graph-impl full_iteration; --no-fast-cuda-graph turns it off)")
+              "iteration (--cuda-graph-impl full_iteration; --fast-cuda-graphs none turns it "
+              "off)")
+
+
+def _graphs_given(p: _Planner) -> str:
+    """The ``--fast-cuda-graphs`` choice that turned a graph off."""
+    return f"--fast-cuda-graphs {p.get('fast_cuda_graphs', 'none')}"
 
 
 def _full_iteration_asked(p: _Planner, impl) -> None:
-    """--fast-cuda-graph given: where it cannot run, ignored or refused."""
+    """--fast-cuda-graphs iteration given: where it cannot run, ignored or refused."""
     if p.get("cpu", False) or not (p.fast() or p.te()):
-        p.log("fast path: --fast-cuda-graph ignored (CPU mode, or neither the fast spec nor "
-              "Transformer Engine's dense layers are used)")
+        p.log("fast path: --fast-cuda-graphs iteration ignored (CPU mode, or neither the "
+              "fast spec nor Transformer Engine's dense layers are used)")
         p.set("fast_cuda_graph", False)
-        p.full_off = "--fast-cuda-graph ignored (CPU mode, or not the fast spec nor TE's layers)"
+        p.full_off = ("--fast-cuda-graphs iteration ignored (CPU mode, or not the fast spec "
+                      "nor TE's layers)")
     elif impl not in ("none", None, "full_iteration"):
-        p.log(f"fast path: --fast-cuda-graph ignored: --cuda-graph-impl {impl}")
+        p.log(f"fast path: --fast-cuda-graphs iteration ignored: --cuda-graph-impl {impl}")
         p.set("fast_cuda_graph", False)
-        p.full_off = f"--fast-cuda-graph ignored: --cuda-graph-impl {impl}"
+        p.full_off = f"--fast-cuda-graphs iteration ignored: --cuda-graph-impl {impl}"
     elif (conflict := s.graphed_recompute_conflict(p.v)) is not None:
-        raise UserError(f"--fast-cuda-graph with {conflict}. Leave "
+        raise UserError(f"--fast-cuda-graphs iteration with {conflict}. Leave "
                         "out the flag, the dropout, or the module's recompute "
                         "(--recompute-modules)")
     elif (p.get("pipeline_model_parallel_size", 1) or 1) != 1:
@@ -265,9 +250,9 @@ def _full_iteration_asked(p: _Planner, impl) -> None:
         # which a capture forbids (a PP=2 capture failed: docs/speed.md, "Full-iteration
         # CUDA graph")
         raise UserError(
-            "--fast-cuda-graph with pipeline parallelism: megatron's pipeline schedule "
-            "synchronises with the host inside the step, which a CUDA graph capture "
-            "forbids. Leave the flag out (per-layer graphs: --fast-layer-graphs).")
+            "--fast-cuda-graphs iteration with pipeline parallelism: megatron's pipeline "
+            "schedule synchronises with the host inside the step, which a CUDA graph capture "
+            "forbids. Leave the flag out (per-layer graphs: --fast-cuda-graphs layers).")
     elif p.world() != 1:
         p.log(f"fast path: full-iteration CUDA graph on {p.world()} GPUs, asked for: the "
               "data- and tensor-parallel collectives are captured inside it (not yet measured "
@@ -289,14 +274,14 @@ def _layer_graphs(p: _Planner) -> None:
                 and p.get("cuda_graph_impl", "none") != "full_iteration":
             p.log(f"fast path: per-layer CUDA graphs off: {off}")
     elif asked and reason is not None:
-        raise UserError(f"--fast-layer-graphs: {reason}; leave the flag out")
+        raise UserError(f"--fast-cuda-graphs layers: {reason}; leave the flag out")
     elif not asked:
-        p.layers_off = "--no-fast-layer-graphs"
+        p.layers_off = _graphs_given(p)
     if not p.v.fast_layer_graphs:
         return
     p.set("cuda_graph_impl", "local")
     p.log("fast path: each layer's forward and backward captured as CUDA graphs, holding the "
-          "compiled fused layer (megatron's --cuda-graph-impl local; --no-fast-layer-graphs "
+          "compiled fused layer (megatron's --cuda-graph-impl local; --fast-cuda-graphs none "
           "turns them off)")
     if p.get("check_for_nan_in_loss_and_grad", False) and not p.get("fast_step_nan_checks",
                                                                     False):
@@ -307,7 +292,7 @@ def _layer_graphs(p: _Planner) -> None:
         p.set("check_for_nan_in_loss_and_grad", False)
         p.log("fast path: megatron's in-step NaN/Inf checks off under per-layer graphs (each "
               "waits for the GPU); every step's gradient norm is checked instead "
-              "(--fast-step-nan-checks keeps megatron's)")
+              "(--fast-disable deferred-nan-checks keeps megatron's)")
     default_off = s.layer_graphs_default_off_reason(p.v)
     if default_off is not None:
         p.log(f"fast path: per-layer CUDA graphs with {default_off.split(' (')[0]}: asked "
@@ -319,12 +304,12 @@ def _graph_choices(p: _Planner) -> None:
     impl = p.get("cuda_graph_impl", "none") or "none"
     given_impl = getattr(p.args, "cuda_graph_impl", "none")
     if impl == "full_iteration":
-        why = ("--fast-cuda-graph" if getattr(p.args, "fast_cuda_graph", None)
+        why = ("--fast-cuda-graphs iteration" if getattr(p.args, "fast_cuda_graph", None)
                else "one GPU, no model parallelism: launches are the step's cost"
                if p.v.fast_cuda_graph else "--cuda-graph-impl full_iteration as given")
         p.choose("CUDA graph", "full iteration", why)
     elif impl == "local":
-        why = ("--fast-layer-graphs" if getattr(p.args, "fast_layer_graphs", None)
+        why = ("--fast-cuda-graphs layers" if getattr(p.args, "fast_layer_graphs", None)
                else "--cuda-graph-impl local as given" if given_impl == "local"
                else f"full-iteration graph off: {p.full_off}")
         p.choose("CUDA graph", "per layer", why)
@@ -340,7 +325,7 @@ def _graph_choices(p: _Planner) -> None:
         p.choose("NaN check", "gradient norm", "a check inside a CUDA graph cannot sync")
     else:
         p.choose("NaN check", "gradient norm", "each in-step check waits for the GPU under "
-                 "per-layer graphs (--fast-step-nan-checks keeps them)")
+                 "per-layer graphs (--fast-disable deferred-nan-checks keeps them)")
 
 
 def _nccl_connect(p: _Planner) -> None:
@@ -368,10 +353,10 @@ def _bf16_grad_buffer(p: _Planner) -> None:
         if reason is None:
             p.log("fast path: gradients kept in a bf16 buffer (--grad-reduce-in-bf16): one "
                   "micro-batch, one data-parallel rank, so the values equal the fp32 buffer's "
-                  "(--no-fast-bf16-grad-buffer keeps fp32)")
+                  "(--fast-disable bf16-grad-buffer keeps fp32)")
             reason = "one micro-batch, one data-parallel rank: the fp32 buffer's values"
     else:
-        reason = "--fast-bf16-grad-buffer" if asked else "--no-fast-bf16-grad-buffer"
+        reason = "asked for" if asked else "--fast-disable bf16-grad-buffer"
     if p.v.fast_bf16_grad_buffer:
         p.set("grad_reduce_in_bf16", True)
     p.choose("bf16 grad buffer", bool(p.v.fast_bf16_grad_buffer), reason)
@@ -384,10 +369,10 @@ def _grad_write(p: _Planner) -> None:
         p.set("fast_grad_write", reason is None)
         reason = reason or "nothing is accumulated in the buffer: written, not zeroed and added"
     elif asked and reason is not None:
-        raise UserError(f"--fast-grad-write: {reason}: gradients are summed in the buffer "
-                        "there, which needs megatron's zeroing; leave the flag out")
+        raise UserError(f"gradients written: {reason}: gradients are summed in the buffer "
+                        "there, which needs megatron's zeroing")
     else:
-        reason = "--fast-grad-write" if asked else "--no-fast-grad-write"
+        reason = "asked for" if asked else "--fast-disable grad-write"
     p.choose("grad write", bool(p.v.fast_grad_write), reason)
 
 
@@ -423,7 +408,7 @@ def _compile(p: _Planner) -> None:
         reason = ("inside CUDA graphs compiled kernels win" if p.v.fast_spec_compile
                   else "no CUDA graph: launch-bound, eager is as fast")
     else:
-        reason = "--fast-spec-compile" if asked else "--no-fast-spec-compile"
+        reason = "--fast-compile" if asked else "--fast-compile off"
     p.choose("compile", bool(p.v.fast_spec_compile), reason)
     # the compiled layer runs on one tensor-parallel rank only (eager on several)
     if p.v.fast_spec_compile and p.fast() and (
@@ -432,29 +417,16 @@ def _compile(p: _Planner) -> None:
 
 
 def _compiled_layer_notes(p: _Planner) -> None:
-    from . import norm_rows
-
-    hidden = p.get("hidden_size", 0) or 0
-    unavailable = norm_rows.unavailable_reason()
-    if not p.v.fast_one_block_rows:
-        p.log("fast spec: compiled layer: inductor's own row reductions "
-              "(--no-fast-one-block-rows)")
-    elif unavailable is not None:
-        p.log(f"fast spec: compiled layer: rows reduced as inductor chooses: {unavailable}")
-    elif norm_rows.INDUCTOR_MAX_ROW < hidden <= norm_rows.MAX_ROW:
-        p.log(f"fast spec: compiled layer: each norm row of {hidden} reduced in one block "
-              f"(inductor alone loops over rows longer than {norm_rows.INDUCTOR_MAX_ROW}; "
-              "--no-fast-one-block-rows)")
     if (p.get("hidden_dropout", 0.0) or 0.0) > 0.0:
         p.log("fast spec: compiled layer: residual dropout masks "
-              + ("hashed from each element's index and a seed (--no-fast-hash-dropout)"
-                 if p.v.fast_hash_dropout else "from F.dropout (--no-fast-hash-dropout)"))
+              + ("hashed from each element's index and a seed (--fast-disable hash-dropout)"
+                 if p.v.fast_hash_dropout else "from F.dropout (--fast-disable hash-dropout)"))
 
 
 def _lm_loss(p: _Planner) -> None:
     """As ``lm_loss.get_output_processor`` decides it (the output layer may still refuse)."""
     if not p.v.fast_lm_loss:
-        p.choose("LM loss", "megatron's", "--no-fast-lm-loss")
+        p.choose("LM loss", "megatron's", "--fast-disable lm-loss")
     elif p.get("transformer_impl", "local") == "transformer_engine":
         p.choose("LM loss", "megatron's", "Transformer Engine's layers keep upstream's path")
     elif p.get("cross_entropy_loss_fusion", False):
@@ -473,7 +445,7 @@ def _optimizer(p: _Planner) -> None:
     """What ``install_fast_path_patches`` installs at launch (the flat step is decided once
     the optimizer exists)."""
     if not p.v.fast_optimizer:
-        p.choose("optimizer", "megatron's", "--no-fast-optimizer")
+        p.choose("optimizer", "megatron's", "--fast-disable optimizer")
         return
     installed = p.installed
     fallbacks = not (installed.transformer_engine or installed.apex) if installed else True
@@ -483,8 +455,8 @@ def _optimizer(p: _Planner) -> None:
     elif p.v.fast_flat_adam:
         value, reason = "fused AdamW, flat step", "where megatron's bf16 optimizer allows it"
     else:
-        value, reason = "fused AdamW", "--no-fast-flat-adam"
-    step = "no host waits in the step" if p.v.fast_async_step else "--no-fast-async-step"
+        value, reason = "fused AdamW", "--fast-disable flat-adam"
+    step = "no host waits in the step" if p.v.fast_async_step else "--fast-disable async-step"
     p.choose("optimizer", value, f"{reason}; {step}")
 
 

@@ -7,7 +7,7 @@ weights, ``forward_backward_no_pipelining``) on one GPU, with random tokens, and
 forward+backward and the optimizer step separately. A variant is a base and "+" flags:
 
   local         megatron's local spec
-  sdpa          fast spec with --no-fast-spec-fused-layer (SDPA core attention only)
+  sdpa          fast spec with --fast-disable fused-layer (SDPA core attention only)
   fused-eager   fast spec, fused layer without torch.compile
   fused         fast spec, fused layer torch.compile'd
   +opt          fast optimizer (torch fused AdamW, foreach norm / scale / copies)

@@ -1,59 +1,25 @@
-"""User-visible switches of the fast path (training without Transformer Engine).
+"""The fast path's command line (training without Transformer Engine's layers).
 
-``add_fast_path_arguments(parser)`` adds, to megatron's argparse parser (or a group of it):
+``add_fast_path_arguments(parser)`` adds six options to megatron's parser:
 
-  --no-fast-spec                 use megatron's local layer spec instead of the fast spec
-  --no-fast-spec-fused-layer     keep megatron's TransformerLayer (only SDPA attention changes)
-  --fast-spec-compile / --no-fast-spec-compile
-                                 torch.compile the fused layer and the chunked loss kernels
-                                 (default: on exactly when CUDA graphs hold the layers;
-                                 without a graph the step is CPU-bound and eager is as fast)
-  --no-fast-one-block-rows       compiled layer: leave inductor's limit of 1024 elements for
-                                 rows reduced in one block (by default rows of up to 4096,
-                                 the norms at hidden 2048..4096, are read once, not twice)
-  --no-fast-hash-dropout         compiled layer: residual dropouts through F.dropout (one
-                                 Philox number per element) instead of masks hashed from
-                                 each element's index and a seed (fast_spec.hash_dropout)
-  --fast-cuda-graph / --no-fast-cuda-graph
-                                 capture forward+backward of each iteration as one CUDA graph
-                                 (megatron's --cuda-graph-impl full_iteration); default: on for
-                                 single-GPU runs of the fast spec, off otherwise
-  --fast-layer-graphs / --no-fast-layer-graphs
-                                 capture each layer's forward and backward as CUDA graphs
-                                 (megatron's --cuda-graph-impl local) holding the compiled
-                                 fused layer, where the full-iteration graph is off; default:
-                                 on for launches without tensor or pipeline parallelism
-  --fast-multi-gpu-path          on one GPU, take the path a launch on several GPUs takes
-                                 (for measuring it where one GPU is all there is)
-  --no-fast-optimizer            keep megatron's no-TE/no-apex optimizer fallbacks
-                                 (foreach AdamW, per-tensor norm with one sync per tensor)
-  --no-fast-lm-loss              megatron's LM head + cross entropy instead of the chunked one
-  --no-fast-lm-grad-in-forward   chunked loss: recompute each chunk's logits in backward
-                                 instead of forming the LM head's gradients in forward
-  --fast-bf16-grad-buffer / --no-fast-bf16-grad-buffer
-                                 keep gradients in a bf16 buffer (megatron's
-                                 --grad-reduce-in-bf16); default: on where that gives the same
-                                 values as the fp32 buffer (bf16, one micro-batch per step,
-                                 one data-parallel rank)
-  --fast-grad-write / --no-fast-grad-write
-                                 write each gradient into megatron's gradient buffer instead
-                                 of zeroing the buffer and adding to it (the fused layer's
-                                 weight GEMMs write straight into it); default: on where
-                                 nothing is accumulated there (one micro-batch per step, one
-                                 data-parallel rank)
-  --fast-wgrad-fusion            fused layer: weight gradients accumulated into main_grad by
-                                 their GEMMs instead of autograd + megatron's DDP hook (off)
-  --no-fast-flat-adam            keep megatron's five-pass bf16 optimizer step (cast, norm,
-                                 clip, AdamW, copy) instead of one pass over flat buffers
-  --no-fast-async-step           keep megatron's host synchronisations inside each step
-                                 (gradient norm read back for clipping, single-rank
-                                 all-reduces followed by .item())
+  --no-fast-spec                  megatron's layers instead of the fast spec
+  --fast-cuda-graphs {auto,none,iteration,layers}
+                                  one CUDA graph per iteration, graphs per layer, or none
+  --fast-compile {auto,on,off}    torch.compile the fused layer and the chunked loss
+  --fast-disable PIECE[,PIECE]    turn named pieces off, to measure what each is worth
+  --fast-cuda-graph-capture-timeout SECONDS
+  --fast-multi-gpu-path           on one GPU, the path of a launch on several GPUs
+
+They set the namespace attributes the plan reads (``fast_cuda_graph``,
+``fast_layer_graphs``, ``fast_spec_compile`` and one per piece, ``PIECES``); "auto" leaves
+an attribute None for the plan to decide. What each piece does and what it measured:
+docs/speed.md.
 
 ``apply_fast_path_defaults(args, log)`` runs after parsing, before the model and optimizer
-are built, and resolves the automatic defaults: ``plan.plan_fast_path`` decides each, with
-its reason, and ``plan.apply_plan`` writes them.
-``install_fast_path_patches(args, log)`` installs the optimizer and step replacements inside
-megatron's modules; the entry calls it when it launches training.
+are built: ``plan.plan_fast_path`` decides each automatic default, with its reason, and
+``plan.apply_plan`` writes them. ``install_fast_path_patches(args, log)`` installs the
+optimizer and step replacements inside megatron's modules; the entry calls it when it
+launches training.
 """
 
 from __future__ import annotations
@@ -61,185 +27,147 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Optional
 
+from megagpt.errors import UserError
+
+# --fast-disable's pieces: name -> (namespace attribute, its value when disabled)
+PIECES = {
+    "fused-layer": ("fast_spec_fused_layer", False),
+    "hash-dropout": ("fast_hash_dropout", False),
+    "optimizer": ("fast_optimizer", False),
+    "flat-adam": ("fast_flat_adam", False),
+    "async-step": ("fast_async_step", False),
+    "lm-loss": ("fast_lm_loss", False),
+    "lm-grad-in-forward": ("fast_lm_grad_in_forward", False),
+    "bf16-grad-buffer": ("fast_bf16_grad_buffer", False),
+    "grad-write": ("fast_grad_write", False),
+    "deferred-nan-checks": ("fast_step_nan_checks", True),
+}
+
+# every namespace attribute the options set, with its value when none is given (None: the
+# plan decides); for namespaces that did not go through this parser too
+SWITCH_DEFAULTS = (
+    ("fast_spec", True),
+    ("fast_spec_fused_layer", True),
+    ("fast_spec_compile", None),
+    ("fast_hash_dropout", True),
+    ("fast_cuda_graph", None),
+    ("fast_layer_graphs", None),
+    ("fast_cuda_graph_capture_timeout", 300.0),
+    ("fast_multi_gpu_path", False),
+    ("fast_step_nan_checks", False),
+    ("fast_optimizer", True),
+    ("fast_lm_loss", True),
+    ("fast_lm_grad_in_forward", True),
+    ("fast_async_step", True),
+    ("fast_flat_adam", True),
+    ("fast_bf16_grad_buffer", None),
+    ("fast_grad_write", None),
+)
+
+# --fast-cuda-graphs -> (fast_cuda_graph, fast_layer_graphs); None: the plan decides
+CUDA_GRAPHS = {
+    "auto": (None, None),
+    "none": (False, False),
+    "iteration": (True, False),
+    "layers": (False, True),
+}
+COMPILE = {"auto": None, "on": True, "off": False}
+
+# options of earlier versions, and what says the same now
+REPLACED_FLAGS = {
+    "--fast-cuda-graph": "--fast-cuda-graphs iteration",
+    "--no-fast-cuda-graph": "--fast-cuda-graphs none (or layers)",
+    "--fast-layer-graphs": "--fast-cuda-graphs layers",
+    "--no-fast-layer-graphs": "--fast-cuda-graphs none",
+    "--fast-spec-compile": "--fast-compile on",
+    "--no-fast-spec-compile": "--fast-compile off",
+    "--fast-step-nan-checks": "--fast-disable deferred-nan-checks",
+    "--fast-bf16-grad-buffer": "--grad-reduce-in-bf16 (megatron's)",
+    "--fast-grad-write": "nothing: it is on wherever it applies",
+    "--fast-wgrad-fusion": "nothing: it measured within run-to-run noise and was removed",
+    "--no-fast-one-block-rows": "nothing: it measured under 1 % and was removed",
+    **{f"--no-fast-{piece}": f"--fast-disable {piece}" for piece in PIECES},
+    "--no-fast-spec-fused-layer": "--fast-disable fused-layer",
+}
+
+
+def check_replaced_flags(argv: list[str]) -> None:
+    """One line naming the option that replaced an earlier version's, before parsing."""
+    for token in argv:
+        flag = token.split("=", 1)[0]
+        if flag in REPLACED_FLAGS:
+            raise UserError(f"{flag} is no longer an option: use {REPLACED_FLAGS[flag]}")
+
+
+def _pieces(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in PIECES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown piece(s) {', '.join(unknown)}; known: {', '.join(PIECES)}")
+    return names
+
+
+class _SetAttributes(argparse.Action):
+    """Stores a choice as the namespace attributes it stands for."""
+
+    def __init__(self, option_strings, dest, table, **kwargs):
+        self.table = table
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if isinstance(values, list):  # --fast-disable given more than once: all of them
+            values = [*(getattr(namespace, self.dest, None) or []), *values]
+        setattr(namespace, self.dest, values)
+        for name, value in self.table(values):
+            setattr(namespace, name, value)
+
+
+def _graph_attributes(choice):
+    return zip(("fast_cuda_graph", "fast_layer_graphs"), CUDA_GRAPHS[choice])
+
+
+def _compile_attributes(choice):
+    return [("fast_spec_compile", COMPILE[choice])]
+
+
+def _disabled_attributes(names):
+    return [PIECES[name] for name in names]
+
 
 def add_fast_path_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the fast-path switches to ``parser`` (an ArgumentParser or an argument group)."""
+    """Add the fast path's options to ``parser`` (an ArgumentParser or an argument group)."""
     if isinstance(parser, argparse.ArgumentParser):
-        group = parser.add_argument_group(
-            title="fast path without Transformer Engine (megagpt.fast_spec)"
-        )
+        group = parser.add_argument_group(title="fast path (megagpt.fast_spec)")
     else:  # already an argument group: argparse deprecates nesting groups
         group = parser
     group.add_argument(
-        "--no-fast-spec",
-        action="store_false",
-        dest="fast_spec",
-        help="Without TE, build layers from megatron's local spec instead of megagpt's fast "
-        "spec (SDPA core attention + a fused dense layer).",
-    )
+        "--no-fast-spec", action="store_false", dest="fast_spec",
+        help="Build megatron's layers (TE's where installed, else its local spec) instead of "
+        "the fast spec.")
     group.add_argument(
-        "--no-fast-spec-fused-layer",
-        action="store_false",
-        dest="fast_spec_fused_layer",
-        help="Fast spec: keep megatron's TransformerLayer module path; only the core "
-        "attention is replaced by torch scaled_dot_product_attention.",
-    )
+        "--fast-cuda-graphs", choices=tuple(CUDA_GRAPHS), default="auto",
+        action=_SetAttributes, table=_graph_attributes,
+        help="CUDA graphs: one per iteration, per layer, or none. auto: per iteration on "
+        "one GPU, per layer on several without model parallelism.")
     group.add_argument(
-        "--fast-spec-compile",
-        action=argparse.BooleanOptionalAction,
-        dest="fast_spec_compile",
-        default=None,
-        help="torch.compile the fast spec's fused layer and the chunked LM loss kernels. "
-        "Default: on when CUDA graphs hold the layers (the full-iteration graph or per-layer "
-        "graphs), else off (without a graph the step is bound by CPU launch overhead and "
-        "compiled code launches no faster).",
-    )
+        "--fast-compile", choices=tuple(COMPILE), default="auto",
+        action=_SetAttributes, table=_compile_attributes,
+        help="torch.compile the fused layer and the chunked loss. auto: where CUDA graphs "
+        "hold the layers.")
     group.add_argument(
-        "--no-fast-one-block-rows",
-        action="store_false",
-        dest="fast_one_block_rows",
-        help="Compiled fused layer: keep inductor's own limit (1024 elements) for rows "
-        "reduced by one block of threads. By default rows of up to 4096 elements are, so "
-        "that the layer norms at hidden sizes 1025..4096 read each row once instead of twice "
-        "(megagpt.fast_spec.norm_rows).",
-    )
+        "--fast-disable", type=_pieces, default=[], metavar="PIECE[,PIECE]",
+        action=_SetAttributes, table=_disabled_attributes,
+        help=f"Turn pieces of the fast path off, to measure them: {', '.join(PIECES)}.")
     group.add_argument(
-        "--no-fast-hash-dropout",
-        action="store_false",
-        dest="fast_hash_dropout",
-        help="Compiled fused layer: draw the residual dropouts' masks with F.dropout (inductor "
-        "draws a Philox number per element) instead of hashing each element's index with a "
-        "seed drawn per dropout (megagpt.fast_spec.hash_dropout; the same keep rate, fewer "
-        "integer operations per element).",
-    )
+        "--fast-cuda-graph-capture-timeout", type=float, default=300.0, metavar="SECONDS",
+        help="Stop, naming the rank, when the full-iteration graph's capture has not "
+        "finished after this long (default 300).")
     group.add_argument(
-        "--fast-cuda-graph",
-        action=argparse.BooleanOptionalAction,
-        dest="fast_cuda_graph",
-        default=None,
-        help="Capture each iteration's forward and backward as one CUDA graph (sets "
-        "megatron's --cuda-graph-impl full_iteration and --no-check-for-nan-in-loss-and-grad; "
-        "losses are still logged). Default: on for single-GPU runs of the fast spec.",
-    )
-    group.add_argument(
-        "--fast-cuda-graph-capture-timeout",
-        type=float,
-        default=300.0,
-        metavar="SECONDS",
-        dest="fast_cuda_graph_capture_timeout",
-        help="The full-iteration CUDA graph's capture (with its barriers and first replay) "
-        "must finish within this many seconds, or the run stops with a line naming the "
-        "rank whose capture did not finish, rather than hang (default 300).",
-    )
-    group.add_argument(
-        "--fast-layer-graphs",
-        action=argparse.BooleanOptionalAction,
-        dest="fast_layer_graphs",
-        default=None,
-        help="Capture each transformer layer's forward and backward as CUDA graphs "
-        "(megatron's --cuda-graph-impl local), holding the compiled fused layer, where the "
-        "full-iteration graph is off (launches on several GPUs): the host then launches "
-        "two graphs per layer instead of its ~100 kernels. Default: on without tensor and "
-        "pipeline parallelism; asked for under them it runs, with their collectives inside "
-        "the graphs (tensor parallelism) or one set of graphs per micro-batch in flight "
-        "(pipeline parallelism).",
-    )
-    group.add_argument(
-        "--fast-step-nan-checks",
-        action="store_true",
-        dest="fast_step_nan_checks",
-        help="Under per-layer CUDA graphs, keep megatron's NaN/Inf checks inside the step "
-        "(each micro-batch's loss, each gradient bucket: every one waits for the GPU, after "
-        "which it idles through the host's next launches). By default they are off there, as "
-        "under the full-iteration graph, and the gradient norm of every step is checked "
-        "instead, one step late and before any checkpoint is saved.",
-    )
-    group.add_argument(
-        "--fast-multi-gpu-path",
-        action="store_true",
-        dest="fast_multi_gpu_path",
-        help="A measuring switch: on one GPU, resolve the fast path's defaults as for a "
-        "launch on two data-parallel ranks (no full-iteration graph, fp32 gradient "
-        "accumulation, gradients added rather than written), so that the path every "
-        "several-GPU launch takes can be timed where one GPU is all there is. Add the "
-        "launch's own flags (--use-distributed-optimizer --overlap-grad-reduce) as it would.",
-    )
-    group.add_argument(
-        "--no-fast-optimizer",
-        action="store_false",
-        dest="fast_optimizer",
-        help="Without TE/apex, keep megatron's fallback optimizer kernels (torch foreach "
-        "AdamW, per-tensor gradient norm with one host sync per tensor) instead of torch's "
-        "fused AdamW and torch._foreach_* norm/scale/copy.",
-    )
-    group.add_argument(
-        "--no-fast-lm-loss",
-        action="store_false",
-        dest="fast_lm_loss",
-        help="Compute the LM head and cross entropy as megatron does (full logits, fp32 "
-        "softmax) instead of megagpt's chunked LM-head cross entropy (tensor-parallel "
-        "size 1 only; other layouts use megatron's path either way).",
-    )
-    group.add_argument(
-        "--no-fast-lm-grad-in-forward",
-        action="store_false",
-        dest="fast_lm_grad_in_forward",
-        help="Chunked LM loss: recompute each chunk's logits in the backward pass. By "
-        "default the LM head's gradients are formed in the forward pass while each chunk's "
-        "logits are at hand (no recompute; pretrain_gpt's masked-sum loss; not under "
-        "pipeline parallelism, where each micro-batch in flight would hold an fp32 weight "
-        "gradient).",
-    )
-    group.add_argument(
-        "--fast-bf16-grad-buffer",
-        action=argparse.BooleanOptionalAction,
-        dest="fast_bf16_grad_buffer",
-        default=None,
-        help="Keep the gradient buffer in bf16 (megatron's --grad-reduce-in-bf16). Default: "
-        "on for fast-path bf16 runs with one micro-batch per step and one data-parallel rank, "
-        "where nothing is accumulated or reduced in the buffer and its values equal the fp32 "
-        "buffer's (saves 2 bytes per parameter of peak memory).",
-    )
-    group.add_argument(
-        "--fast-grad-write",
-        action=argparse.BooleanOptionalAction,
-        dest="fast_grad_write",
-        default=None,
-        help="Write each step's gradients into megatron's gradient buffer (the DDP hook "
-        "copies, the fused layer's weight GEMMs write their product there) instead of "
-        "zeroing the whole buffer every step and adding to it; parameters that get no "
-        "gradient are zeroed at the end of the backward pass. Default: on for the fast path "
-        "with one micro-batch per step and one data-parallel rank, where nothing is "
-        "accumulated in the buffer and the values are the same.",
-    )
-    group.add_argument(
-        "--fast-wgrad-fusion",
-        action=argparse.BooleanOptionalAction,
-        dest="fast_wgrad_fusion",
-        default=False,
-        help="Fused layer: the four weight GEMMs accumulate their gradients into megatron's "
-        "gradient buffer directly (gradient-accumulation fusion, as TE/apex linears do) "
-        "instead of autograd + megatron's DDP hook (one tensor-parallel rank). Off by "
-        "default: it measured within run-to-run noise, with and without gradient "
-        "accumulation (docs/benchmarks.md).",
-    )
-    group.add_argument(
-        "--no-fast-flat-adam",
-        action="store_false",
-        dest="fast_flat_adam",
-        help="Keep megatron's bf16 optimizer step (cast gradients to fp32, norm, clip, AdamW, "
-        "copy weights back: five passes over memory). By default, where it applies, one "
-        "compiled kernel reads the gradient buffer and updates the fp32 master weights, "
-        "both moments and the bf16 weights in one pass (megagpt.fast_spec.flat_adam).",
-    )
-    group.add_argument(
-        "--no-fast-async-step",
-        action="store_false",
-        dest="fast_async_step",
-        help="Keep megatron's host synchronisations inside each training step (the gradient "
-        "norm read back to decide clipping, all-reduces over one rank followed by .item()). "
-        "By default the fast path keeps the norm on the GPU and skips those waits.",
-    )
+        "--fast-multi-gpu-path", action="store_true",
+        help="On one GPU, take the path of a launch on several data-parallel GPUs, to "
+        "measure it.")
+    group.set_defaults(**dict(SWITCH_DEFAULTS))
     return parser
 
 
@@ -298,11 +226,11 @@ def cuda_graph_unsupported_reason(args) -> Optional[str]:
     if getattr(args, "cpu", False):
         return "CPU mode"
     if te_layers_selected(args):
-        # asked for (--fast-cuda-graph, or megatron's --cuda-graph-impl full_iteration) it
-        # runs; not by default: with TE's layers at a small shape (head size 16) launches
+        # asked for (--fast-cuda-graphs iteration, or megatron's --cuda-graph-impl
+        # full_iteration) it runs; not by default: with TE's layers at a small shape (head size 16) launches
         # under it failed where the same launch without it trained (docs/speed.md)
-        return ("not by default for Transformer Engine's layers (--fast-cuda-graph asks for "
-                "it; docs/speed.md)")
+        return ("not by default for Transformer Engine's layers (--fast-cuda-graphs "
+                "iteration asks for it; docs/speed.md)")
     if not fast_path_selected(args):
         return "the fast spec is not used"
     if getattr(args, "cuda_graph_impl", "none") not in ("none", None):
@@ -366,7 +294,7 @@ def layer_graphs_unsupported_reason(args) -> Optional[str]:
     if not fast_path_selected(args):
         return "the fast spec is not used"
     if not getattr(args, "fast_spec_fused_layer", True):
-        return ("the fused layer is off (--no-fast-spec-fused-layer, or --overlap-param-gather; "
+        return ("the fused layer is off (--fast-disable fused-layer, or --overlap-param-gather; "
                 "megatron's own --cuda-graph-impl local graphs megatron's layer)")
     impl = getattr(args, "cuda_graph_impl", "none") or "none"
     if impl == "full_iteration":
@@ -392,10 +320,10 @@ def layer_graphs_default_off_reason(args) -> Optional[str]:
     """Why per-layer graphs, which could run here, are not switched on by default."""
     if (getattr(args, "tensor_model_parallel_size", 1) or 1) != 1:
         return ("tensor parallelism (its collectives would run inside the graphs; not yet "
-                "measured on several GPUs: --fast-layer-graphs asks for them)")
+                "measured on several GPUs: --fast-cuda-graphs layers asks for them)")
     if (getattr(args, "pipeline_model_parallel_size", 1) or 1) != 1:
         return ("pipeline parallelism (one set of graphs and buffers per micro-batch in "
-                "flight: --fast-layer-graphs asks for them)")
+                "flight: --fast-cuda-graphs layers asks for them)")
     return None
 
 
@@ -520,7 +448,7 @@ def install_fast_path_patches(args, log: Optional[Callable[[str], None]] = None)
 
         grad_write.install(log)
     if not getattr(args, "fast_optimizer", True):
-        log("fast optimizer: off (--no-fast-optimizer)")
+        log("fast optimizer: off (--fast-disable optimizer)")
         return
     from .optim import install_fast_optimizer, megatron_uses_local_fallbacks
 
@@ -536,10 +464,10 @@ def install_fast_path_patches(args, log: Optional[Callable[[str], None]] = None)
 
         flat_adam.install(log)
     elif fused_adam:
-        log("fast optimizer: megatron's five-pass bf16 step kept (--no-fast-flat-adam)")
+        log("fast optimizer: megatron's five-pass bf16 step kept (--fast-disable flat-adam)")
     if async_step:
         from . import async_step as async_step_module
 
         async_step_module.install(log)
     else:
-        log("fast path: host synchronisations inside the step kept (--no-fast-async-step)")
+        log("fast path: host synchronisations inside the step kept (--fast-disable async-step)")

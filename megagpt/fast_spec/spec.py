@@ -7,8 +7,8 @@ parallel linears, bias-GeLU and bias-dropout-add fusions) with three changes:
    flash / cuDNN / memory-efficient kernels; no [b, heads, s, s] score tensor);
 2. the layer class is ``FastTransformerLayer``, which runs a dense pre-norm layer as one
    function over the same parameters, ``torch.compile``'d on one tensor-parallel rank
-   (``--no-fast-spec-fused-layer`` keeps megatron's ``TransformerLayer``;
-   ``--no-fast-spec-compile`` runs that function eagerly);
+   (``--fast-disable fused-layer`` keeps megatron's ``TransformerLayer``;
+   ``--fast-compile off`` runs that function eagerly);
 3. the norms, the decoder block's final one too, are ``TorchNorm``: torch's, as megatron's
    ``WrappedTorchNorm`` builds them, but usable under sequence parallelism, which megatron's
    refuses (``fast_decoder_block_spec`` gives the block).
@@ -29,7 +29,6 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from . import norm_rows
 from .attention import SDPADotProductAttention
 from .layer import FastTransformerLayer, FusedLayerOptions
 from .lm_loss import lm_grad_in_forward_unsupported_reason
@@ -86,8 +85,8 @@ def get_fast_gpt_layer_spec(args) -> ModuleSpec:
     """The fast layer spec for megatron's parsed ``args`` (see module docstring).
 
     Reads: num_experts, moe_grouped_gemm, qk_layernorm, qk_l2_norm, normalization,
-    reset_attention_mask, fast_spec_fused_layer, fast_spec_compile, fast_one_block_rows,
-    fast_wgrad_fusion (the last three become the layers' ``FusedLayerOptions``).
+    reset_attention_mask, fast_spec_fused_layer, fast_spec_compile, fast_hash_dropout (the
+    last two become the layers' ``FusedLayerOptions``).
     """
     reason = fast_spec_unsupported_reason(args)
     if reason is not None:
@@ -120,14 +119,12 @@ def fused_layer_options(args) -> FusedLayerOptions:
     """What every fused layer of this run is built with (``FusedLayerOptions``)."""
     return FusedLayerOptions.make(
         compile=compile_requested(args),
-        one_block_rows=bool(_get(args, "fast_one_block_rows", True)),
-        wgrad_fusion=bool(_get(args, "fast_wgrad_fusion", False)),
         hash_dropout=bool(_get(args, "fast_hash_dropout", True)))
 
 
 def compile_requested(args) -> bool:
     """Whether the fused layer and the chunked loss's kernels are compiled
-    (``--fast-spec-compile``; the fast path's plan resolves its default)."""
+    (``--fast-compile``; the fast path's plan resolves its default)."""
     compile_ = _get(args, "fast_spec_compile", None)
     if compile_ is None:
         compile_ = _get(args, "cuda_graph_impl", "none") in ("full_iteration", "local")
@@ -151,11 +148,6 @@ def describe_fast_spec(args) -> str:
         mode = "eager, on each tensor-parallel rank's shards" if tp > 1 else (
             "torch.compile" if _get(args, "fast_spec_compile", False) else "eager")
         parts.append(f"fused dense layer ({mode}; dense layers, else megatron's layer)")
-        if (mode == "torch.compile" and _get(args, "fast_one_block_rows", True)
-                and norm_rows.unavailable_reason() is None):
-            parts.append("norm rows of up to 4096 reduced in one block")
-        if _get(args, "fast_wgrad_fusion", False):
-            parts.append("weight gradients accumulated into main_grad")
     if _get(args, "fast_lm_loss", True):
         grad = ", gradients formed in forward" if (
             lm_grad_in_forward_unsupported_reason(args) is None) else ""

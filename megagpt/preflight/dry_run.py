@@ -190,7 +190,7 @@ class Plan:
             f"{est.gib(max(m.activations, m.optimizer_step))} + reserve {est.gib(m.reserve)}) "
             f"is above the {gpu.name}'s {gpu.memory_gib:.1f} GiB; raise TP/PP, use "
             f"--use-distributed-optimizer, --recompute-activations or a smaller micro-batch"
-            + ("; without --no-fast-optimizer the fused AdamW allocates no temporaries"
+            + ("; without --fast-disable optimizer the fused AdamW allocates no temporaries"
                if m.optimizer_temporaries else ""))
 
 
