@@ -3,8 +3,9 @@
 
 One invocation, one GPU. For each requested path it runs
 
-  local      pretrain_gpt.py --transformer-impl local --no-fast-spec --fast-disable optimizer
-             --fast-disable lm-loss   (megatron's local modules: upstream's path without TE)
+  local      pretrain_gpt.py --transformer-impl local --no-fast-spec
+             --fast-disable optimizer,lm-loss   (megatron's local modules: upstream's path
+             without TE)
   fast       pretrain_gpt.py   (the entry's default: the fast spec on one GPU)
   te         pretrain_gpt.py --transformer-impl transformer_engine --fast-cuda-graphs iteration
              (TE's layers under the full-iteration graph; needs TE)
