@@ -27,8 +27,7 @@
 #      removes went in the step time (2026-11-29, 47d94b0: 3.0 ms of kernels gone, 1.2 ms of
 #      step).
 #   6. (not in the default STEPS) bench/bench_layer.py at 1.3B: the compiled layer as the fast
-#      path compiles it (norm rows of up to 4096 in one block) against inductor's own looped
-#      rows and multi-kernel, ~90 s (2026-11-29, a2f32a9: 85 -> 48 us per layer in the norms).
+#      path compiles it against other inductor settings (multi-kernel, ...), ~90 s.
 #   7. (not in the default STEPS) the fast path's first 50 losses against the local spec's
 #      on real text (the corpus), 345M and 1.3B, dropout 0: at 1.3B mock data's loss spikes
 #      part any two runs whose rounding differs (docs/benchmarks.md), text should not spike.
@@ -38,6 +37,11 @@
 #      micro-batches of 8 and of 4, 1.3B with 8 micro-batches of 4 (MG_SHAPES picks;
 #      MG_PATHS the paths, default fast,mgpu; mgpu_eager is the same path without
 #      per-layer graphs).
+#   9. (not in the default STEPS) each piece of the fast path against the default, in one
+#      invocation per shape, dropout 0.1: one run per `--fast-disable PIECE` (PIECES picks,
+#      default every piece that applies on one GPU; PIECE_SHAPES the shapes, default 345M 1.3B).
+#      What the pieces table of docs/speed.md and the switches table of benchmarks.md hold;
+#      a piece worth under 1 % of the step at both shapes is a candidate for removal.
 #
 # STEPS (default "0 0b 1 2 3") picks which of them run; PATHS the throughput paths of step 1
 # (default local,fast,nodrop,recompute,reference; noflat and nowrite are also defined).
@@ -194,6 +198,21 @@ for spec in ${MG_SHAPES:-345M:8:8 345M:4:8 1.3B:4:8}; do
         --baseline fast --train-iters "${MG_ITERS:-30}" --warmup-iters 10 \
         --out "$OUT/mgpu_${shape}_mb${mb}x${n}" > "$OUT/mgpu_${shape}_mb${mb}x${n}.txt" 2>&1
     grep -A6 "^shape" "$OUT/mgpu_${shape}_mb${mb}x${n}.txt"
+done
+fi
+if want 9; then
+echo "== 9. the fast path's pieces, each against the default ($(left)s left)"
+PIECES=${PIECES:-hash-dropout flat-adam async-step lm-loss lm-grad-in-forward bf16-grad-buffer grad-write fused-layer optimizer}
+for shape in ${PIECE_SHAPES:-345M 1.3B}; do
+    [ "$(left)" -gt 90 ] || break
+    variants=(); paths=fast
+    for piece in $PIECES; do
+        variants+=(--variant "no-$piece=--fast-disable $piece"); paths="$paths,no-$piece"
+    done
+    timeout $(( $(left) - 5 )) $PY bench/bench_throughput.py --shape "$shape" --paths "$paths" \
+        "${variants[@]}" --baseline fast --train-iters 30 --warmup-iters 10 \
+        --out "$OUT/pieces_$shape" > "$OUT/pieces_$shape.txt" 2>&1
+    grep -A14 "^path" "$OUT/pieces_$shape.txt"
 done
 fi
 # the rows of docs/benchmarks.md these runs measured: copy OUT/records/*.json into
