@@ -353,7 +353,9 @@ def _torch_optimizer_kernels() -> list[tuple[object, list]]:
     import megatron.training.utils.common_utils as mcommon
     from megatron.core import utils as mutils
 
-    if megatron_wrappers.original(mopt, "USING_PYTORCH_OPTIMIZER"):
+    from megagpt.fast_spec.optim import megatron_uses_local_fallbacks
+
+    if megatron_uses_local_fallbacks():
         return []
     applier = mutils.local_multi_tensor_applier
     l2norm, scale = mutils.local_multi_tensor_l2_norm, mutils.local_multi_tensor_scale
