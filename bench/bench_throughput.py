@@ -27,7 +27,12 @@ rows of docs/benchmarks.md from it.
 the local spec's (same data, same seed; dropout makes them differ within noise).
 Extra entry flags: ``--entry-args "--fast-compile off"`` (applied to every entry path);
 extra paths: ``--variant fp32grads="--fast-disable bf16-grad-buffer"`` (the fast path plus those
-flags), usable in ``--paths`` and ``--compare-paths fast,fp32grads``.
+flags), usable in ``--paths`` and ``--compare-paths fast,fp32grads``. A path run through another
+checkout's entry, to compare two commits in one invocation:
+
+  git worktree add .bench-base <commit>
+  python bench/bench_throughput.py --paths base,fast --variant base= \
+      --entry-of base=.bench-base/pretrain_gpt.py --baseline base
 """
 
 from __future__ import annotations
@@ -169,7 +174,9 @@ def measure_matmul_peak(n: int = 8192, reps: int = 30) -> float:
 
 
 def entry_command(a, path: str, train_iters: int, log_interval: int) -> list[str]:
-    entry = str(ROOT / a.entry)
+    # a script's own folder comes first on sys.path: another checkout's entry imports that
+    # checkout's megagpt
+    entry = str(ROOT / a.entry_of.get(path, a.entry))
     if a.launcher == "torchrun":
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                   "--nproc-per-node", "1", entry]
@@ -179,6 +186,19 @@ def entry_command(a, path: str, train_iters: int, log_interval: int) -> list[str
                                  getattr(a, "data_flags", None), a.micro_batch,
                                  a.micro_batches)
             + ENTRY_PATH_FLAGS[path] + shlex.split(a.entry_args))
+
+
+def checkout_commit(entry: Path) -> str | None:
+    """The commit of the checkout holding ``entry`` (short), None where git cannot say (a
+    worktree copied without its repository)."""
+    try:
+        p = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=entry.parent,
+                           capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if p.returncode != 0:
+        return None
+    return p.stdout.strip() or None
 
 
 def run_logged(cmd: list[str], log_path: Path, timeout: float, env: dict | None = None):
@@ -322,6 +342,9 @@ def main(argv=None) -> int:
     p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                    help="an extra path: the fast path with FLAGS added (repeatable); name it "
                    "in --paths or --compare-paths")
+    p.add_argument("--entry-of", action="append", default=[], metavar="PATH=ENTRY",
+                   help="run path PATH through another entry file, e.g. an earlier commit's "
+                   "checkout (repeatable)")
     p.add_argument("--compare-paths", default="local,fast",
                    help="the two entry paths --compare-losses runs (default local,fast)")
     p.add_argument("--baseline", default="reference",
@@ -335,6 +358,14 @@ def main(argv=None) -> int:
         if not sep or not name or name in ("local", "fast", "reference"):
             p.error(f"--variant wants NAME=FLAGS with a new name, got {spec!r}")
         ENTRY_PATH_FLAGS[name] = shlex.split(flags)
+    entry_of = {}
+    for spec in a.entry_of:
+        name, sep, entry = spec.partition("=")
+        if not sep or name not in ENTRY_PATH_FLAGS or not (ROOT / entry).is_file():
+            p.error(f"--entry-of wants PATH=ENTRY with a known path and an existing entry "
+                    f"file, got {spec!r}")
+        entry_of[name] = dict(entry=entry, commit=checkout_commit(ROOT / entry))
+    a.entry_of = {name: e["entry"] for name, e in entry_of.items()}
     if a.corpus:
         from megagpt.data.cache import FetchError
 
@@ -442,6 +473,7 @@ def main(argv=None) -> int:
                    path_flags={x: ENTRY_PATH_FLAGS[x] for x in paths + compare_paths
                                if x in ENTRY_PATH_FLAGS},
                    entry_args=a.entry_args,
+                   entry_of=entry_of,
                    data="text" if a.data_flags else "mock")
     (out_dir / f"bench_{a.shape}.json").write_text(json.dumps(summary, indent=1, default=str))
     ok = all(r.get("ms_per_iter") for r in results.values())

@@ -42,6 +42,12 @@
 #      default every piece that applies on one GPU; PIECE_SHAPES the shapes, default 345M 1.3B).
 #      What the pieces table of docs/speed.md and the switches table of benchmarks.md hold;
 #      a piece worth under 1 % of the step at both shapes is a candidate for removal.
+#  10. (not in the default STEPS; needs BASE, a checkout of another commit, e.g.
+#      `git worktree add .bench-base COMMIT`) that commit's default path against this one's in
+#      one invocation per shape (BASE_SHAPES, default 345M 1.3B; PIECES_TOO adds a
+#      `--fast-disable PIECE` run for each of those pieces to the same invocation), the
+#      several-GPU path on one GPU (345M, 8 micro-batches of 8) of both, and both default
+#      paths' first 50 losses on text at 345M (dropout 0).
 #
 # STEPS (default "0 0b 1 2 3") picks which of them run; PATHS the throughput paths of step 1
 # (default local,fast,nodrop,recompute,reference; noflat and nowrite are also defined).
@@ -214,6 +220,40 @@ for shape in ${PIECE_SHAPES:-345M 1.3B}; do
         --out "$OUT/pieces_$shape" > "$OUT/pieces_$shape.txt" 2>&1
     grep -A14 "^path" "$OUT/pieces_$shape.txt"
 done
+fi
+if want 10; then
+echo "== 10. against the checkout in ${BASE:?step 10 needs BASE} ($(left)s left)"
+corpus
+for shape in ${BASE_SHAPES:-345M 1.3B}; do
+    [ "$(left)" -gt 90 ] || break
+    variants=(--variant base= --entry-of "base=$BASE/pretrain_gpt.py"); paths=base,fast
+    for piece in ${PIECES_TOO:-}; do
+        variants+=(--variant "no-$piece=--fast-disable $piece"); paths="$paths,no-$piece"
+    done
+    timeout $(( $(left) - 5 )) $PY bench/bench_throughput.py --shape "$shape" --paths "$paths" \
+        "${variants[@]}" --baseline base --train-iters 30 --warmup-iters 10 \
+        --out "$OUT/base_$shape" > "$OUT/base_$shape.txt" 2>&1
+    grep -A12 "^path" "$OUT/base_$shape.txt"
+done
+if [ "$(left)" -gt 90 ]; then
+    timeout $(( $(left) - 5 )) $PY bench/bench_throughput.py --shape 345M --paths "" \
+        --variant base= --entry-of "base=$BASE/pretrain_gpt.py" \
+        --compare-losses 50 --compare-paths base,fast --out "$OUT/base_losses" \
+        --data-args "--data-path $PREFIX --tokenizer-type GPT2BPETokenizer --vocab-file $VOCAB --merge-file $MERGES" \
+        --entry-args "--hidden-dropout 0 --attention-dropout 0 --lr-warmup-iters 10" \
+        > "$OUT/base_losses.txt" 2>&1
+    grep "^losses" "$OUT/base_losses.txt"
+fi
+MG="--fast-multi-gpu-path --use-distributed-optimizer --overlap-grad-reduce"
+if [ "$(left)" -gt 90 ]; then
+    timeout $(( $(left) - 5 )) $PY bench/bench_throughput.py --shape 345M \
+        --micro-batch 8 --micro-batches 8 --paths base-mgpu,mgpu,mgpu-nodefer \
+        --variant "base-mgpu=$MG" --entry-of "base-mgpu=$BASE/pretrain_gpt.py" \
+        --variant "mgpu=$MG" --variant "mgpu-nodefer=$MG --fast-disable deferred-nan-checks" \
+        --baseline base-mgpu --train-iters 30 --warmup-iters 10 \
+        --out "$OUT/base_mgpu" > "$OUT/base_mgpu.txt" 2>&1
+    grep -A6 "^path" "$OUT/base_mgpu.txt"
+fi
 fi
 # the rows of docs/benchmarks.md these runs measured: copy OUT/records/*.json into
 # docs/figures/runs/ and run `make tables`

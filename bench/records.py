@@ -213,8 +213,9 @@ def from_throughput(summary: dict) -> list[dict]:
     path_flags = summary.get("path_flags", {})
     entry_args = shlex.split(summary.get("entry_args", ""))
     train, records, by_dropout = {}, [], {}
+    other_entries = summary.get("entry_of", {})
     for path, r in summary.get("results", {}).items():
-        if not r.get("ms_per_iter"):
+        if not r.get("ms_per_iter") or path in other_entries:
             continue
         figures = _rounded(dict(ms_per_iter=r["ms_per_iter"], tokens_per_s=r.get("tokens_per_s"),
                                 tflops_per_gpu=r.get("tflops_per_gpu"),
@@ -256,6 +257,7 @@ def from_throughput(summary: dict) -> list[dict]:
                                           default_mib=default.get("peak_mib"),
                                           switch_mib=figures.get("peak_mib")))
     records += _dropout_records(by_dropout, shape, base, data)
+    records += _against_commit_records(summary, shape, base)
     cmp = summary.get("loss_comparison")
     if cmp:
         a, b = cmp["paths"]
@@ -266,6 +268,32 @@ def from_throughput(summary: dict) -> list[dict]:
                                   max_rel_diff=cmp["max_rel_diff"],
                                   mean_abs_diff=cmp["mean_abs_diff"],
                                   identical=cmp.get("identical")), decimals=6)))
+    return records
+
+
+def _against_commit_records(summary: dict, shape: str, base: dict) -> list[dict]:
+    """A path run through another checkout's entry (``--entry-of``) against the path of this
+    checkout with the same flags, same invocation: one ``against-commit`` record each."""
+    results, path_flags = summary.get("results", {}), summary.get("path_flags", {})
+    records = []
+    for path, other in summary.get("entry_of", {}).items():
+        flags = path_flags.get(path, [])
+        mine = [x for x in results if x not in summary["entry_of"] and x != "reference"
+                and path_flags.get(x, []) == flags]
+        if not mine or not results.get(path, {}).get("ms_per_iter") \
+                or not results[mine[0]].get("ms_per_iter"):
+            print(f"records: {path}: no run of this checkout with the same flags; left out",
+                  file=sys.stderr)
+            continue
+        earlier, now = results[path], results[mine[0]]
+        records.append(dict(table="against-commit", **base, row=dict(
+            shape=shape, path=mine[0], flags=shlex.join(flags + shlex.split(
+                summary.get("entry_args", ""))), against=other.get("commit") or other["entry"]),
+            figures=_rounded(dict(earlier_ms=earlier["ms_per_iter"], ms=now["ms_per_iter"],
+                                  earlier_tflops=earlier.get("tflops_per_gpu"),
+                                  tflops=now.get("tflops_per_gpu"),
+                                  speed_vs_earlier=earlier["ms_per_iter"] / now["ms_per_iter"]),
+                             decimals=3)))
     return records
 
 

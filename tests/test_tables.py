@@ -131,6 +131,37 @@ def test_throughput_output_becomes_training_switch_and_loss_records():
     assert all(not records.problems(r) for r in made)
 
 
+def test_a_path_through_another_checkouts_entry_is_compared_not_tabled_as_this_commits():
+    """``--entry-of base=...``: the earlier commit's run is set against this checkout's run
+    with the same flags (one against-commit record each), and is no training row."""
+    from run_info import run_info
+
+    info = dict(run_info(), gpu="NVIDIA H200", shape="1.3B",
+                command="python bench/bench_throughput.py --shape 1.3B --out /root/out/b")
+    entry = dict(ms_per_iter=134.0, tokens_per_s=1.0, tflops_per_gpu=518.0, peak_mem_mib=1.0)
+    mgpu = ["--fast-multi-gpu-path", "--use-distributed-optimizer"]
+    summary = dict(
+        info=info, entry_args="", data="mock",
+        path_flags={"fast": [], "base": [], "mgpu": mgpu, "base-mgpu": mgpu,
+                    "lonely": ["--seed", "2"]},
+        entry_of={"base": dict(entry=".bench-base/pretrain_gpt.py", commit="13aa416"),
+                  "base-mgpu": dict(entry=".bench-base/pretrain_gpt.py", commit="13aa416"),
+                  "lonely": dict(entry=".bench-base/pretrain_gpt.py", commit=None)},
+        results={"fast": entry, "base": dict(entry, ms_per_iter=135.34),
+                 "mgpu": dict(entry, ms_per_iter=140.0),
+                 "base-mgpu": dict(entry, ms_per_iter=139.0), "lonely": entry})
+    made = records.from_throughput(summary)
+    against = {r["row"]["path"]: r for r in made if r["table"] == "against-commit"}
+    assert set(against) == {"fast", "mgpu"}
+    assert against["fast"]["row"]["against"] == "13aa416"
+    assert against["fast"]["figures"]["speed_vs_earlier"] == 1.01
+    assert against["mgpu"]["figures"]["speed_vs_earlier"] == round(139 / 140, 3)
+    assert against["mgpu"]["row"]["flags"] == "--fast-multi-gpu-path --use-distributed-optimizer"
+    trained = [r for r in made if r["table"] == "train-1gpu"]
+    assert [r["figures"]["ms_per_iter"] for r in trained] == [134.0]
+    assert all(not records.problems(r) for r in made)
+
+
 def test_dropout_runs_become_cost_records_and_only_uniform_dropout_trains_a_row():
     """Paths differing from a no-dropout run by their dropout flags alone give the dropout
     table's rows, each costed against that run; a path with attention and hidden dropout
