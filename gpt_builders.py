@@ -27,6 +27,12 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+
 from megagpt.fast_spec import plan
 from megagpt.fast_spec.spec import fast_decoder_block_spec, get_fast_gpt_layer_spec
 
@@ -72,11 +78,24 @@ def layer_spec_builder(choice: LayerSpecChoice, args) -> Callable | None:
             return get_gpt_layer_with_transformer_engine_spec(
                 t.num_moe_experts, t.moe_grouped_gemm, t.qk_layernorm,
                 t.multi_latent_attention, qk_l2_norm=t.qk_l2_norm)
-        return get_gpt_layer_local_spec(
+        return local_decoder_block_spec(get_gpt_layer_local_spec(
             t.num_moe_experts, t.moe_grouped_gemm, t.qk_layernorm,
-            t.multi_latent_attention, normalization=t.normalization)
+            t.multi_latent_attention, normalization=t.normalization), t, vp_stage)
 
     return build
+
+
+def local_decoder_block_spec(layer_spec, config, vp_stage=None):
+    """The decoder block of megatron's local layers with their own norm as its final norm.
+    Given a layer spec, megatron's block takes TE's norm for the final one wherever TE
+    imports, so a local-spec model would still need TE's kernels: a ``--cpu`` run (training
+    or generating) on a machine with TE installed stopped in that norm."""
+    norm = layer_spec.submodules.input_layernorm
+    if norm is IdentityOp:
+        return layer_spec  # no norm of its own to reuse: megatron's block decides
+    return TransformerBlockSubmodules(
+        layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+        layer_norm=norm)
 
 
 def gpt_model_config(args):

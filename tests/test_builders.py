@@ -69,3 +69,30 @@ def test_model_provider_builds_a_stage_that_runs(one_rank, extra):
     losses = model(tokens, positions, None, labels=tokens)
     assert losses.shape == (2, 32) and torch.isfinite(losses).all()
     assert choice.path == (gpt_builders.LOCAL if extra else gpt_builders.FAST)
+
+
+def test_the_local_spec_ends_in_its_own_norm_where_megatrons_block_would_take_tes(
+        one_rank, monkeypatch):
+    """Where TE imports, megatron's block takes TE's norm as the final norm of any layer spec
+    it is given; TE's norm needs a GPU, so a ``--cpu`` run of the local spec (generating
+    from a checkpoint trained under TE's layers, say) stopped there. A stand-in that refuses
+    to run is bound where TE's norm would be: the model must not build it."""
+    import pretrain_gpt
+    from megatron.core.transformer import transformer_block
+
+    class NormNeedingAGpu(torch.nn.Module):
+        def __init__(self, *a, **k):
+            raise AssertionError("the final norm was megatron's block-level choice")
+
+    monkeypatch.setattr(transformer_block, "LayerNormImpl", NormNeedingAGpu)
+    args = arguments.parse_arguments([*TINY, "--no-fast-spec"])
+    arguments.validate_arguments(args, device_arch=0)
+    arguments.set_megatron_globals(args)
+    model_config, _, choice = pretrain_gpt.build_configs(args)
+    model = model_provider.model_provider(model_config)
+    assert choice.path == gpt_builders.LOCAL
+    layer_norm = type(model.decoder.layers[0].input_layernorm)
+    assert type(model.decoder.final_layernorm) is layer_norm
+    tokens = torch.randint(0, 128, (2, 32))
+    losses = model(tokens, torch.arange(32).repeat(2, 1), None, labels=tokens)
+    assert torch.isfinite(losses).all()
