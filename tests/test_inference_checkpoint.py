@@ -23,6 +23,17 @@ def test_launch_flags_and_their_values_are_dropped_and_the_model_flags_kept():
         "--position-embedding-type", "rope", "--lr", "3e-4"]
 
 
+def test_the_layers_that_ran_and_the_fast_paths_options_are_the_launchs_not_the_models():
+    """Which layers ran, today's fast-path options and an earlier version's (refused by
+    today's parser) are left out: the replay chooses for this machine."""
+    saved = ["--num-layers", "2", "--transformer-impl", "transformer_engine",
+             "--fast-cuda-graphs", "iteration", "--fast-disable", "hash-dropout,grad-write",
+             "--fast-compile=on", "--no-fast-spec", "--fast-multi-gpu-path",
+             "--fast-cuda-graph-capture-timeout", "60",
+             "--no-fast-hash-dropout", "--fast-cuda-graph", "--swiglu"]
+    assert model_flags.without_launch_flags(saved) == ["--num-layers", "2", "--swiglu"]
+
+
 def test_the_device_flags_and_then_the_overrides_come_last():
     from megagpt.inference.checkpoint import SavedConfig
 

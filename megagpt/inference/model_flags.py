@@ -4,9 +4,12 @@ The trainer saves its whole command line beside every checkpoint (``config_snaps
 ``argv``, with ``--config`` already expanded). Replayed through the entry's own parser it
 gives back exactly the model that was trained: shape, norms, activation, positions, the
 tokenizer. Only the flags that describe the launch rather than the model are dropped
-(``LAUNCH_FLAGS``: parallel layout, precision, checkpoint paths, logging, graphs); the
-device's own flags come next and the caller's overrides last, so they win (argparse keeps
-the last value).
+(``LAUNCH_FLAGS``: parallel layout, precision, checkpoint paths, logging, graphs, which
+layer implementation ran; and an earlier version's fast-path options, which this one
+refuses); the device's own flags come next and the caller's overrides last, so they win
+(argparse keeps the last value). The layer implementation is this machine's choice: the
+same weights load into TE's layers and megatron's local ones, and a checkpoint trained
+under TE's layers generates where TE is missing, or on the CPU.
 
 Two settings are then taken from what the run recorded rather than from the replay:
 
@@ -25,6 +28,7 @@ import io
 
 from megagpt import vocab_padding
 from megagpt.errors import UserError
+from megagpt.fast_spec.settings import REPLACED_FLAGS
 from megagpt.inference.checkpoint import SavedConfig
 
 # Argument destinations (megatron's names) that describe how a run was launched, not the
@@ -47,11 +51,14 @@ LAUNCH_FLAGS = frozenset({
     "load", "save", "pretrained_checkpoint", "ckpt_step", "finetune", "use_checkpoint_args",
     "save_interval", "no_load_optim", "no_load_rng", "async_save", "exit_interval",
     "exit_duration_in_mins", "exit_signal_handler",
-    # this entry's launch options
-    "cpu", "dry_run", "config",
+    # this entry's launch options, its fast path's among them
+    "cpu", "dry_run", "config", "fast_spec", "fast_cuda_graphs", "fast_compile",
+    "fast_disable", "fast_cuda_graph_capture_timeout", "fast_multi_gpu_path",
+    # which layers ran (the weights load into either)
+    "transformer_impl",
     # graphs and recomputation
     "cuda_graph_impl", "cuda_graph_scope", "enable_cuda_graph", "external_cuda_graph",
-    "fast_cuda_graph", "recompute_granularity", "recompute_method", "recompute_num_layers",
+    "recompute_granularity", "recompute_method", "recompute_num_layers",
     # loggers that open files
     "tensorboard_dir", "wandb_project", "wandb_exp_name", "wandb_save_dir",
 })
@@ -91,13 +98,18 @@ def _value_count(action: argparse.Action, rest: list[str]) -> int:
 
 def without_launch_flags(argv: list[str], parser: argparse.ArgumentParser | None = None
                          ) -> list[str]:
-    """``argv`` with every option in ``LAUNCH_FLAGS`` (and its values) left out."""
+    """``argv`` with every option in ``LAUNCH_FLAGS`` (and its values) and every option an
+    earlier version had in place of today's fast-path options (none took a value) left
+    out."""
     actions = (parser or _parser())._option_string_actions
     kept: list[str] = []
     i = 0
     while i < len(argv):
         token = argv[i]
         name = token.split("=", 1)[0]
+        if name in REPLACED_FLAGS:
+            i += 1
+            continue
         action = actions.get(name) if token.startswith("--") else None
         if action is None:
             kept.append(token)
