@@ -236,14 +236,24 @@ def from_throughput(summary: dict) -> list[dict]:
             if attention != dropout:
                 continue  # only the dropout table has a row for it
         if other:
-            records.append(dict(table="switches", _against=(kind, dropout), _figures=figures,
-                                row=dict(shape=shape, switch=shlex.join(other), dropout=dropout),
-                                **base))
+            on = _switched_on(other, path, summary)
+            row = dict(shape=shape, switch=shlex.join(other[len(on or []):]), dropout=dropout)
+            if on:
+                row["on"] = shlex.join(on)
+            records.append(dict(table="switches", _against=(kind, dropout, shlex.join(on or [])),
+                                _figures=figures, row=row, **base))
             continue
         if data != "mock":
             continue  # the throughput table is of mock data
-        train[(kind, dropout)] = figures
+        train[(kind, dropout, "")] = figures
         records.append(dict(table="train-1gpu", row=row, figures=figures, **base))
+    for record in [r for r in records if r["table"] == "switches"]:
+        on = record["row"].get("on")
+        if on:  # the path the switch was added to, with its flags alone
+            train.setdefault(record["_against"], next(
+                (x["_figures"] for x in records if x["table"] == "switches"
+                 and x["row"]["switch"] == on and "on" not in x["row"]
+                 and x["row"]["dropout"] == record["row"]["dropout"]), None))
     for record in [r for r in records if r["table"] == "switches"]:
         default = train.get(record.pop("_against"))
         figures = record.pop("_figures")
@@ -269,6 +279,22 @@ def from_throughput(summary: dict) -> list[dict]:
                                   mean_abs_diff=cmp["mean_abs_diff"],
                                   identical=cmp.get("identical")), decimals=6)))
     return records
+
+
+def _switched_on(other: list[str], path: str, summary: dict) -> list[str] | None:
+    """The longest flags of another path of this invocation (dropout aside) that ``other``
+    starts with: a switch added to that path (``--fast-disable deferred-nan-checks`` on the
+    several-GPU path) is measured against it, not against the default."""
+    entry_of = summary.get("entry_of", {})
+    best = None
+    for name, flags in summary.get("path_flags", {}).items():
+        if name in (path, "local") or name in entry_of or name not in summary.get("results", {}):
+            continue
+        mine = _without_dropout_flags(flags)
+        if mine and len(mine) < len(other) and other[:len(mine)] == mine \
+                and (best is None or len(mine) > len(best)):
+            best = mine
+    return best
 
 
 def _against_commit_records(summary: dict, shape: str, base: dict) -> list[dict]:

@@ -102,6 +102,13 @@ def _train_summary(r: dict) -> str:
             f"TFLOP/s/GPU" + (f", {peak_memory(f)} MiB" if peak_memory(f) else ""))
 
 
+def _switch_text(r: dict) -> str:
+    """The switch, and the path it was added to where that is not the default (its
+    "default ms/iter" is then that path's)."""
+    on = r["row"].get("on")
+    return code(r["row"]["switch"]) + (f" on {code(on)}" if on else "")
+
+
 def _switch_delta(r: dict) -> str:
     f = r["figures"]
     if f.get("default_ms") is None or f.get("switch_ms") is None:
@@ -176,15 +183,17 @@ TABLES = (
         "What each switch of the fast path costs or saves: the default run and the run with "
         "the switch, one after the other in one invocation of `bench/bench_throughput.py` "
         "(Δ = with the switch − default; positive: the switch is slower or takes more "
-        "memory). Shapes and counting as in the table above. What each piece does: "
-        "[speed.md](speed.md).",
-        columns=(("shape", rowval("shape")), ("switch", lambda r: code(r["row"]["switch"])),
+        "memory). A switch \"on\" other flags is measured against a run with those flags "
+        "alone, which is then its \"default\". Shapes and counting as in the table above. "
+        "What each piece does: [speed.md](speed.md).",
+        columns=(("shape", rowval("shape")), ("switch", _switch_text),
                  ("dropout", rowval("dropout")), ("default ms/iter", fig("default_ms")),
                  ("with switch", fig("switch_ms")), ("Δ ms", _switch_delta),
                  ("Δ peak MiB", _memory_delta)),
         sort=lambda r: (r["switch"], SHAPE_ORDER.get(r["shape"], 9)),
-        summary=lambda r: (f"{r['row']['shape']} `{r['row']['switch']}`: "
-                           f"{_switch_delta(r) or '?'} ms/iter against the default"),
+        summary=lambda r: (f"{r['row']['shape']} {_switch_text(r)}: "
+                           f"{_switch_delta(r) or '?'} ms/iter against "
+                           f"{'that path' if r['row'].get('on') else 'the default'}"),
     ),
     Table(
         "dropout", "What dropout costs",
@@ -281,6 +290,27 @@ TABLES = (
                            f"{r['row']['processes']}: {_layout_cell(r)} ms/iter"
                            + (f", {number(r['figures'].get('tflops_per_gpu'))} TFLOP/s/GPU"
                               if r["figures"].get("tflops_per_gpu") else "")),
+    ),
+    Table(
+        "against-commit", "Against an earlier commit, in one invocation",
+        "The same path of an earlier commit and of the commit measured, one after the other "
+        "in one invocation of `bench/bench_throughput.py` (the earlier one run from a "
+        "checkout of its own: `git worktree add .bench-base COMMIT`, then `--entry-of "
+        "base=.bench-base/pretrain_gpt.py`; `STEPS=10 BASE=.bench-base bash "
+        "bench/gpu_record.sh OUT`): what a change to the code did to the step, free of the "
+        "drift between calls. bf16, mock data, dropout 0.1, counting as in the first table; "
+        "speed = earlier ms/iter ÷ ms/iter (above 1: faster now).",
+        columns=(("shape", rowval("shape")), ("path", rowval("path")),
+                 ("flags", lambda r: code(r["row"]["flags"])),
+                 ("against", lambda r: code(r["row"]["against"])),
+                 ("earlier ms/iter", fig("earlier_ms")), ("ms/iter", fig("ms")),
+                 ("earlier TFLOP/s/GPU", fig("earlier_tflops")),
+                 ("TFLOP/s/GPU", fig("tflops")), ("speed", fig("speed_vs_earlier", 3))),
+        sort=lambda r: (r["against"], r["flags"], SHAPE_ORDER.get(r["shape"], 9)),
+        summary=lambda r: (f"{r['row']['shape']} {r['row']['path']}: "
+                           f"{number(r['figures'].get('speed_vs_earlier'), 3)}x of "
+                           f"{r['row']['against']}"),
+        text_columns=4,
     ),
     Table(
         "multi-gpu-path", "The several-GPU path on one GPU, against the single-GPU default",

@@ -5,6 +5,7 @@ to the log, and bench outputs become records."""
 
 import copy
 import json
+import shlex
 import shutil
 import sys
 
@@ -159,7 +160,36 @@ def test_a_path_through_another_checkouts_entry_is_compared_not_tabled_as_this_c
     assert against["mgpu"]["row"]["flags"] == "--fast-multi-gpu-path --use-distributed-optimizer"
     trained = [r for r in made if r["table"] == "train-1gpu"]
     assert [r["figures"]["ms_per_iter"] for r in trained] == [134.0]
+    # the earlier commit's runs are in no switch row either
+    assert {r["row"]["switch"] for r in made if r["table"] == "switches"} == \
+        {"--fast-multi-gpu-path --use-distributed-optimizer"}
     assert all(not records.problems(r) for r in made)
+
+
+def test_a_switch_added_to_another_path_is_measured_against_that_path():
+    """``--fast-disable deferred-nan-checks`` added to the several-GPU path's flags: its row
+    says so and its "default" is the several-GPU run, not the single-GPU default."""
+    from run_info import run_info
+
+    info = dict(run_info(), gpu="NVIDIA H200", shape="345M",
+                command="python bench/bench_throughput.py --shape 345M --out /root/out/m")
+    entry = dict(ms_per_iter=48.0, tokens_per_s=1.0, tflops_per_gpu=1.0, peak_mem_mib=1.0)
+    mgpu = ["--fast-multi-gpu-path", "--use-distributed-optimizer"]
+    summary = dict(
+        info=info, entry_args="", data="mock",
+        path_flags={"fast": [], "mgpu": mgpu,
+                    "nodefer": [*mgpu, "--fast-disable", "deferred-nan-checks"]},
+        results={"fast": entry, "mgpu": dict(entry, ms_per_iter=381.4),
+                 "nodefer": dict(entry, ms_per_iter=421.85)})
+    made = records.from_throughput(summary)
+    switches = {(r["row"]["switch"], r["row"].get("on")): r["figures"] for r in made
+                if r["table"] == "switches"}
+    assert switches[("--fast-disable deferred-nan-checks", shlex.join(mgpu))] == dict(
+        default_ms=381.4, switch_ms=421.85, default_mib=1.0, switch_mib=1.0)
+    assert switches[(shlex.join(mgpu), None)]["default_ms"] == 48.0
+    text = tables.benchmarks_text([dict(r, _file=str(i)) for i, r in enumerate(made)])
+    assert "`--fast-disable deferred-nan-checks` on `--fast-multi-gpu-path " \
+           "--use-distributed-optimizer`" in text
 
 
 def test_dropout_runs_become_cost_records_and_only_uniform_dropout_trains_a_row():
