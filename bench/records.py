@@ -212,7 +212,8 @@ def from_throughput(summary: dict) -> list[dict]:
     data = summary.get("data", "mock")
     path_flags = summary.get("path_flags", {})
     entry_args = shlex.split(summary.get("entry_args", ""))
-    train, records, by_dropout = {}, [], {}
+    # figures by (path kind, dropout, the flags beyond dropout): what a switch is set against
+    measured, records, by_dropout = {}, [], {}
     other_entries = summary.get("entry_of", {})
     for path, r in summary.get("results", {}).items():
         if not r.get("ms_per_iter") or path in other_entries:
@@ -242,20 +243,13 @@ def from_throughput(summary: dict) -> list[dict]:
                 row["on"] = shlex.join(on)
             records.append(dict(table="switches", _against=(kind, dropout, shlex.join(on or [])),
                                 _figures=figures, row=row, **base))
-            continue
         if data != "mock":
-            continue  # the throughput table is of mock data
-        train[(kind, dropout, "")] = figures
-        records.append(dict(table="train-1gpu", row=row, figures=figures, **base))
+            continue  # the throughput and switch tables are of mock data
+        measured[(kind, dropout, shlex.join(other))] = figures
+        if not other:
+            records.append(dict(table="train-1gpu", row=row, figures=figures, **base))
     for record in [r for r in records if r["table"] == "switches"]:
-        on = record["row"].get("on")
-        if on:  # the path the switch was added to, with its flags alone
-            train.setdefault(record["_against"], next(
-                (x["_figures"] for x in records if x["table"] == "switches"
-                 and x["row"]["switch"] == on and "on" not in x["row"]
-                 and x["row"]["dropout"] == record["row"]["dropout"]), None))
-    for record in [r for r in records if r["table"] == "switches"]:
-        default = train.get(record.pop("_against"))
+        default = measured.get(record.pop("_against"))
         figures = record.pop("_figures")
         if default is None:
             records.remove(record)
