@@ -22,8 +22,23 @@ stages per rank), ``dp2`` / ``dp4`` / ``dp8`` (distributed optimizer, overlapped
 reduce; ``dp2eager`` without per-layer graphs, ``dp2graph`` / ``dp4graph`` / ``dp8graph`` with
 the full-iteration graph), ``tp2graphs``, ``cp2`` (context parallelism at twice the sequence;
 needs Transformer Engine, else "not run" with the entry's reason), ``tp2pp2dp2`` (8 GPUs).
-A layout the global batch does not split over is skipped, with the reason. Exit status 1 when a run fails, a layout's losses differ from one process's by
-more than ``--tolerance`` (relative), or the resumed run's from the uninterrupted one's.
+Any other ``tpTppPdpD`` (each part optional, e.g. ``tp8``, ``tp2pp4``, ``pp8``, ``tp2dp4``)
+is that tensor x pipeline x data-parallel layout, with the distributed optimizer and the
+overlapped gradient reduce where D > 1. A layout the global batch does not split over is
+skipped, with the reason. Exit status 1 when a run fails, a layout's losses differ from one
+process's by more than ``--tolerance`` (relative), or the resumed run's from the
+uninterrupted one's.
+
+``--estimate GPU`` sets each layout's measured step beside the dry run's estimate of the same
+launch on that GPU type (``--gpu-type``), and both rankings: whether the step-time model
+orders tensor against pipeline parallelism as the GPUs do. ``--no-one`` leaves out the
+one-process run (a shape too big for one GPU, or timing alone):
+
+  # 8 GPUs of one host, a slice of Narayanan et al.'s 18.4B model (8 of its 40 layers):
+  python bench/layouts.py --gpus 8 --shape 18.4B-slice --micro-batches 16 --no-one \
+      --layouts tp8,tp4pp2,tp2pp4,pp8,tp2dp4,tp4dp2 --iters 20 --skip 8 --estimate H200 \
+      --out /tmp/ranking -- --mock-data --recompute-granularity full \
+      --recompute-method uniform --recompute-num-layers 1
 """
 
 from __future__ import annotations
@@ -51,6 +66,9 @@ SHAPES = {  # layers, hidden, heads, seq, micro-batch
     "345M": (24, 1024, 16, 1024, 4),
     "1.3B": (24, 2048, 16, 2048, 4),
     "tiny": (4, 64, 4, 64, 2),
+    # Narayanan et al. 2021's 18.4B row (48 heads, hidden 6144, sequence 2048, micro-batch 1),
+    # 8 of its 40 layers: 3.7B parameters, whose optimizer state fits one 80 GB GPU
+    "18.4B-slice": (8, 6144, 48, 2048, 1),
 }
 # one global batch for every layout, by default 4 micro-batches of the one-process run, so that
 # DP=2 and both pipeline schedules (the interleaved one needs micro-batches in multiples of the
@@ -80,6 +98,25 @@ LAYOUTS = {  # name: (processes, flags)
 }
 
 ERROR_RE = re.compile(r"^error: (.*)$", re.M)
+SIZES_RE = re.compile(r"^(?:tp(\d+))?(?:pp(\d+))?(?:dp(\d+))?$")
+
+
+def layout_spec(name: str) -> tuple[int, list[str]] | None:
+    """(processes, flags) of a named layout or of ``tpTppPdpD``; None for neither."""
+    if name in LAYOUTS:
+        return LAYOUTS[name]
+    sizes = SIZES_RE.match(name)
+    if not name or sizes is None:
+        return None
+    tp, pp, dp = (int(x or 1) for x in sizes.groups())
+    if min(tp, pp, dp) < 1:
+        return None
+    flags = []
+    if tp > 1:
+        flags += ["--tensor-model-parallel-size", str(tp)]
+    if pp > 1:
+        flags += ["--pipeline-model-parallel-size", str(pp)]
+    return tp * pp * dp, flags + (DP_FLAGS if dp > 1 else [])
 
 
 def model_flags(shape: str, seed: int, iters: int, cpu: bool, cp: int = 1,
@@ -125,7 +162,7 @@ def _size(flags: list[str], flag: str) -> int:
 
 
 def data_parallel_size(layout: str) -> int:
-    nproc, flags = LAYOUTS[layout]
+    nproc, flags = layout_spec(layout)
     return nproc // (_size(flags, "--tensor-model-parallel-size")
                      * _size(flags, "--pipeline-model-parallel-size")
                      * _size(flags, "--context-parallel-size"))
@@ -138,7 +175,7 @@ def batch_unsplittable_reason(layout: str, micro_batches: int) -> str | None:
     dp = data_parallel_size(layout)
     if micro_batches % dp:
         return f"{micro_batches} micro-batches per step do not split over DP={dp}"
-    flags = LAYOUTS[layout][1]
+    flags = layout_spec(layout)[1]
     pp = _size(flags, "--pipeline-model-parallel-size")
     if "--num-virtual-stages-per-pipeline-rank" in flags and (micro_batches // dp) % pp:
         return (f"the interleaved schedule needs a multiple of {pp} micro-batches per "
@@ -147,7 +184,7 @@ def batch_unsplittable_reason(layout: str, micro_batches: int) -> str | None:
 
 
 def run_layout(a, name: str, out_dir: Path, extra: list[str], tag: str = "") -> dict:
-    nproc, flags = LAYOUTS[name]
+    nproc, flags = layout_spec(name)
     cp = 2 if name == "cp2" else 1
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
               "--nproc-per-node", str(nproc), str(ROOT / "pretrain_gpt.py")]
@@ -172,6 +209,35 @@ def run_layout(a, name: str, out_dir: Path, extra: list[str], tag: str = "") -> 
     return res
 
 
+def estimate_layout(a, name: str) -> dict:
+    """The dry run's step-time estimate of the launch ``run_layout`` made for ``name``, as on
+    ``a.estimate`` GPUs in bf16 (``estimated_ms``), or why there is none."""
+    import contextlib
+    import io
+
+    from megagpt.arguments import parse_arguments
+    from megagpt.errors import UserError
+    from megagpt.preflight import make_plan
+
+    nproc, flags = layout_spec(name)
+    argv = (model_flags(a.shape, a.seed, a.iters, False, 2 if name == "cp2" else 1,
+                        a.micro_batch, a.micro_batches) + flags + a.data_args
+            + ["--dry-run", "--dry-run-world-size", str(nproc), "--gpu-type", a.estimate])
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            plan = make_plan(parse_arguments(argv))
+    except UserError as exc:
+        return dict(estimate_error=str(exc))
+    if plan.run is None:
+        return dict(estimate_error=f"no speed figures for {a.estimate}")
+    return dict(estimated_ms=plan.run.step.seconds * 1e3)
+
+
+def ranks(values: dict[str, float]) -> dict[str, int]:
+    """1 for the smallest value, 2 for the next, ..."""
+    return {name: place for place, name in enumerate(sorted(values, key=values.get), 1)}
+
+
 def compare(base: dict, other: dict, first: int = 1) -> dict:
     """bench_throughput's loss comparison over the iterations from ``first`` on."""
     def pairs(run):
@@ -180,7 +246,7 @@ def compare(base: dict, other: dict, first: int = 1) -> dict:
 
 
 def tensor_parallel_size(layout: str) -> int:
-    return _size(LAYOUTS[layout][1], "--tensor-model-parallel-size")
+    return _size(layout_spec(layout)[1], "--tensor-model-parallel-size")
 
 
 def tokenizer_vocab_size(data_args: list[str]) -> int | None:
@@ -218,10 +284,10 @@ def same_optimizer(src: str, dst: str) -> list[str]:
     distributed optimizer's state only into the distributed optimizer (and the plain one's
     only into the plain one), so where either layout uses it both do (at DP=1 it shards
     nothing); saved in the format that reloads under another TP x PP where they differ."""
-    uses = lambda layout: "--use-distributed-optimizer" in LAYOUTS[layout][1]  # noqa: E731
+    uses = lambda layout: "--use-distributed-optimizer" in layout_spec(layout)[1]  # noqa: E731
     flags = ["--use-distributed-optimizer"] if uses(src) != uses(dst) else []
     model_parallel = lambda layout: (tensor_parallel_size(layout),  # noqa: E731
-                                     _size(LAYOUTS[layout][1], "--pipeline-model-parallel-size"))
+                                     _size(layout_spec(layout)[1], "--pipeline-model-parallel-size"))
     if (uses(src) or uses(dst)) and model_parallel(src) != model_parallel(dst):
         # its default format reloads only under the same TP x PP
         flags.append("--dist-ckpt-optim-fully-reshardable")
@@ -281,27 +347,41 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--one-log", default="", metavar="LOG",
                    help="compare with this earlier one-process log instead of running it again")
+    p.add_argument("--no-one", action="store_true",
+                   help="leave out the one-process run (and the loss comparison with it)")
+    p.add_argument("--estimate", default="", metavar="GPU",
+                   help="also the dry run's estimate of each layout's step on this GPU type")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     a.data_args = data_args or ["--mock-data"]
-    out_dir = Path(a.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     pairs = [spec.split(",") for spec in a.resume_check]
     if any(len(pair) != 2 for pair in pairs):
         p.error("--resume-check takes FROM,TO")
     unknown = [n for n in a.layouts.split(",") + [n for pair in pairs for n in pair]
-               if n and n not in LAYOUTS]
+               if n and layout_spec(n) is None]
     if unknown:
-        p.error(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
+        p.error(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}, or tpTppPdpD")
+    if a.no_one and (a.one_log or pairs):
+        p.error("--no-one leaves nothing for --one-log or --resume-check to compare with")
+    if a.estimate:
+        from megagpt.gpus import gpu_type_names
 
-    if a.one_log:  # the one-process run of an earlier invocation (same flags)
+        if a.estimate not in gpu_type_names():
+            p.error(f"--estimate {a.estimate}: not a GPU type the dry run knows "
+                    f"({', '.join(gpu_type_names())})")
+
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if a.no_one:
+        results = {}
+    elif a.one_log:  # the one-process run of an earlier invocation (same flags)
         results = {"one": dict(layout="one", processes=1, rc=0, log=a.one_log,
                                **parse_log(Path(a.one_log).read_text(), a.skip))}
     else:
         results = {"one": run_layout(a, "one", out_dir, [])}
-    base = results["one"]
+    base = results.get("one")
     for name in [n for n in a.layouts.split(",") if n]:
-        nproc = LAYOUTS[name][0]
+        nproc = layout_spec(name)[0]
         if nproc > a.gpus:
             results[name] = dict(layout=name, skipped=f"needs {nproc} processes, --gpus {a.gpus}")
             continue
@@ -310,18 +390,23 @@ def main(argv=None) -> int:
             results[name] = dict(layout=name, skipped=unsplittable)
             continue
         res = run_layout(a, name, out_dir, [])
-        if name != "cp2":  # a longer sequence: not the same losses
+        if base is not None and name != "cp2":  # cp2: a longer sequence, other losses
             res["against_one"] = compare(base, res)
         results[name] = res
+    if a.estimate:
+        for name, res in results.items():
+            if res.get("ms_per_iter"):
+                res.update(estimate_layout(a, name))
     # date, commit, machine, versions, command: what bench/records.py makes rows of
     report = dict(info=run_info(), shape=a.shape, cpu=a.cpu, gpus=a.gpus, iterations=a.iters,
+                  estimate_gpu=a.estimate or None,
                   micro_batch=a.micro_batch or SHAPES[a.shape][4],
                   micro_batches=a.micro_batches, tolerance=a.tolerance, layouts=results,
                   resumes=[])
     for src, dst in pairs:
         reason = next((r for r in (batch_unsplittable_reason(src, a.micro_batches),
                                    batch_unsplittable_reason(dst, a.micro_batches)) if r), None)
-        if max(LAYOUTS[src][0], LAYOUTS[dst][0]) > a.gpus:
+        if max(layout_spec(src)[0], layout_spec(dst)[0]) > a.gpus:
             reason = f"needs more than --gpus {a.gpus}"
         if reason:
             report["resumes"].append(dict(saved_under=src, resumed_under=dst, skipped=reason))
@@ -345,7 +430,7 @@ def main(argv=None) -> int:
 
 
 def print_table(report: dict) -> None:
-    one = report["layouts"]["one"]
+    one = report["layouts"].get("one", {})
     base_tf = one.get("tflops_per_gpu")
     print(f"\nshape {report['shape']}, {report['iterations']} iterations of "
           f"{report.get('micro_batches', MICRO_BATCHES)} micro-batches, "
@@ -368,6 +453,20 @@ def print_table(report: dict) -> None:
         print(f"{name:10s} {r['processes']:5d} {r.get('ms_per_iter', float('nan')):8.1f} "
               f"{(tf or float('nan')):11.1f} {scale} "
               f"{c.get('max_abs_diff', float('nan')):11.4f} {c.get('max_rel_diff', float('nan')):8.4f}")
+    timed = {n: r for n, r in report["layouts"].items() if r.get("estimated_ms")}
+    if timed:
+        measured = ranks({n: r["ms_per_iter"] for n, r in timed.items()})
+        estimated = ranks({n: r["estimated_ms"] for n, r in timed.items()})
+        print(f"\nmeasured against the dry run's estimate on {report['estimate_gpu']}:")
+        print(f"{'layout':10s} {'ms/iter':>8s} {'estimate':>8s} {'error':>7s} {'rank':>4s} "
+              f"{'est. rank':>9s}")
+        for name, r in timed.items():
+            error = r["estimated_ms"] / r["ms_per_iter"] - 1
+            print(f"{name:10s} {r['ms_per_iter']:8.1f} {r['estimated_ms']:8.1f} "
+                  f"{100 * error:+6.1f}% {measured[name]:4d} {estimated[name]:9d}")
+    for name, r in report["layouts"].items():
+        if r.get("estimate_error"):
+            print(f"{name:10s} no estimate: {r['estimate_error']}")
     for res in report.get("resumes", []):
         if "skipped" in res:
             print(f"resume: {res['saved_under']} to {res['resumed_under']} skipped "

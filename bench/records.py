@@ -340,7 +340,7 @@ def from_layouts(report: dict) -> list[dict]:
     """``layouts.py``'s ``layouts.json``: one ``layouts`` record per layout run (or refused),
     one ``resume`` record per ``--resume-check``."""
     base = _provenance(report["info"])
-    one_tf = report["layouts"]["one"].get("tflops_per_gpu")
+    one_tf = report["layouts"].get("one", {}).get("tflops_per_gpu")
     records = []
     for name, r in report["layouts"].items():
         if "skipped" in r:
@@ -357,7 +357,8 @@ def from_layouts(report: dict) -> list[dict]:
                 ms_per_iter=r.get("ms_per_iter"), tflops_per_gpu=tf,
                 per_gpu_vs_one=(tf / one_tf) if tf and one_tf and name != "one" else None,
                 max_rel_loss_diff=c.get("max_rel_diff"), max_abs_loss_diff=c.get("max_abs_diff"),
-                iterations=report.get("iterations")))
+                iterations=report.get("iterations"), estimated_ms=r.get("estimated_ms"),
+                estimated_on=report.get("estimate_gpu") if r.get("estimated_ms") else None))
         records.append(dict(table="layouts", row=row, figures=figures, **base))
     # "resume": one check, as layouts.json had it before --resume-check was repeatable
     resumes = report.get("resumes", [report["resume"]] if report.get("resume") else [])

@@ -283,7 +283,10 @@ TABLES = (
                  ("max rel. Δloss", lambda r: number(
                      None if r["figures"].get("max_rel_loss_diff") is None
                      else 100 * r["figures"]["max_rel_loss_diff"], 2)
-                  + (" %" if r["figures"].get("max_rel_loss_diff") is not None else ""))),
+                  + (" %" if r["figures"].get("max_rel_loss_diff") is not None else "")),
+                 ("dry-run estimate, ms/iter", lambda r: (
+                     f"{number(r['figures']['estimated_ms'])} ({r['figures']['estimated_on']})"
+                     if r["figures"].get("estimated_ms") else ""))),
         sort=lambda r: (SHAPE_ORDER.get(r["shape"], 9), r["processes"], r["layout"] != "one",
                         r["layout"]),
         summary=lambda r: (f"{r['row']['shape']} {r['row']['layout']} on "

@@ -101,3 +101,54 @@ def test_a_global_batch_each_layout_can_split():
     assert layouts.same_optimizer("dp2", "dp2eager") == []
     assert layouts.same_optimizer("tp2", "dp2") == ["--use-distributed-optimizer",
                                                     "--dist-ckpt-optim-fully-reshardable"]
+
+
+def test_any_tp_pp_dp_layout_by_name():
+    sys.path.insert(0, str(REPO / "bench"))
+    import layouts
+
+    assert layouts.layout_spec("tp2pp4") == (8, ["--tensor-model-parallel-size", "2",
+                                                 "--pipeline-model-parallel-size", "4"])
+    assert layouts.layout_spec("pp8") == (8, ["--pipeline-model-parallel-size", "8"])
+    assert layouts.layout_spec("tp2dp4") == (8, ["--tensor-model-parallel-size", "2",
+                                                 *layouts.DP_FLAGS])
+    assert layouts.layout_spec("tp2") == layouts.LAYOUTS["tp2"]  # the named ones as named
+    assert layouts.layout_spec("dp2pp2") is None  # out of order: not guessed at
+    assert layouts.layout_spec("tp0") is None and layouts.layout_spec("x") is None
+    assert layouts.data_parallel_size("tp2dp4") == 4
+
+
+def test_measured_layouts_are_set_beside_the_dry_runs_estimate(tmp_path):
+    """--no-one --estimate: each layout's measured step and the dry run's estimate of the
+    same launch (on the CPU the two are not comparable; what is checked is that every timed
+    layout gets its estimate, and the report's rows carry both)."""
+    out = tmp_path / "ranking"
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "layouts.py"), "--cpu",
+                        "--shape", "tiny", "--gpus", "2", "--iters", "3", "--skip", "1",
+                        "--no-one", "--layouts", "tp2,pp2,tp1dp2", "--estimate", "H200",
+                        "--out", str(out), "--", "--mock-data", "--vocab-size", "512"],
+                       cwd=REPO, env=entry_env(), stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-4000:]
+    report = json.loads((out / "layouts.json").read_text())
+    assert set(report["layouts"]) == {"tp2", "pp2", "tp1dp2"} and not (out / "one.log").exists()
+    for r in report["layouts"].values():
+        assert r["ms_per_iter"] > 0 and r["estimated_ms"] > 0
+    assert "measured against the dry run's estimate on H200" in p.stdout
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import records
+
+    made = records.from_output(report)
+    assert all(not records.problems(r) for r in made)
+    assert {r["row"]["layout"]: r["figures"]["estimated_on"] for r in made} == {
+        "tp2": "H200", "pp2": "H200", "tp1dp2": "H200"}
+
+
+def test_an_estimate_for_a_gpu_the_dry_run_does_not_know_is_refused_first(tmp_path):
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "layouts.py"), "--cpu",
+                        "--shape", "tiny", "--layouts", "tp2", "--estimate", "V100",
+                        "--out", str(tmp_path)], cwd=REPO, env=entry_env(),
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert p.returncode == 2 and "--estimate V100: not a GPU type the dry run knows" in p.stdout
+    assert not list(tmp_path.iterdir())
