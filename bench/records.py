@@ -297,6 +297,8 @@ def _against_commit_records(summary: dict, shape: str, base: dict) -> list[dict]
     results, path_flags = summary.get("results", {}), summary.get("path_flags", {})
     records = []
     for path, other in summary.get("entry_of", {}).items():
+        if path not in results:
+            continue  # in the loss comparison alone
         flags = path_flags.get(path, [])
         mine = [x for x in results if x not in summary["entry_of"] and x != "reference"
                 and path_flags.get(x, []) == flags]
