@@ -206,19 +206,26 @@ for spec in ${MG_SHAPES:-345M:8:8 345M:4:8 1.3B:4:8}; do
     grep -A6 "^shape" "$OUT/mgpu_${shape}_mb${mb}x${n}.txt"
 done
 fi
+# One invocation at SHAPE of $paths (with $variants) and a `--fast-disable PIECE` run for each
+# PIECE, each divided by BASELINE's figures; OUT/NAME_SHAPE.txt holds its output.
+against_default_and_pieces() {
+    local shape=$1 baseline=$2 name=$3 piece
+    shift 3
+    for piece in "$@"; do
+        variants+=(--variant "no-$piece=--fast-disable $piece"); paths="$paths,no-$piece"
+    done
+    timeout $(( $(left) - 5 )) $PY bench/bench_throughput.py --shape "$shape" --paths "$paths" \
+        "${variants[@]}" --baseline "$baseline" --train-iters 30 --warmup-iters 10 \
+        --out "$OUT/${name}_$shape" > "$OUT/${name}_$shape.txt" 2>&1
+    grep -A14 "^path" "$OUT/${name}_$shape.txt"
+}
 if want 9; then
 echo "== 9. the fast path's pieces, each against the default ($(left)s left)"
 PIECES=${PIECES:-hash-dropout flat-adam async-step lm-loss lm-grad-in-forward bf16-grad-buffer grad-write fused-layer optimizer}
 for shape in ${PIECE_SHAPES:-345M 1.3B}; do
     [ "$(left)" -gt 90 ] || break
     variants=(); paths=fast
-    for piece in $PIECES; do
-        variants+=(--variant "no-$piece=--fast-disable $piece"); paths="$paths,no-$piece"
-    done
-    timeout $(( $(left) - 5 )) $PY bench/bench_throughput.py --shape "$shape" --paths "$paths" \
-        "${variants[@]}" --baseline fast --train-iters 30 --warmup-iters 10 \
-        --out "$OUT/pieces_$shape" > "$OUT/pieces_$shape.txt" 2>&1
-    grep -A14 "^path" "$OUT/pieces_$shape.txt"
+    against_default_and_pieces "$shape" fast pieces $PIECES
 done
 fi
 if want 10; then
@@ -227,13 +234,7 @@ corpus
 for shape in ${BASE_SHAPES:-345M 1.3B}; do
     [ "$(left)" -gt 90 ] || break
     variants=(--variant base= --entry-of "base=$BASE/pretrain_gpt.py"); paths=base,fast
-    for piece in ${PIECES_TOO:-}; do
-        variants+=(--variant "no-$piece=--fast-disable $piece"); paths="$paths,no-$piece"
-    done
-    timeout $(( $(left) - 5 )) $PY bench/bench_throughput.py --shape "$shape" --paths "$paths" \
-        "${variants[@]}" --baseline base --train-iters 30 --warmup-iters 10 \
-        --out "$OUT/base_$shape" > "$OUT/base_$shape.txt" 2>&1
-    grep -A12 "^path" "$OUT/base_$shape.txt"
+    against_default_and_pieces "$shape" base base ${PIECES_TOO:-}
 done
 if [ "$(left)" -gt 90 ]; then
     timeout $(( $(left) - 5 )) $PY bench/bench_throughput.py --shape 345M --paths "" \

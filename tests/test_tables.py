@@ -132,26 +132,28 @@ def test_throughput_output_becomes_training_switch_and_loss_records():
     assert all(not records.problems(r) for r in made)
 
 
+def _throughput_output(shape: str, path_flags: dict, ms_per_iter: dict, **more) -> dict:
+    """bench_throughput.py's bench_<shape>.json for these paths, flags and step times."""
+    from run_info import run_info
+
+    info = dict(run_info(), gpu="NVIDIA H200", shape=shape,
+                command=f"python bench/bench_throughput.py --shape {shape} --out /root/out/x")
+    results = {path: dict(ms_per_iter=ms, tokens_per_s=1.0, tflops_per_gpu=1.0,
+                          peak_mem_mib=1.0) for path, ms in ms_per_iter.items()}
+    return dict(info=info, entry_args="", data="mock", path_flags=path_flags,
+                results=results, **more)
+
+
 def test_a_path_through_another_checkouts_entry_is_compared_not_tabled_as_this_commits():
     """``--entry-of base=...``: the earlier commit's run is set against this checkout's run
     with the same flags (one against-commit record each), and is no training row."""
-    from run_info import run_info
-
-    info = dict(run_info(), gpu="NVIDIA H200", shape="1.3B",
-                command="python bench/bench_throughput.py --shape 1.3B --out /root/out/b")
-    entry = dict(ms_per_iter=134.0, tokens_per_s=1.0, tflops_per_gpu=518.0, peak_mem_mib=1.0)
     mgpu = ["--fast-multi-gpu-path", "--use-distributed-optimizer"]
-    summary = dict(
-        info=info, entry_args="", data="mock",
-        path_flags={"fast": [], "base": [], "mgpu": mgpu, "base-mgpu": mgpu,
-                    "lonely": ["--seed", "2"]},
-        entry_of={"base": dict(entry=".bench-base/pretrain_gpt.py", commit="13aa416"),
-                  "base-mgpu": dict(entry=".bench-base/pretrain_gpt.py", commit="13aa416"),
-                  "lonely": dict(entry=".bench-base/pretrain_gpt.py", commit=None)},
-        results={"fast": entry, "base": dict(entry, ms_per_iter=135.34),
-                 "mgpu": dict(entry, ms_per_iter=140.0),
-                 "base-mgpu": dict(entry, ms_per_iter=139.0), "lonely": entry})
-    made = records.from_throughput(summary)
+    earlier = dict(entry=".bench-base/pretrain_gpt.py", commit="13aa416")
+    made = records.from_throughput(_throughput_output(
+        "1.3B", {"fast": [], "base": [], "mgpu": mgpu, "base-mgpu": mgpu,
+                 "lonely": ["--seed", "2"]},
+        {"fast": 134.0, "base": 135.34, "mgpu": 140.0, "base-mgpu": 139.0, "lonely": 134.0},
+        entry_of={"base": earlier, "base-mgpu": earlier, "lonely": dict(earlier, commit=None)}))
     against = {r["row"]["path"]: r for r in made if r["table"] == "against-commit"}
     assert set(against) == {"fast", "mgpu"}
     assert against["fast"]["row"]["against"] == "13aa416"
@@ -169,19 +171,11 @@ def test_a_path_through_another_checkouts_entry_is_compared_not_tabled_as_this_c
 def test_a_switch_added_to_another_path_is_measured_against_that_path():
     """``--fast-disable deferred-nan-checks`` added to the several-GPU path's flags: its row
     says so and its "default" is the several-GPU run, not the single-GPU default."""
-    from run_info import run_info
-
-    info = dict(run_info(), gpu="NVIDIA H200", shape="345M",
-                command="python bench/bench_throughput.py --shape 345M --out /root/out/m")
-    entry = dict(ms_per_iter=48.0, tokens_per_s=1.0, tflops_per_gpu=1.0, peak_mem_mib=1.0)
     mgpu = ["--fast-multi-gpu-path", "--use-distributed-optimizer"]
-    summary = dict(
-        info=info, entry_args="", data="mock",
-        path_flags={"fast": [], "mgpu": mgpu,
-                    "nodefer": [*mgpu, "--fast-disable", "deferred-nan-checks"]},
-        results={"fast": entry, "mgpu": dict(entry, ms_per_iter=381.4),
-                 "nodefer": dict(entry, ms_per_iter=421.85)})
-    made = records.from_throughput(summary)
+    made = records.from_throughput(_throughput_output(
+        "345M", {"fast": [], "mgpu": mgpu,
+                 "nodefer": [*mgpu, "--fast-disable", "deferred-nan-checks"]},
+        {"fast": 48.0, "mgpu": 381.4, "nodefer": 421.85}))
     switches = {(r["row"]["switch"], r["row"].get("on")): r["figures"] for r in made
                 if r["table"] == "switches"}
     assert switches[("--fast-disable deferred-nan-checks", shlex.join(mgpu))] == dict(
