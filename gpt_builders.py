@@ -33,15 +33,15 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 
-from megagpt.fast_spec import plan
+from megagpt.fast_spec import layer_path
 from megagpt.fast_spec.spec import fast_decoder_block_spec, get_fast_gpt_layer_spec
 
-# the layer paths, as the fast path's plan names them
-TRANSFORMER_ENGINE = plan.TRANSFORMER_ENGINE
-MOE_BLOCK = plan.MOE_BLOCK
-FAST = plan.FAST
-LOCAL = plan.LOCAL
-USER_SPEC = plan.USER_SPEC
+# the layer paths, as megagpt.fast_spec.layer_path names them
+TRANSFORMER_ENGINE = layer_path.TRANSFORMER_ENGINE
+MOE_BLOCK = layer_path.MOE_BLOCK
+FAST = layer_path.FAST
+LOCAL = layer_path.LOCAL
+USER_SPEC = layer_path.USER_SPEC
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,8 @@ class LayerSpecChoice:
 
 def choose_layer_spec(args) -> LayerSpecChoice:
     """Decide the layer-spec path for this run from its (adapted) arguments: the plan's
-    ``layers`` choice (``megagpt.fast_spec.plan.layer_path``)."""
-    return LayerSpecChoice(*plan.layer_path(args))
+    ``layers`` choice (``megagpt.fast_spec.layer_path``)."""
+    return LayerSpecChoice(*layer_path.layer_path(args))
 
 
 def layer_spec_builder(choice: LayerSpecChoice, args) -> Callable | None:

@@ -198,7 +198,7 @@ def check_required_packages(args, installed: Installed) -> None:
                                          f"installed ({how})")
     if (args.sequence_parallel and (args.tensor_model_parallel_size or 1) > 1
             and not installed.transformer_engine and not installed.apex):
-        from megagpt.fast_spec.settings import fast_path_selected
+        from megagpt.fast_spec.layer_path import fast_path_selected
 
         if not fast_path_selected(args):
             # megatron's torch norm asserts on it while the model is built

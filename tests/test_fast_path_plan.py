@@ -235,7 +235,7 @@ def test_the_users_nccl_setting_is_kept():
 
 
 def test_apply_fast_path_defaults_is_the_plan_applied():
-    from megagpt.fast_spec.settings import apply_fast_path_defaults
+    from megagpt.fast_spec.plan import apply_fast_path_defaults
 
     args, lines = launch(world_size=8), []
     plan = plan_fast_path(copy.deepcopy(args), NO_TE, {})

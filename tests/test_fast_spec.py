@@ -567,7 +567,7 @@ def _parse(argv):
 
 
 def _resolved(argv=(), **attrs):
-    from megagpt.fast_spec.settings import apply_fast_path_defaults
+    from megagpt.fast_spec.plan import apply_fast_path_defaults
 
     args = _parse(list(argv))
     base = dict(transformer_impl="local", spec=None, num_experts=None, world_size=1,

@@ -13,7 +13,7 @@ from megatron_parts import fast_path_namespace
 
 
 def _resolved(argv=(), **attrs):
-    from megagpt.fast_spec.settings import apply_fast_path_defaults
+    from megagpt.fast_spec.plan import apply_fast_path_defaults
 
     args = fast_path_namespace(argv, **attrs)
     lines: list[str] = []

@@ -15,7 +15,8 @@ laid over them), not through arguments an earlier step wrote: the grad-write che
 
 The switches and their reasons live in ``settings`` (``*_unsupported_reason``); the layers
 (fast spec, Transformer Engine's, megatron's local ones) follow ``--transformer-impl`` as
-``megagpt.layer_impl`` chose it, and ``layer_path`` is the one place that tells them apart.
+``megagpt.layer_impl`` chose it, and ``layer_path`` (its own module) is the one place that
+tells them apart. ``apply_fast_path_defaults(args, log)`` is the two in one call.
 """
 
 from __future__ import annotations
@@ -27,13 +28,16 @@ from typing import Callable, Mapping, MutableMapping, Optional
 from megagpt.errors import UserError
 
 from . import settings as s
-
-# layer paths (gpt_builders builds each)
-TRANSFORMER_ENGINE = "transformer_engine"
-MOE_BLOCK = "moe_block"
-FAST = "fast"
-LOCAL = "local"
-USER_SPEC = "user_spec"
+from .layer_path import (  # noqa: F401 - the layer paths, as the plan names them
+    FAST,
+    LOCAL,
+    MOE_BLOCK,
+    TRANSFORMER_ENGINE,
+    USER_SPEC,
+    fast_path_selected,
+    layer_path,
+    te_layers_selected,
+)
 
 NCCL_CONNECT = "NCCL_RUNTIME_CONNECT"
 NCCL_CHOICE = "NCCL connect"
@@ -68,28 +72,6 @@ class FastPathPlan:
     def describe(self) -> list[str]:
         """The plan for ``--dry-run``: one line per choice."""
         return ["fast path:", *(c.describe() for c in self.choices)]
-
-
-def layer_path(args) -> tuple[str, str]:
-    """(path, reason): which layers the model is built from (gpt_builders builds them)."""
-    spec = getattr(args, "spec", None)
-    if spec:
-        return USER_SPEC, f"--spec {' '.join(spec)}"
-    use_te = getattr(args, "transformer_impl", "local") == "transformer_engine"
-    experts = getattr(args, "num_experts", None)
-    if experts is not None:
-        impl = "Transformer Engine" if use_te else "local"
-        return MOE_BLOCK, f"--num-experts {experts}, {impl} modules"
-    if use_te:
-        return TRANSFORMER_ENGINE, getattr(args, "transformer_impl_reason",
-                                           "--transformer-impl transformer_engine")
-    from .spec import fast_spec_unsupported_reason
-
-    reason = fast_spec_unsupported_reason(args)
-    if reason is None:
-        why = getattr(args, "transformer_impl_reason", "Transformer Engine is not installed")
-        return FAST, f"{why}; SDPA attention and fused kernels"
-    return LOCAL, f"megatron's local modules; fast spec off: {reason}"
 
 
 class _View:
@@ -138,10 +120,10 @@ class _Planner:
         self.choices.append(Choice(name, value, reason))
 
     def fast(self) -> bool:
-        return s.fast_path_selected(self.v)
+        return fast_path_selected(self.v)
 
     def te(self) -> bool:
-        return s.te_layers_selected(self.v)
+        return te_layers_selected(self.v)
 
     def world(self) -> int:
         return s._planned_world_size(self.v)
@@ -489,3 +471,13 @@ def apply_plan(plan: FastPathPlan, args, environ: Optional[MutableMapping[str, s
         environ[name] = value
     for line in plan.log:
         (log or (lambda line: None))(line)
+
+
+def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None,
+                             installed=None) -> FastPathPlan:
+    """The plan for ``args`` applied; returns it. Call after parsing, before megatron's
+    ``validate_args`` and before the model and optimizer are built; it patches nothing in
+    megatron (``settings.install_fast_path_patches`` does, at launch)."""
+    plan = plan_fast_path(args, installed)
+    apply_plan(plan, args, log=log)
+    return plan

@@ -15,9 +15,9 @@ They set the namespace attributes the plan reads (``fast_cuda_graph``,
 an attribute None for the plan to decide. What each piece does and what it measured:
 docs/speed.md.
 
-``apply_fast_path_defaults(args, log)`` runs after parsing, before the model and optimizer
-are built: ``plan.plan_fast_path`` decides each automatic default, with its reason, and
-``plan.apply_plan`` writes them. ``install_fast_path_patches(args, log)`` installs the
+After parsing, before the model and optimizer are built, ``plan.plan_fast_path`` decides
+each automatic default, with its reason, and ``plan.apply_plan`` writes them.
+``install_fast_path_patches(args, log)`` installs the
 optimizer and step replacements inside megatron's modules; the entry calls it when it
 launches training.
 """
@@ -28,6 +28,8 @@ import argparse
 from typing import Callable, Optional
 
 from megagpt.errors import UserError
+
+from .layer_path import fast_path_selected, te_layers_selected
 
 # --fast-disable's pieces: name -> (namespace attribute, its value when disabled)
 PIECES = {
@@ -169,21 +171,6 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
         "measure it.")
     group.set_defaults(**dict(SWITCH_DEFAULTS))
     return parser
-
-
-def fast_path_selected(args) -> bool:
-    """Whether this run builds layers from the fast spec (``plan.layer_path``)."""
-    from .plan import FAST, layer_path
-
-    return layer_path(args)[0] == FAST
-
-
-def te_layers_selected(args) -> bool:
-    """Whether this run builds Transformer Engine's dense layer spec (``plan.layer_path``:
-    no --spec, no MoE block)."""
-    from .plan import TRANSFORMER_ENGINE, layer_path
-
-    return layer_path(args)[0] == TRANSFORMER_ENGINE
 
 
 def _path_name(args) -> str:
@@ -376,19 +363,6 @@ def grad_write_unsupported_reason(args) -> Optional[str]:
         # DDP hook that writes instead
         return "per-layer CUDA graphs (megatron's --cuda-graph-impl local)"
     return None
-
-
-def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None,
-                             installed=None):
-    """Resolve the fast path's automatic defaults in a parsed megatron namespace: the plan
-    (``plan.plan_fast_path``) applied (``plan.apply_plan``); returns the plan. Call after
-    parsing, before megatron's ``validate_args`` and before the model and optimizer are
-    built; it patches nothing in megatron (``install_fast_path_patches`` does, at launch)."""
-    from .plan import apply_plan, plan_fast_path
-
-    plan = plan_fast_path(args, installed)
-    apply_plan(plan, args, log=log)
-    return plan
 
 
 def fused_adam_left_out_reason(args, local_fallbacks: Callable[[], bool]) -> Optional[str]:

@@ -198,7 +198,7 @@ SCORE_BYTES_FP32_SOFTMAX_EXTRA = 2
 
 
 def score_bytes_per_element(args) -> int:
-    from megagpt.preflight.cost import fused_softmax, softmax_in_fp32
+    from megagpt.preflight.launch_path import fused_softmax, softmax_in_fp32
 
     fp32_copy = not fused_softmax(args) and softmax_in_fp32(args)
     return SCORE_BYTES_KEPT + (SCORE_BYTES_FP32_SOFTMAX_EXTRA if fp32_copy else 0)
@@ -230,7 +230,7 @@ def layer_activation_bytes(args, recompute: str) -> float:
     split = (4 + 4 * groups / heads  # Q, K, V
              + 2  # projection input
              + 2 * fc1_out / h + 2 * args.ffn_hidden_size / h)  # activation and fc2 inputs
-    from megagpt.preflight.cost import launch_path
+    from megagpt.preflight.launch_path import launch_path
 
     unfused = launch_path(args) == "local"  # megatron's DotProductAttention: the scores in memory
     scores = score_bytes_per_element(args) * heads * seq / h \
@@ -256,7 +256,7 @@ def _logits_bytes(args) -> float:
     """The loss's buffers on the last stage: megatron keeps the [tokens, vocab/TP] logits in
     16-bit and the fp32 softmax for the backward (6 bytes per element); the fast path's
     chunked loss keeps none of that size."""
-    from megagpt.preflight.cost import launch_path
+    from megagpt.preflight.launch_path import launch_path
 
     if launch_path(args) == "fast" and getattr(args, "fast_lm_loss", True):
         return 0.0
@@ -320,7 +320,7 @@ def gradient_copy_bytes(args) -> float:
     of the rank's shard under the distributed optimizer. The fast path's flat Adam reads the
     16-bit buffer in place.
     """
-    from megagpt.preflight.cost import launch_path
+    from megagpt.preflight.launch_path import launch_path
 
     mixed = args.bf16 or args.fp16
     if not mixed or bytes_per_parameter(args)[1] != 2:
@@ -347,7 +347,7 @@ def adam_temporary_bytes(args) -> float:
     which allocates nothing, and TE's and apex's FusedAdam allocate nothing either. The
     distributed optimizer steps the rank's shard only; an offloaded share steps on the host.
     """
-    from megagpt.preflight.cost import launch_path
+    from megagpt.preflight.launch_path import launch_path
 
     if not args.optimizer.startswith("adam") or launch_path(args) == "te":
         return 0.0

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from megagpt.preflight import cost
 from megagpt.preflight import estimate as est
+from megagpt.preflight.launch_path import launch_path
 from megagpt.preflight.step_time import StepEstimate, estimate_step
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -114,7 +115,7 @@ def rank(args, gpu, layout: Layout, path: str) -> Ranked:
 
 def search(args, gpu, recompute=RECOMPUTE) -> list[Ranked]:
     """Every layout that fits ``gpu``, fastest first."""
-    path = cost.launch_path(args)
+    path = launch_path(args)
     limit = gpu.memory_gib * est.GIB * SEARCH_MEMORY_SHARE
     ranked = [r for layout in candidate_layouts(args, gpu.spec.gpus_per_node, recompute)
               if (r := rank(args, gpu, layout, path)).memory.total <= limit]

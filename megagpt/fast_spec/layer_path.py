@@ -1,0 +1,47 @@
+"""Which layers a run's model is built from: the fast spec, Transformer Engine's, megatron's
+local ones, its MoE block or a user's ``--spec``. ``layer_path`` is the one place that tells
+them apart; ``gpt_builders`` builds each, and the fast path's plan, ``megagpt.compat`` and
+the dry run's estimate ask it.
+"""
+
+from __future__ import annotations
+
+# layer paths (gpt_builders builds each)
+TRANSFORMER_ENGINE = "transformer_engine"
+MOE_BLOCK = "moe_block"
+FAST = "fast"
+LOCAL = "local"
+USER_SPEC = "user_spec"
+
+
+def layer_path(args) -> tuple[str, str]:
+    """(path, reason): which layers the model is built from (gpt_builders builds them)."""
+    spec = getattr(args, "spec", None)
+    if spec:
+        return USER_SPEC, f"--spec {' '.join(spec)}"
+    use_te = getattr(args, "transformer_impl", "local") == "transformer_engine"
+    experts = getattr(args, "num_experts", None)
+    if experts is not None:
+        impl = "Transformer Engine" if use_te else "local"
+        return MOE_BLOCK, f"--num-experts {experts}, {impl} modules"
+    if use_te:
+        return TRANSFORMER_ENGINE, getattr(args, "transformer_impl_reason",
+                                           "--transformer-impl transformer_engine")
+    from .spec import fast_spec_unsupported_reason
+
+    reason = fast_spec_unsupported_reason(args)
+    if reason is None:
+        why = getattr(args, "transformer_impl_reason", "Transformer Engine is not installed")
+        return FAST, f"{why}; SDPA attention and fused kernels"
+    return LOCAL, f"megatron's local modules; fast spec off: {reason}"
+
+
+def fast_path_selected(args) -> bool:
+    """Whether this run builds layers from the fast spec."""
+    return layer_path(args)[0] == FAST
+
+
+def te_layers_selected(args) -> bool:
+    """Whether this run builds Transformer Engine's dense layer spec (no --spec, no MoE
+    block)."""
+    return layer_path(args)[0] == TRANSFORMER_ENGINE
