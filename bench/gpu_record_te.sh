@@ -59,8 +59,12 @@ bench() {  # NAME PYTHONPATH [bench_throughput args...]
 
 case "$STEP" in
 tests)
-    # several tests at once where pytest-xdist is there (each test is its own processes)
-    WORKERS=""; PYTHONPATH=$WITH_TE $PY -c "import xdist" 2>/dev/null && WORKERS="-n ${TEST_WORKERS:-6}"
+    # several tests at once where pytest-xdist is there (each test is its own processes);
+    # TEST_WORKERS=1 runs them in this process, where -s shows the figures they print
+    WORKERS=""
+    if [ "${TEST_WORKERS:-6}" != 1 ]; then
+        PYTHONPATH=$WITH_TE $PY -c "import xdist" 2>/dev/null && WORKERS="-n ${TEST_WORKERS:-6}"
+    fi
     # each failure written as it happens: a run cut by the call's time limit keeps them
     MEGAGPT_FAILURE_LOG="$OUT/te_failures.txt" PYTHONPATH=$WITH_TE timeout $(( $(left) - 5 )) \
         $PY -m pytest -v -p no:cacheprovider -s -rA $WORKERS -m te_gpu \
