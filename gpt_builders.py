@@ -26,7 +26,6 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
-
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
