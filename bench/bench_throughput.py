@@ -55,7 +55,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from reference_gpt import SHAPES, megatron_flops, pad_vocab  # noqa: E402
-from run_info import run_info  # noqa: E402
+from run_info import checkout_commit, run_info  # noqa: E402
 
 VOCAB = 50257
 
@@ -186,19 +186,6 @@ def entry_command(a, path: str, train_iters: int, log_interval: int) -> list[str
                                  getattr(a, "data_flags", None), a.micro_batch,
                                  a.micro_batches)
             + ENTRY_PATH_FLAGS[path] + shlex.split(a.entry_args))
-
-
-def checkout_commit(entry: Path) -> str | None:
-    """The commit of the checkout holding ``entry`` (short), None where git cannot say (a
-    worktree copied without its repository)."""
-    try:
-        p = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=entry.parent,
-                           capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if p.returncode != 0:
-        return None
-    return p.stdout.strip() or None
 
 
 def run_logged(cmd: list[str], log_path: Path, timeout: float, env: dict | None = None):
@@ -364,7 +351,7 @@ def main(argv=None) -> int:
         if not sep or name not in ENTRY_PATH_FLAGS or not (ROOT / entry).is_file():
             p.error(f"--entry-of wants PATH=ENTRY with a known path and an existing entry "
                     f"file, got {spec!r}")
-        entry_of[name] = dict(entry=entry, commit=checkout_commit(ROOT / entry))
+        entry_of[name] = dict(entry=entry, commit=checkout_commit((ROOT / entry).parent))
     a.entry_of = {name: e["entry"] for name, e in entry_of.items()}
     if a.corpus:
         from megagpt.data.cache import FetchError

@@ -44,6 +44,8 @@ one-process run (a shape too big for one GPU, or timing alone):
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import re
@@ -212,9 +214,6 @@ def run_layout(a, name: str, out_dir: Path, extra: list[str], tag: str = "") -> 
 def estimate_layout(a, name: str) -> dict:
     """The dry run's step-time estimate of the launch ``run_layout`` made for ``name``, as on
     ``a.estimate`` GPUs in bf16 (``estimated_ms``), or why there is none."""
-    import contextlib
-    import io
-
     from megagpt.arguments import parse_arguments
     from megagpt.errors import UserError
     from megagpt.preflight import make_plan

@@ -27,17 +27,21 @@ def commit() -> str | None:
     stale (a device machine gets the working tree over an older checkout, whose HEAD is not
     the code that runs). Else the checkout's commit (short), ``+changes`` when tracked files
     differ from it; None when neither says."""
-    given = os.environ.get("MEGAGPT_COMMIT")
-    if given:
-        return given
+    return os.environ.get("MEGAGPT_COMMIT") or checkout_commit(ROOT)
+
+
+def checkout_commit(folder: Path) -> str | None:
+    """The commit of the git checkout holding ``folder`` (short), ``+changes`` when tracked
+    files differ from it; None where git cannot say (a worktree copied without its
+    repository)."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=folder,
                               capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=ROOT, capture_output=True, text=True, timeout=10)
+                               cwd=folder, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
-        head = None
-    if head is not None and head.returncode == 0 and head.stdout.strip():
+        return None
+    if head.returncode == 0 and head.stdout.strip():
         return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
     return None
 

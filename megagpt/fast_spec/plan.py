@@ -28,16 +28,7 @@ from typing import Callable, Mapping, MutableMapping, Optional
 from megagpt.errors import UserError
 
 from . import settings as s
-from .layer_path import (  # noqa: F401 - the layer paths, as the plan names them
-    FAST,
-    LOCAL,
-    MOE_BLOCK,
-    TRANSFORMER_ENGINE,
-    USER_SPEC,
-    fast_path_selected,
-    layer_path,
-    te_layers_selected,
-)
+from .layer_path import fast_path_selected, layer_path, te_layers_selected
 
 NCCL_CONNECT = "NCCL_RUNTIME_CONNECT"
 NCCL_CHOICE = "NCCL connect"

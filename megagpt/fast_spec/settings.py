@@ -214,8 +214,9 @@ def cuda_graph_unsupported_reason(args) -> Optional[str]:
         return "CPU mode"
     if te_layers_selected(args):
         # asked for (--fast-cuda-graphs iteration, or megatron's --cuda-graph-impl
-        # full_iteration) it runs; not by default: with TE's layers at a small shape (head size 16) launches
-        # under it failed where the same launch without it trained (docs/speed.md)
+        # full_iteration) it runs; not by default: with TE's layers at a small shape (head
+        # size 16) launches under it failed where the same launch without it trained
+        # (docs/speed.md)
         return ("not by default for Transformer Engine's layers (--fast-cuda-graphs "
                 "iteration asks for it; docs/speed.md)")
     if not fast_path_selected(args):
