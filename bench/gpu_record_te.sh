@@ -13,7 +13,9 @@
 #           written to OUT/te_failures.txt at once). More than one call's worth: split them
 #           with TESTS_K, e.g. TESTS_K="config or example" in one call and
 #           TESTS_K="not config and not example" in the next
-#   matrix  the flag matrix's rows that TE changes
+#   matrix  the flag matrix's rows that TE changes (MATRIX_ROWS: other rows, in the order they
+#           start, e.g. every row one GPU runs; MATRIX_PARALLEL rows at once, default 2); each
+#           row's log stays in OUT/matrix_runs, so a call cut short keeps the rows it finished
 #   train   throughput, bf16, mock data, dropout 0: 345M and 1.3B, each: the entry's default
 #           with TE, TE's layers (--transformer-impl transformer_engine --fast-cuda-graphs iteration),
 #           the default without TE
@@ -74,10 +76,17 @@ tests)
     ;;
 matrix)
     PYTHONPATH=$WITH_TE MEGAGPT_FLAG_MATRIX_DEVICE=gpu \
-        MEGAGPT_FLAG_MATRIX=cp2,layernorm_1p,moe_with_linear_bias,transformer_engine,fp8 \
-        timeout $(( $(left) - 5 )) $PY -m pytest -q -p no:cacheprovider tests/test_flag_matrix.py \
-        -k row_trains > "$OUT/flag_matrix_te.txt" 2>&1
-    tail -4 "$OUT/flag_matrix_te.txt"
+        MEGAGPT_FLAG_MATRIX=${MATRIX_ROWS:-cp2,layernorm_1p,moe_with_linear_bias,transformer_engine,fp8} \
+        MEGAGPT_FLAG_MATRIX_PARALLEL=${MATRIX_PARALLEL:-2} \
+        timeout $(( $(left) - 5 )) $PY -m pytest -q -rA -p no:cacheprovider --basetemp "$OUT/matrix_runs" \
+        tests/test_flag_matrix.py -k row_trains > "$OUT/flag_matrix_te.txt" 2>&1
+    grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/flag_matrix_te.txt" | cut -c1-200 | tail -40
+    # rows that finished, by their logs (what a call cut short still shows)
+    for log in "$OUT"/matrix_runs/flag_matrix0/*/entry.log; do
+        [ -f "$log" ] || continue
+        echo "$(basename "$(dirname "$log")"): $(grep -c ' iteration ' "$log") iteration lines," \
+             "$(grep -c Traceback "$log") tracebacks; $(grep -m1 '^error:' "$log" | cut -c1-120)"
+    done
     ;;
 train)
     # TE_PATHS=fast: only the default with TE (against without), e.g. to check that

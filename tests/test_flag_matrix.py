@@ -24,7 +24,9 @@ from helpers import fetched_or_skip, parse_losses, run_entry
 
 DEVICE = os.environ.get("MEGAGPT_FLAG_MATRIX_DEVICE", "cpu")
 SELECTION = os.environ.get("MEGAGPT_FLAG_MATRIX", "ci")
-PARALLEL_RUNS = 2
+# two at a time on a 2-core machine; a GPU machine with more cores can take more
+# (MEGAGPT_FLAG_MATRIX_PARALLEL)
+PARALLEL_RUNS = int(os.environ.get("MEGAGPT_FLAG_MATRIX_PARALLEL", "2"))
 ROW_TIMEOUT_S = 420
 
 
