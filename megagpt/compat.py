@@ -254,6 +254,25 @@ def adapt_args_to_installed(args, argv: Iterable[str], installed: Installed,
 RERUN_MODE_SPELLINGS = {"report_stats": "report_determinism_stats"}
 
 
+def bias_activation_fusion_conflict(args) -> str | None:
+    """Why megatron's default fusion of the MLP's bias into its activation cannot run with
+    this launch's activation (None: it can). The fusion is on unless ``--no-bias-gelu-fusion``
+    is given (there is no flag that asks for it), and megatron turns it off itself only where
+    the linears have no bias; here it is refused once the model's config is built, or, in the
+    MoE experts, at the first step."""
+    if args.swiglu or not args.bias_gelu_fusion or not args.add_bias_linear:
+        return None
+    if args.squared_relu:
+        return "megatron fuses a bias only into GeLU, SwiGLU and quick-GeGLU (--squared-relu)"
+    if args.num_experts and not args.quick_geglu:
+        # SequentialMLP and TEGroupedMLP hand every expert the router's probabilities, and
+        # megatron fuses those with a bias only for SwiGLU and quick-GeGLU
+        return ("megatron's MoE experts fuse the bias and the router's probabilities only into "
+                "SwiGLU and quick-GeGLU; the MLP applies the exact GeLU instead of the fused "
+                "tanh approximation")
+    return None
+
+
 def adapt_megatron_quirks(args, log: Callable[[str], None]) -> None:
     """Settings megatron's parser accepts that its own code then rejects."""
     mode = getattr(args, "rerun_mode", None)
@@ -261,6 +280,10 @@ def adapt_megatron_quirks(args, log: Callable[[str], None]) -> None:
         args.rerun_mode = RERUN_MODE_SPELLINGS[mode]
         log(f"compat: --rerun-mode {mode} is megatron's RerunMode {args.rerun_mode!r} (its "
             "parser and its enum spell it differently)")
+    conflict = bias_activation_fusion_conflict(args)
+    if conflict:
+        args.bias_gelu_fusion = False
+        log(f"compat: --no-bias-gelu-fusion: {conflict}")
 
 
 def skip_dataset_helper_compilation() -> None:

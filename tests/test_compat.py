@@ -225,6 +225,65 @@ def test_rerun_mode_spelling_of_megatrons_parser_reaches_its_enum():
     assert RerunMode(args.rerun_mode) is RerunMode.REPORT_DETERMINISM_STATS and len(lines) == 1
 
 
+def _megatron_mlp_config(args, **extra):
+    """megatron's TransformerConfig for ``args``' MLP, as megatron's
+    ``core_transformer_config_from_args`` maps the activation flags."""
+    import torch.nn.functional as F
+    from megatron.core.activations import squared_relu
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+        add_bias_linear=args.add_bias_linear, bias_activation_fusion=args.bias_gelu_fusion,
+        activation_func=squared_relu if args.squared_relu else F.gelu,
+        use_cpu_initialization=True, **extra)
+
+
+def test_squared_relu_runs_without_the_bias_gelu_fusion_megatron_refuses_with_it():
+    args = megatron_defaults(["--squared-relu"])
+    with pytest.raises(ValueError, match="bias_activation_fusion"):
+        _megatron_mlp_config(args)  # megatron's own check, as launched before
+    lines = []
+    compat.adapt_megatron_quirks(args, lines.append)
+    assert args.bias_gelu_fusion is False and lines == [
+        "compat: --no-bias-gelu-fusion: megatron fuses a bias only into GeLU, SwiGLU and "
+        "quick-GeGLU (--squared-relu)"]
+    _megatron_mlp_config(args)
+
+
+def test_moe_experts_with_biases_run_without_the_fusion_megatron_stops_at_the_first_step():
+    """megatron's experts pass the router's probabilities to each expert's MLP, whose fused
+    bias-GeLU path raises on them: the MLP megatron builds for an expert, run on the CPU."""
+    import torch
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+
+    from megatron_parts import cpu_megatron
+
+    def expert_forward(args):
+        config = _megatron_mlp_config(args, num_moe_experts=4)
+        mlp = MLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                        linear_fc2=RowParallelLinear), is_expert=True,
+                  ffn_hidden_size=64)
+        tokens, probs = torch.randn(6, 32), torch.rand(6)
+        return mlp(tokens, per_token_scale=probs)[0]
+
+    args = megatron_defaults(["--num-experts", "4"])
+    with cpu_megatron():
+        with pytest.raises(ValueError, match="per_token_scale"):
+            expert_forward(args)
+        lines = []
+        compat.adapt_megatron_quirks(args, lines.append)
+        assert args.bias_gelu_fusion is False and len(lines) == 1
+        assert torch.isfinite(expert_forward(args)).all()
+    # where megatron can fuse it, the fusion stays: dense GeLU, MoE with SwiGLU or no biases
+    for argv in ([], ["--num-experts", "4", "--swiglu"],
+                 ["--num-experts", "4", "--disable-bias-linear"]):
+        args, lines = megatron_defaults(argv), []
+        compat.adapt_megatron_quirks(args, lines.append)
+        assert args.bias_gelu_fusion is True and lines == [], argv
+
+
 def test_context_parallelism_without_transformer_engine_is_refused_early():
     args = megatron_defaults(["--context-parallel-size", "2"])
     with pytest.raises(compat.MissingDependencyError, match="--context-parallel-size 2 needs"):
