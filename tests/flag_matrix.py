@@ -89,7 +89,7 @@ ROWS: tuple[Row, ...] = (
                          "--num-query-groups 2 --hidden-dropout 0 --attention-dropout 0"),
         ci=True),
     Row("rope_partial_qk_norm", _f("--position-embedding-type rope --rotary-percent 0.5 "
-                                   "--qk-layernorm --squared-relu")),
+                                   "--qk-layernorm --squared-relu"), ci=True),
     Row("layernorm_1p", _f("--apply-layernorm-1p"),
         refused="--apply-layernorm-1p needs Transformer Engine or apex", te_changes=True),
     Row("moe", _f("--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 "
