@@ -257,9 +257,9 @@ RERUN_MODE_SPELLINGS = {"report_stats": "report_determinism_stats"}
 def bias_activation_fusion_conflict(args) -> str | None:
     """Why megatron's default fusion of the MLP's bias into its activation cannot run with
     this launch's activation (None: it can). The fusion is on unless ``--no-bias-gelu-fusion``
-    is given (there is no flag that asks for it), and megatron turns it off itself only where
-    the linears have no bias; here it is refused once the model's config is built, or, in the
-    MoE experts, at the first step."""
+    is given (no flag asks for it), and megatron turns it off itself only where the linears
+    have no bias. Otherwise megatron refuses a squared ReLU with it when the model's config is
+    built, and MoE experts with GeLU stop on it at the first step."""
     if args.swiglu or not args.bias_gelu_fusion or not args.add_bias_linear:
         return None
     if args.squared_relu:
