@@ -304,8 +304,9 @@ def build_configs(args):
     return model_config, container, choice
 
 
-def run(args) -> None:
-    """Train with validated, global args (see main)."""
+def run(args, store=None) -> None:
+    """Train with validated, global args (see main); ``store``: the rendezvous of a
+    launcher-free single process (rendezvous.default_single_process_env)."""
     from megatron.training import get_tokenizer, pretrain, set_startup_timestamps
 
     set_startup_timestamps(program_start=_PROGRAM_START, main_entry=time.time())
@@ -333,7 +334,7 @@ def run(args) -> None:
     device_context = cpu_mode.active() if args.cpu else contextlib.nullcontext()
     with device_context, resilience.active(args, container):
         pretrain(container, datasets_provider, ModelType.encoder_or_decoder, step,
-                 get_embedding_ranks=get_embedding_ranks)
+                 get_embedding_ranks=get_embedding_ranks, store=store)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         args, plan = entry_arguments.parse_arguments_and_plan(argv)
-        default_single_process_env()
+        store = default_single_process_env()
         if args.dry_run:
             from megagpt.preflight import run_dry_run
             return run_dry_run(args, plan)
@@ -357,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
 
         preflight.check_inputs(args, get_tokenizer().vocab_size, log)
         resilience.prepare(args)  # preemption defaults, --load checks (one-line errors)
-        run(args)
+        run(args, store)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

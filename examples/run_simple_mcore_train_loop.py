@@ -57,18 +57,17 @@ def parse_args(argv=None):
 
 
 def initialize_distributed(args) -> torch.device:
-    """One process per GPU (torchrun sets RANK/WORLD_SIZE); one CPU process without it."""
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
+    """One process per GPU (torchrun sets RANK/WORLD_SIZE); one process without it."""
+    # Alone, the process is a world of one: an in-memory store, no port to pick or collide on.
+    alone = {} if "WORLD_SIZE" in os.environ else dict(store=dist.HashStore(), rank=0,
+                                                       world_size=1)
     if args.cpu:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", **alone)
     else:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, **alone)
     # Groups: every GPU is in one TP group, one PP group and one DP group (DP = world / TP / PP).
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp,
                                              pipeline_model_parallel_size=args.pp)

@@ -4,25 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
+import tempfile
 import traceback
 
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world_size, port, fn, args, errors):
+def _worker(rank, world_size, store_file, fn, args, errors):
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank,
+                                world_size=world_size)
         fn(rank, world_size, *args)
     except BaseException:  # report to the parent, which fails the test
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
@@ -35,12 +29,15 @@ def _worker(rank, world_size, port, fn, args, errors):
 def run_on_ranks(fn, world_size: int, *args, timeout: float = 120) -> None:
     """Call ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; raise on failure.
 
-    ``fn`` must be importable (module level) so the spawned processes can find it.
+    ``fn`` must be importable (module level) so the spawned processes can find it. The
+    ranks meet through a file, not a port: a port chosen free here could be taken by
+    another test's process in the seconds before rank 0, spawned, binds it.
     """
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors))
+    folder = tempfile.mkdtemp(prefix="gloo_ranks_")
+    store_file = os.path.join(folder, "store")
+    procs = [ctx.Process(target=_worker, args=(r, world_size, store_file, fn, args, errors))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -55,6 +52,9 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 120) -> None:
     if alive:
         messages.append(f"{len(alive)} rank(s) did not finish within {timeout}s")
     failed = [p.exitcode for p in procs if p.exitcode not in (0, None)]
+    with contextlib.suppress(OSError):
+        os.remove(store_file)
+    os.rmdir(folder)
     if messages or failed:
         raise AssertionError("\n".join(messages) or f"exit codes {failed}")
 
@@ -68,8 +68,8 @@ def single_gloo_rank(backend: str = "gloo"):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
-                            rank=0, world_size=1)
+    # one process: an in-memory store, no port to race another test's processes for
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
     try:
         yield

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import functools
 import operator
-import socket
 
 import pytest
 import torch
@@ -19,12 +18,6 @@ SEQ, BATCH, VOCAB = 16, 2, 96
 # ---------------------------------------------------------------------------------------
 # one-process gloo + megatron model-parallel state, and the CPU shim GPTModel.forward needs
 # ---------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def megatron_cpu():
     import torch.distributed as dist
@@ -33,8 +26,7 @@ def megatron_cpu():
 
     created_pg = False
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
-                                world_size=1, rank=0)
+        dist.init_process_group("gloo", store=dist.HashStore(), world_size=1, rank=0)
         created_pg = True
     if dist.get_world_size() != 1:
         pytest.skip("needs a one-process group")

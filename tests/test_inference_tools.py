@@ -306,7 +306,7 @@ def layout_logits(work, continued):
     pass on it in the run's own layout)}: both layouts in one torchrun call."""
     import subprocess
 
-    from helpers import TORCHRUN, _free_port, entry_env
+    from helpers import TORCHRUN, _free_port, _with_a_free_port, entry_env
     from megagpt.hf.export_hf import main as export_main
 
     jobs, batches = [], {}
@@ -320,10 +320,10 @@ def layout_logits(work, continued):
         jobs.append({"load": str(ckpt), "tokens": str(work / f"{arch}_tokens.pt"),
                      "out": str(work / f"{arch}_layout_logits.pt"), "layout": LAYOUTS[arch]})
     (work / "jobs.json").write_text(json.dumps(jobs))
-    command = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(_free_port()),
-               str(Path(__file__).with_name("parallel_forward.py")), str(work / "jobs.json")]
-    out = subprocess.run(command, cwd=work, env=entry_env(), capture_output=True, text=True,
-                         timeout=300)
+    out = _with_a_free_port(lambda: subprocess.run(
+        [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(_free_port()),
+         str(Path(__file__).with_name("parallel_forward.py")), str(work / "jobs.json")],
+        cwd=work, env=entry_env(), capture_output=True, text=True, timeout=300), nproc=2)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     return {arch: (folder, tokens, torch.load(work / f"{arch}_layout_logits.pt"))
             for arch, (folder, tokens) in batches.items()}

@@ -30,7 +30,6 @@ import argparse
 import gc
 import json
 import os
-import socket
 import statistics
 import time
 from functools import partial
@@ -50,12 +49,8 @@ def _init_dist(graph_rng=False):
 
     if dist.is_initialized():
         return
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0)
+    dist.init_process_group("nccl", store=dist.HashStore(), world_size=1, rank=0)
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel()
