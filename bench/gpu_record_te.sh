@@ -6,7 +6,8 @@
 #
 # MCORE_SITE holds megatron-core and what the entry needs beside torch (and, for the tests,
 # pytest-xdist and transformers where they are wanted); TE_SITE holds
-# Transformer Engine (built against this machine's torch). A run "with TE" has both on
+# Transformer Engine (built against this machine's torch); bench/gpu_carry.sh makes what the
+# first needs, and `source bench/gpu_site.sh` there sets both. A run "with TE" has both on
 # PYTHONPATH, a run "without TE" only MCORE_SITE, so TE is importable for one and hidden
 # from the other in the same call. Steps (one per call, each fits a 10-minute call):
 #   tests   the TE GPU tests (pytest -m te_gpu, 6 at once with pytest-xdist; each failure is
