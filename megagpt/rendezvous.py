@@ -9,10 +9,10 @@ def default_single_process_env():
 
     Returns the store megatron's ``init_process_group`` is to use: an in-memory one for a
     world of one process that names no master port, else None (the launcher's rendezvous,
-    through the environment). A world of one needs no TCP store, and
-    choosing a free port for one is a race: the port is free when it is chosen and is bound
-    only seconds later, after megatron's imports and checks, by when another process (a
-    neighbouring launch's gloo connections draw from the same ephemeral range) may hold it.
+    through the environment). A world of one needs no TCP store, and choosing a free port
+    for one is a race: the port is free when it is chosen and is bound only seconds later,
+    after megatron's imports and checks, by when another process (a neighbouring launch's
+    gloo connections draw from the same ephemeral range) may hold it.
     """
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")

@@ -35,26 +35,23 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 120) -> None:
     """
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    folder = tempfile.mkdtemp(prefix="gloo_ranks_")
-    store_file = os.path.join(folder, "store")
-    procs = [ctx.Process(target=_worker, args=(r, world_size, store_file, fn, args, errors))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
+    with tempfile.TemporaryDirectory(prefix="gloo_ranks_") as folder:
+        store_file = os.path.join(folder, "store")
+        procs = [ctx.Process(target=_worker, args=(r, world_size, store_file, fn, args, errors))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.kill()
     messages = []
     while not errors.empty():
         messages.append(errors.get())
     if alive:
         messages.append(f"{len(alive)} rank(s) did not finish within {timeout}s")
     failed = [p.exitcode for p in procs if p.exitcode not in (0, None)]
-    with contextlib.suppress(OSError):
-        os.remove(store_file)
-    os.rmdir(folder)
     if messages or failed:
         raise AssertionError("\n".join(messages) or f"exit codes {failed}")
 
