@@ -145,6 +145,33 @@ def _optional_packages_asked_for(args) -> list[tuple[str, str, str]]:
     return asked
 
 
+def experts_add_bias_out_of_place(args) -> bool:
+    """Whether this launch's MoE experts can add their linear biases: Transformer Engine's
+    grouped experts (TEGroupedMLP: ``--moe-grouped-gemm`` under TE's layers) add them out of
+    place. megatron's sequential experts (SequentialMLP, with megatron's linears or TE's
+    alike) add each expert's bias in place to its row-parallel linear's output, a view that
+    autograd refuses to modify (RuntimeError in the first forward)."""
+    return args.transformer_impl == "transformer_engine" and bool(args.moe_grouped_gemm)
+
+
+def experts_bias_refusal(args, installed: Installed) -> UserError:
+    """The one line for MoE experts with linear biases that would run sequentially."""
+    why = ("megatron's sequential experts add each expert's bias in place to a view, which "
+           "autograd refuses in the first forward; Transformer Engine's grouped experts add it "
+           "out of place")
+    if not installed.transformer_engine:
+        return MissingDependencyError(
+            f"--num-experts {args.num_experts} with linear biases needs Transformer Engine: "
+            f"{why}. Add --disable-bias-linear (as MoE models usually do), or install "
+            "Transformer Engine (pip install 'megagpt[te]') and add --moe-grouped-gemm.")
+    local = (" and drop --transformer-impl local"
+             if args.transformer_impl != "transformer_engine" else "")
+    return UserError(
+        f"--num-experts {args.num_experts} with linear biases needs --moe-grouped-gemm under "
+        f"Transformer Engine's layers: {why}. Add --moe-grouped-gemm{local}, or "
+        "--disable-bias-linear (as MoE models usually do).")
+
+
 def check_required_packages(args, installed: Installed) -> None:
     """Settings that no adaptation can rescue: fail before any work with what is missing."""
     if args.context_parallel_size > 1 and not installed.transformer_engine:
@@ -166,14 +193,8 @@ def check_required_packages(args, installed: Installed) -> None:
             "has no zero-centred gamma. Install Transformer Engine (pip install 'megagpt[te]') "
             "or drop the flag.")
     if (getattr(args, "num_experts", None) and args.add_bias_linear
-            and not installed.transformer_engine):
-        # megatron's SequentialMLP adds each expert's bias in place to the output of its
-        # row-parallel linear, which at this point is a view autograd forbids to modify
-        raise MissingDependencyError(
-            f"--num-experts {args.num_experts} with linear biases needs Transformer Engine: "
-            "megatron's local experts add the bias in place to a view (autograd's RuntimeError "
-            "in the first forward). Add --disable-bias-linear (as MoE models usually do) or "
-            "install Transformer Engine (pip install 'megagpt[te]').")
+            and not (installed.transformer_engine and experts_add_bias_out_of_place(args))):
+        raise experts_bias_refusal(args, installed)
     if getattr(args, "multi_latent_attention", False) and not installed.transformer_engine:
         # megatron's MLA hands its core attention k_channels/v_channels, which only
         # Transformer Engine's accepts (a TypeError while the model is built)
@@ -284,6 +305,13 @@ def adapt_megatron_quirks(args, log: Callable[[str], None]) -> None:
     if conflict:
         args.bias_gelu_fusion = False
         log(f"compat: --no-bias-gelu-fusion: {conflict}")
+    if (args.num_experts and args.add_bias_linear and args.bias_dropout_fusion
+            and experts_add_bias_out_of_place(args)):
+        # megatron's TEGroupedMLP asserts on it while the model is built
+        args.bias_dropout_fusion = False
+        log("compat: --no-bias-dropout-fusion: Transformer Engine's grouped experts with "
+            "linear biases add the bias themselves, and megatron builds them only without "
+            "its bias-dropout fusion")
 
 
 def skip_dataset_helper_compilation() -> None:

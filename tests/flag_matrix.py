@@ -95,6 +95,10 @@ ROWS: tuple[Row, ...] = (
     Row("moe", _f("--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 "
                   "--moe-token-dispatcher-type alltoall --disable-bias-linear"), ci=True),
     Row("moe_with_linear_bias", _f("--num-experts 4 --moe-router-topk 2"),
+        refused="with linear biases needs Transformer Engine", te_changes=True,
+        refused_with_te="with linear biases needs --moe-grouped-gemm"),
+    Row("moe_grouped_with_linear_bias", _f("--num-experts 4 --moe-router-topk 2 "
+                                           "--moe-grouped-gemm"),
         refused="with linear biases needs Transformer Engine", te_changes=True),
     Row("per_token_loss", _f("--calculate-per-token-loss"), ci=True),
     Row("transformer_engine", _f("--transformer-impl transformer_engine"),

@@ -1,6 +1,7 @@
 """Compatibility with what is installed: adaptations, explicit requests, the Makefile step."""
 
 import argparse
+import inspect
 
 import pytest
 
@@ -205,16 +206,92 @@ def test_settings_megatrons_torch_norm_and_local_experts_cannot_run_are_refused_
     with pytest.raises(compat.MissingDependencyError, match="--apply-layernorm-1p needs"):
         compat.check_required_packages(args, NOTHING)
     compat.check_required_packages(args, EVERYTHING)
-    args = megatron_defaults(["--num-experts", "4"])  # megatron's default: linear biases on
-    with pytest.raises(compat.MissingDependencyError, match="--disable-bias-linear"):
-        compat.check_required_packages(args, NOTHING)
-    compat.check_required_packages(args, EVERYTHING)
     compat.check_required_packages(megatron_defaults(["--num-experts", "4",
                                                       "--disable-bias-linear"]), NOTHING)
     args = megatron_defaults(["--fp8-format", "hybrid"])
     with pytest.raises(compat.MissingDependencyError, match="--fp8-format hybrid needs"):
         compat.check_required_packages(args, NOTHING)
     compat.check_required_packages(args, EVERYTHING)
+
+
+def _sequential_experts_step(args):
+    """A forward and backward of megatron's SequentialMLP (two experts, megatron's linears)
+    as ``args`` configure its biases and fusions, with autograd on, on the CPU."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_parts import cpu_megatron
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+        num_moe_experts=2, add_bias_linear=args.add_bias_linear,
+        # megatron's args-to-config step drops the fusion where there is no bias
+        bias_activation_fusion=args.bias_gelu_fusion and args.add_bias_linear,
+        activation_func=F.gelu, use_cpu_initialization=True)
+    with cpu_megatron(), torch.enable_grad():
+        experts = SequentialMLP(2, config, MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                         linear_fc2=RowParallelLinear),
+                                pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+        tokens = torch.randn(6, 32, requires_grad=True)
+        output, _ = experts(tokens, torch.tensor([4, 2]), torch.rand(6))
+        output.sum().backward()
+        return tokens.grad
+
+
+def test_moe_experts_with_linear_biases_are_refused_unless_te_groups_them():
+    """megatron's sequential experts stop at the first step on their own biases (run here
+    as the refusal says), so a launch with them is refused before anything is built, with or
+    without Transformer Engine; TE's grouped experts (``--moe-grouped-gemm`` under TE's
+    layers) add the bias out of place and are let through."""
+    import torch
+
+    biased = megatron_defaults(["--num-experts", "4"])  # megatron's default: linear biases on
+    compat.adapt_megatron_quirks(biased, lambda line: None)  # the GeLU fusion off, as launched
+    with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
+        _sequential_experts_step(biased)
+    assert torch.isfinite(_sequential_experts_step(
+        megatron_defaults(["--num-experts", "4", "--disable-bias-linear"]))).all()
+
+    with pytest.raises(compat.MissingDependencyError,
+                       match="--num-experts 4 with linear biases needs Transformer Engine"):
+        compat.check_required_packages(megatron_defaults(["--num-experts", "4"]), NOTHING)
+    for installed in (EVERYTHING, TE_WITHOUT_APEX):
+        with pytest.raises(compat.UserError, match="needs --moe-grouped-gemm .*Add "
+                           "--moe-grouped-gemm, or --disable-bias-linear"):
+            compat.check_required_packages(megatron_defaults(["--num-experts", "4"]), installed)
+        with pytest.raises(compat.UserError, match="drop --transformer-impl local"):
+            compat.check_required_packages(megatron_defaults(
+                ["--num-experts", "4", "--moe-grouped-gemm", "--transformer-impl", "local"]),
+                installed)
+        compat.check_required_packages(
+            megatron_defaults(["--num-experts", "4", "--moe-grouped-gemm"]), installed)
+    with pytest.raises(compat.MissingDependencyError, match="needs Transformer Engine"):
+        compat.check_required_packages(
+            megatron_defaults(["--num-experts", "4", "--moe-grouped-gemm"]), NOTHING)
+
+
+def test_te_grouped_experts_with_biases_run_without_megatrons_bias_dropout_fusion():
+    """megatron's TEGroupedMLP asserts on its bias-dropout fusion where the experts have
+    biases; that default goes, with a line, only there."""
+    from megatron.core.transformer.moe import experts
+
+    args, lines = megatron_defaults(["--num-experts", "4", "--moe-grouped-gemm"]), []
+    compat.adapt_megatron_quirks(args, lines.append)
+    assert args.bias_dropout_fusion is False and args.bias_gelu_fusion is False
+    assert lines[-1].startswith("compat: --no-bias-dropout-fusion: Transformer Engine's grouped")
+    assert "bias_dropout_fusion is not supported in TEGroupedMLP" in inspect.getsource(
+        experts.TEGroupedMLP.__init__)  # the assertion this answers, in the installed megatron
+    for argv in (["--num-experts", "4"], ["--num-experts", "4", "--moe-grouped-gemm",
+                                          "--disable-bias-linear"],
+                 ["--num-experts", "4", "--moe-grouped-gemm", "--transformer-impl", "local"]):
+        args = megatron_defaults(argv)
+        compat.adapt_megatron_quirks(args, lambda line: None)
+        assert args.bias_dropout_fusion is True, argv
 
 
 def test_rerun_mode_spelling_of_megatrons_parser_reaches_its_enum():
