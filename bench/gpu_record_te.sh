@@ -17,6 +17,8 @@
 #   matrix  the flag matrix's rows that TE changes (MATRIX_ROWS: other rows, in the order they
 #           start, e.g. every row one GPU runs; MATRIX_PARALLEL rows at once, default 2); each
 #           row's log stays in OUT/matrix_runs, so a call cut short keeps the rows it finished
+#           (the two-GPU rows, on a two-GPU machine: MATRIX_ROWS=tp2,tp2_sp,pp2,
+#           pp2_interleaved,pp2_uneven,dp2_distributed_optimizer)
 #   train   throughput, bf16, mock data, dropout 0: 345M and 1.3B, each: the entry's default
 #           with TE, TE's layers (--transformer-impl transformer_engine --fast-cuda-graphs iteration),
 #           the default without TE
@@ -38,6 +40,9 @@ START=$SECONDS
 left() { echo $(( BUDGET - (SECONDS - START) )); }
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
+# NVLink multicast stays off for the rows that run on several GPUs (a shared host's GPUs can
+# be left out of service by it)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 WITH_TE="${MCORE_SITE:?}:${TE_SITE:?}"
 WITHOUT_TE="${MCORE_SITE}"
 PY=${PY:-python3}
