@@ -28,6 +28,8 @@
 #           imported as such, after megagpt as the entry does, no TE), then a kernel profile
 #           of the 345M default with TE importable and hidden (bench/profile_entry.py;
 #           kernels.tsv of each)
+#   layouts on two GPUs: TE's layers (the default under TP and PP with TE) against the fast
+#           spec's (--transformer-impl local) at TP=2 and PP=2, 345M and 1.3B (LAYOUT_SHAPES)
 #   fp8     the wide shape (8 x 4096, seq 4096, micro-batch 1) and 1.3B (FP8_SHAPES picks): TE bf16, TE FP8
 #           hybrid (delayed scaling), TE FP8 current scaling (--fp8-recipe tensorwise), the
 #           entry's default; 50 iterations with their losses
@@ -147,6 +149,21 @@ fp8)
             --variant "tefp8cs=$TE --fp8-format hybrid --fp8-recipe tensorwise" \
             --baseline fast --entry-args "$NODROP" --train-iters 50 --warmup-iters 10 \
             --log-interval 5
+    done
+    ;;
+layouts)
+    # the layer choice under tensor and pipeline parallelism (megagpt/layer_impl.py), on two
+    # GPUs with TE importable: TE's layers (the entry's default there) against the fast spec's
+    # (--transformer-impl local), 345M and 1.3B, mock data, losses against one GPU
+    for shape in ${LAYOUT_SHAPES:-345M 1.3B}; do
+        [ "$(left)" -gt 90 ] || { echo "== layouts $shape: skipped ($(left)s left)"; continue; }
+        echo "== layouts $shape ($(left)s left)"
+        PYTHONPATH=$WITH_TE timeout $(( $(left) - 10 )) $PY bench/layouts.py --gpus 2 \
+            --shape $shape --micro-batches 8 --iters 30 --timeout 200 \
+            --layouts tp2,tp2local,pp2,pp2local --out "$OUT/layouts_$shape" \
+            > "$OUT/layouts_$shape.txt" 2>&1
+        tail -8 "$OUT/layouts_$shape.txt"
+        grep -h "compat: layers" "$OUT/layouts_$shape"/*.log 2>/dev/null | sort | uniq -c | cut -c1-200
     done
     ;;
 *) echo "unknown step $STEP"; exit 2 ;;

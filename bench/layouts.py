@@ -21,7 +21,9 @@ Layouts (``--layouts``; those that need more GPUs than ``--gpus`` are skipped): 
 stages per rank), ``dp2`` / ``dp4`` / ``dp8`` (distributed optimizer, overlapped gradient
 reduce; ``dp2eager`` without per-layer graphs, ``dp2graph`` / ``dp4graph`` / ``dp8graph`` with
 the full-iteration graph), ``tp2graphs``, ``cp2`` (context parallelism at twice the sequence;
-needs Transformer Engine, else "not run" with the entry's reason), ``tp2pp2dp2`` (8 GPUs).
+needs Transformer Engine, else "not run" with the entry's reason), ``tp2local`` / ``pp2local``
+(the fast spec's layers, which TP and PP otherwise leave for TE's where TE is installed),
+``tp2pp2dp2`` (8 GPUs).
 Any other ``tpTppPdpD`` (each part optional, e.g. ``tp8``, ``tp2pp4``, ``pp8``, ``tp2dp4``)
 is that tensor x pipeline x data-parallel layout, with the distributed optimizer and the
 overlapped gradient reduce where D > 1. A layout the global batch does not split over is
@@ -95,6 +97,10 @@ LAYOUTS = {  # name: (processes, flags)
     "dp8graph": (8, DP_FLAGS + ["--fast-cuda-graphs", "iteration"]),
     "tp2graphs": (2, ["--tensor-model-parallel-size", "2", "--fast-cuda-graphs", "layers"]),
     "cp2": (2, ["--context-parallel-size", "2"]),
+    # where Transformer Engine is installed the entry takes TE's layers under TP and PP;
+    # these are the fast spec's layers in the same layouts, to measure that choice against
+    "tp2local": (2, ["--tensor-model-parallel-size", "2", "--transformer-impl", "local"]),
+    "pp2local": (2, ["--pipeline-model-parallel-size", "2", "--transformer-impl", "local"]),
     "tp2pp2dp2": (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                       "--use-distributed-optimizer"]),
 }
