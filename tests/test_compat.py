@@ -218,21 +218,14 @@ def _sequential_experts_step(args):
     """A forward and backward of megatron's SequentialMLP (two experts, megatron's linears)
     as ``args`` configure its biases and fusions, with autograd on, on the CPU."""
     import torch
-    import torch.nn.functional as F
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_parts import cpu_megatron
 
-    config = TransformerConfig(
-        num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
-        num_moe_experts=2, add_bias_linear=args.add_bias_linear,
-        # megatron's args-to-config step drops the fusion where there is no bias
-        bias_activation_fusion=args.bias_gelu_fusion and args.add_bias_linear,
-        activation_func=F.gelu, use_cpu_initialization=True)
+    config = _megatron_mlp_config(args, num_moe_experts=2)
     with cpu_megatron(), torch.enable_grad():
         experts = SequentialMLP(2, config, MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                          linear_fc2=RowParallelLinear),
@@ -311,7 +304,9 @@ def _megatron_mlp_config(args, **extra):
 
     return TransformerConfig(
         num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
-        add_bias_linear=args.add_bias_linear, bias_activation_fusion=args.bias_gelu_fusion,
+        add_bias_linear=args.add_bias_linear,
+        # which megatron's args-to-config step drops where the linears have no bias
+        bias_activation_fusion=args.bias_gelu_fusion and args.add_bias_linear,
         activation_func=squared_relu if args.squared_relu else F.gelu,
         use_cpu_initialization=True, **extra)
 
