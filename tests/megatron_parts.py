@@ -160,7 +160,10 @@ def tiny_gpt(variant: str, vocab_size: int = 96, max_length: int = 32, hidden: i
 
 @contextlib.contextmanager
 def cpu_megatron(seed: int = 0):
-    """One gloo rank with megatron's parallel state, in CPU mode (inference included)."""
+    """One gloo rank with megatron's parallel state, in CPU mode (inference included).
+    Autograd stays on, as in training, so that megatron modules run here meet autograd's
+    checks (an in-place change of a view, a missing gradient); a test that only infers
+    opens ``torch.no_grad()`` itself."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from gloo_ranks import single_gloo_rank
@@ -168,5 +171,4 @@ def cpu_megatron(seed: int = 0):
 
     with single_gloo_rank(), cpu_mode.generating():
         model_parallel_cuda_manual_seed(seed)
-        with torch.no_grad():
-            yield
+        yield
