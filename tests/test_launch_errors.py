@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 
 import pytest
 
@@ -120,6 +121,25 @@ def test_unreadable_tokenizer_file_is_one_line(tmp_path, gpt2):
                                             gpt2.merge_file], cwd=tmp_path))
     assert line.startswith("error: cannot load the tokenizer (--tokenizer-type GPT2BPETokenizer")
     assert str(broken) in line
+
+
+def test_hub_name_not_cached_with_the_hub_unreachable(tmp_path, monkeypatch):
+    """Refused at the check, not after huggingface_hub's retries (about a minute)."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
+                "http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)  # the probe goes to the closed port itself
+    with socket.socket() as closed:  # bound, not listening: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        env = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": endpoint}
+        for extra in ([], ["--dry-run"]):
+            proc = run_entry(MOCK + ["--tokenizer-type", "HuggingFaceTokenizer",
+                                     "--tokenizer-model", "gpt2", *extra], cwd=tmp_path, env=env)
+            line = one_error_line(proc)
+            assert line.startswith(f"error: --tokenizer-model gpt2: not in the local Hugging "
+                                   f"Face cache ({tmp_path / 'hf' / 'hub'}) and the hub cannot "
+                                   f"be reached ({endpoint}: "), line
+            assert "Retrying" not in proc.stdout
 
 
 # 6. checkpoints ------------------------------------------------------------------------

@@ -3,12 +3,20 @@
 ``--vocab-file /missing`` otherwise ends in a ``FileNotFoundError`` traceback from the
 tokenizer code, and a damaged file in whatever its parser raises (``JSONDecodeError``,
 a sentencepiece ``RuntimeError``, ``OSError`` from transformers).
+
+A Hugging Face hub name (``--tokenizer-model gpt2``) that is not in the local Hugging Face
+cache is refused before the load when the hub cannot be asked (HF_HUB_OFFLINE) or does not
+answer one short probe: without it, huggingface_hub retries for about a minute before
+transformers gives up.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import threading
+import urllib.error
+import urllib.request
 
 from megagpt.errors import UserError
 
@@ -17,6 +25,11 @@ from megagpt.errors import UserError
 MODEL_FILE_TYPES = {"SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
                     "TikTokenizer", "MultimodalTokenizer", "SFTTokenizer"}
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+# A tokenizer repo on the hub has one of these; a cached revision without them is one
+# transformers would ask the hub about.
+_HUB_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+_TRUE = {"1", "ON", "YES", "TRUE"}  # huggingface_hub's reading of its boolean variables
+HUB_PROBE_TIMEOUT_S = 3.0  # a reachable hub answers well within this; DNS included
 
 
 class TokenizerError(UserError, ValueError):
@@ -44,10 +57,98 @@ def check_tokenizer_files(args) -> None:
     if not model or os.path.exists(model):
         return
     if args.tokenizer_type == "HuggingFaceTokenizer" and _looks_like_hub_name(model):
-        return  # a hub name: megatron asks the hub (an error offline, caught at load time)
+        check_hub_name(model)
+        return
     if args.tokenizer_type in MODEL_FILE_TYPES or args.tokenizer_type == "HuggingFaceTokenizer":
         raise TokenizerError(f"--tokenizer-model {model}: no such file or folder "
                              f"(tokenizer {args.tokenizer_type})")
+
+
+def check_hub_name(name: str) -> None:
+    """TokenizerError when the hub name ``name`` is not in the local Hugging Face cache and
+    the hub cannot be asked for it: HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE set (no probe), or
+    HF_ENDPOINT does not answer one probe. A cached name, a reachable hub, or no
+    huggingface_hub to read the cache with: megatron loads it as before."""
+    cache = hub_cache_dir()
+    if _hub_cached(name, cache) is not False:
+        return
+    offline = _offline_variable()
+    if offline:
+        why = f"{offline} keeps the hub from being asked"
+    else:
+        endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+        unreachable = probe_hub(endpoint)
+        if unreachable is None:
+            return
+        why = f"the hub cannot be reached ({endpoint}: {unreachable})"
+    raise TokenizerError(
+        f"--tokenizer-model {name}: not in the local Hugging Face cache ({cache}) and {why}; "
+        f"download it where there is internet (`hf download {name}`) and copy that cache "
+        "folder here (or point HF_HUB_CACHE at it), or pass a local tokenizer folder: "
+        "--tokenizer-model DIR")
+
+
+def hub_cache_dir() -> str:
+    """The folder huggingface_hub caches hub files in, read from the environment as it is now
+    and as huggingface_hub reads it (once, at its import, so its own constant may be older):
+    HF_HUB_CACHE, the legacy HUGGINGFACE_HUB_CACHE, else HF_HOME/hub, HF_HOME defaulting to
+    $XDG_CACHE_HOME/huggingface, XDG_CACHE_HOME to ~/.cache."""
+    getenv = os.environ.get
+    home = getenv("HF_HOME", os.path.join(
+        getenv("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache")), "huggingface"))
+    home = os.path.expandvars(os.path.expanduser(home))
+    cache = getenv("HF_HUB_CACHE", getenv("HUGGINGFACE_HUB_CACHE", os.path.join(home, "hub")))
+    return os.path.expandvars(os.path.expanduser(cache))
+
+
+def _hub_cached(name: str, cache: str) -> bool | None:
+    """Whether ``name``'s main revision has a tokenizer file in ``cache`` (transformers
+    resolves a name to that revision); None without huggingface_hub to read the cache."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        return any(isinstance(try_to_load_from_cache(name, filename, cache_dir=cache), str)
+                   for filename in _HUB_TOKENIZER_FILES)
+    except ValueError:  # a name huggingface_hub does not take as a repo id: megatron says so
+        return None
+
+
+def _offline_variable() -> str | None:
+    """``VAR=value`` for the variable that puts huggingface_hub offline, read as it does
+    (HF_HUB_OFFLINE, else TRANSFORMERS_OFFLINE); None when neither does."""
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        value = os.environ.get(var)
+        if value:
+            return f"{var}={value}" if value.upper() in _TRUE else None
+    return None
+
+
+def probe_hub(endpoint: str, timeout: float | None = None) -> str | None:
+    """None when ``endpoint`` answers one HTTP request (any status: it is there), else why
+    not, within ``timeout`` seconds. The request runs in a thread waited on for the timeout
+    because a name lookup that hangs is not bound by the socket's timeout; the proxy
+    variables apply, as they do to huggingface_hub."""
+    timeout = HUB_PROBE_TIMEOUT_S if timeout is None else timeout
+    answer: list[str | None] = []
+    thread = threading.Thread(target=lambda: answer.append(_request(endpoint, timeout)),
+                              daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return answer[0] if answer else f"no answer within {timeout:g} s"
+
+
+def _request(url: str, timeout: float) -> str | None:
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return None  # a status from the server: the hub is there
+    except urllib.error.URLError as exc:
+        return str(exc.reason)
+    except (OSError, ValueError) as exc:  # a timeout on read; a malformed HF_ENDPOINT
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def load_error(exc: BaseException, args) -> TokenizerError:
