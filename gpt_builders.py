@@ -1,7 +1,8 @@
 """Which transformer layer spec a GPT run uses, and why.
 
 Order of preference:
-  1. ``--spec MODULE FUNCTION`` given by the user: megatron imports it, we stay out of the way;
+  1. ``--spec MODULE FUNCTION`` given by the user: megatron imports it, we stay out of the way
+     (``--spec local``, megatron's name for its local spec, is 5.);
   2. Transformer Engine's spec when TE is installed and ``--transformer-impl transformer_engine``
      (given, or chosen by ``megagpt.layer_impl`` for what only TE runs or where TE is faster);
   3. with ``--num-experts``: megatron's MoE decoder-block spec (TE or local modules);
@@ -18,6 +19,7 @@ build their model from it.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from typing import Callable
 
@@ -104,6 +106,10 @@ def gpt_model_config(args):
     from megatron.training.argument_utils import gpt_config_from_args
 
     choice = choose_layer_spec(args)
+    if layer_path.megatron_local_spec_asked(args):
+        # megatron's gpt_config_from_args would import "local" as a module; the local spec
+        # is this module's to build (layer_spec_builder)
+        args = argparse.Namespace(**{**vars(args), "spec": None})
     model_config = gpt_config_from_args(args)
     spec = layer_spec_builder(choice, args)
     if spec is not None:

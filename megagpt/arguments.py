@@ -186,6 +186,14 @@ def check_entry_limits(args) -> None:
     spec = getattr(args, "spec", None)
     if spec is not None:
         _check_user_spec(spec)
+    for attr in ("hybrid_layer_pattern", "hybrid_override_pattern"):
+        if getattr(args, attr, None):
+            # megatron's validate_args would take the pattern's length as --num-layers
+            flag = "--" + attr.replace("_", "-")
+            raise ArgumentError(
+                f"{flag} {getattr(args, attr)}: the pattern describes a hybrid Mamba and "
+                "attention stack (megatron's HybridModel); pretrain_gpt.py trains GPT models, "
+                "whose layers are all transformer layers (--num-layers)")
     if getattr(args, "search_layouts", False) and not args.dry_run:
         raise ArgumentError("--search-layouts ranks layouts in the dry run and starts nothing: "
                             "add --dry-run (or drop it to train)")
@@ -202,14 +210,20 @@ def check_entry_limits(args) -> None:
 
 def _check_user_spec(spec: list[str]) -> None:
     """``--spec MODULE NAME``: megatron imports it while building the model, and on a failed
-    import logs the error and trains with its default spec."""
+    import logs the error and trains with its default spec. ``--spec local`` is megatron's
+    local spec."""
     import importlib
 
+    from megagpt.fast_spec.layer_path import LOCAL_SPEC_ARGUMENT
+
+    if list(spec) == LOCAL_SPEC_ARGUMENT:
+        return  # megatron's local spec, built by gpt_builders
     if len(spec) != 2:
         raise ArgumentError(
             f"--spec {' '.join(spec)}: wants a module and the name of a layer spec (or of a "
             "function returning one) in it, e.g. --spec "
-            "megatron.core.models.gpt.gpt_layer_specs get_gpt_layer_local_spec")
+            "megatron.core.models.gpt.gpt_layer_specs get_gpt_layer_local_spec, or local "
+            "for megatron's local spec")
     module, name = spec
     try:
         found = importlib.import_module(module)

@@ -12,7 +12,8 @@ the flag is not given, the entry picks instead, by what ran faster for the layou
   tensor-parallel collectives (``--tp-comm-overlap``): TE's spec (not measured: it needs
   several GPUs);
 - whatever only TE's layers can run (FP8, context parallelism, multi-latent attention, ...)
-  gets TE's spec, and so does a launch that asks for it by name.
+  gets TE's spec, and so does a launch that asks for it by name;
+- ``--spec local`` (megatron's spelling of its local spec) gets megatron's local modules.
 
 ``choose_transformer_impl`` decides from the parsed arguments and what is installed, without
 touching megatron; ``megagpt.compat`` applies the choice and logs it with its reason.
@@ -22,6 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
+
+from megagpt.errors import UserError
+from megagpt.fast_spec.layer_path import megatron_local_spec_asked
 
 TRANSFORMER_ENGINE = "transformer_engine"
 LOCAL = "local"
@@ -72,6 +76,11 @@ def choose_transformer_impl(args, given: set[str], installed) -> ImplChoice:
     explicit request is honoured. With TE missing, ``megagpt.compat`` refuses an explicit
     ``transformer_engine`` before this is asked.
     """
+    if megatron_local_spec_asked(args):
+        if FLAG in given and args.transformer_impl != LOCAL:
+            raise UserError(f"--spec local asks for megatron's local modules and {FLAG} "
+                            f"{args.transformer_impl} for other layers; give one of the two")
+        return ImplChoice(LOCAL, "--spec local: megatron's local spec")
     if FLAG in given:
         return ImplChoice(args.transformer_impl, f"{FLAG} {args.transformer_impl} as given")
     if not installed.transformer_engine:

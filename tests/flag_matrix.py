@@ -101,6 +101,10 @@ ROWS: tuple[Row, ...] = (
                                            "--moe-grouped-gemm"),
         refused="with linear biases needs Transformer Engine", te_changes=True),
     Row("per_token_loss", _f("--calculate-per-token-loss"), ci=True),
+    Row("spec_local_attention_local", _f("--spec local --attention-backend local")),
+    Row("attention_backend_flash", _f("--bf16 --attention-backend flash --attention-dropout 0")),
+    Row("hybrid_pattern", _f("--hybrid-override-pattern M*M*"),
+        refused="describes a hybrid Mamba and attention stack"),
     Row("transformer_engine", _f("--transformer-impl transformer_engine"),
         refused="Transformer Engine is not installed", te_changes=True),
     # --- recompute --------------------------------------------------------------------

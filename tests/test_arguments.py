@@ -3,6 +3,7 @@
 import pytest
 
 from megagpt import arguments
+from megagpt.errors import UserError
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
@@ -40,3 +41,33 @@ def test_megatron_assertions_become_argument_errors():
                                       "--global-batch-size", "3"])
     with pytest.raises(arguments.ArgumentError, match="invalid arguments"):
         arguments.validate_arguments(args, device_arch=0)
+
+
+@pytest.mark.parametrize("flag", ["--hybrid-layer-pattern", "--hybrid-override-pattern"])
+def test_a_hybrid_mamba_pattern_is_refused_before_it_can_set_the_depth(flag):
+    # megatron's validate_args would take the pattern's four layers for --num-layers
+    with pytest.raises(arguments.ArgumentError, match=f"{flag} M\\*M\\*: .*hybrid Mamba"):
+        arguments.parse_arguments([*MODEL, "--cpu", "--mock-data", "--lr", "1e-3", flag,
+                                   "M*M*"])
+
+
+def test_spec_local_is_megatrons_local_spec_and_satisfies_attention_backend_local():
+    # megatron's --spec help: "To use local spec specify local as the argument"
+    args = arguments.parse_arguments([*MODEL, "--cpu", "--mock-data", "--lr", "1e-3",
+                                      "--spec", "local", "--attention-backend", "local"])
+    assert args.spec == ["local"] and args.transformer_impl == "local"
+    assert args.attention_backend.name == "local"
+
+
+def test_spec_local_with_transformer_engine_named_is_refused():
+    from types import SimpleNamespace
+
+    from megagpt.compat import Installed
+    from megagpt.layer_impl import choose_transformer_impl
+
+    te = Installed(transformer_engine=True, apex=False, fused_layer_norm=False,
+                   masked_softmax_kernels=False, gradient_accumulation_kernels=False)
+    args = SimpleNamespace(spec=["local"], transformer_impl="transformer_engine")
+    with pytest.raises(UserError, match="--spec local asks for megatron's local modules"):
+        choose_transformer_impl(args, {"--transformer-impl"}, te)
+    assert choose_transformer_impl(args, set(), te).impl == "local"

@@ -38,6 +38,11 @@ def test_user_spec_is_left_to_megatron():
     assert choice.path == gpt_builders.USER_SPEC
 
 
+def test_spec_local_is_megatrons_local_spec_not_a_module_to_import():
+    choice = choose("--spec", "local")
+    assert choice.path == gpt_builders.LOCAL and "--spec local" in choice.reason
+
+
 def test_transformer_engine_spec_when_selected():
     args = arguments.parse_arguments(TINY)
     args.transformer_impl = "transformer_engine"  # as compat leaves it when TE is installed
@@ -55,7 +60,9 @@ def one_rank():
         unset_global_variables()  # set by the test through set_megatron_globals
 
 
-@pytest.mark.parametrize("extra", [[], ["--no-fast-spec"]], ids=["fast", "local"])
+@pytest.mark.parametrize("extra", [[], ["--no-fast-spec"],
+                                   ["--spec", "local", "--attention-backend", "local"]],
+                         ids=["fast", "local", "spec-local"])
 def test_model_provider_builds_a_stage_that_runs(one_rank, extra):
     import pretrain_gpt
 
@@ -69,6 +76,8 @@ def test_model_provider_builds_a_stage_that_runs(one_rank, extra):
     losses = model(tokens, positions, None, labels=tokens)
     assert losses.shape == (2, 32) and torch.isfinite(losses).all()
     assert choice.path == (gpt_builders.LOCAL if extra else gpt_builders.FAST)
+    core = type(model.decoder.layers[0].self_attention.core_attention).__name__
+    assert core == ("DotProductAttention" if extra else "SDPADotProductAttention")
 
 
 def test_the_local_spec_ends_in_its_own_norm_where_megatrons_block_would_take_tes(

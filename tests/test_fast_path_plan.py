@@ -157,6 +157,18 @@ TABLE = {
                                            dict(create_attention_mask_in_dataloader=True), {
         "attention mask": (False, "causal"),
     }),
+    "--attention-backend fused": ([], NO_TE, dict(attention_backend="fused"), {
+        "attention": ("SDPA, cuDNN's fused attention only", "--attention-backend fused"),
+    }),
+    "--attention-backend flash, TP 2, TE installed": (
+        [], TE, dict(world_size=2, tensor_model_parallel_size=2, attention_backend="flash"), {
+            "layers": ("transformer_engine", "tensor x pipeline parallel 2 x 1"),
+            "attention": ("TE's flash attention", "NVTE_*_ATTN switches"),
+        }),
+    "--attention-backend flash, --no-fast-spec": (
+        ["--no-fast-spec"], NO_TE, dict(attention_backend="flash"), {
+            "attention": ("megatron's DotProductAttention", "unfused"),
+        }),
     "--no-check-for-nan-in-loss-and-grad, TP 2": (
         [], NO_TE, dict(world_size=2, tensor_model_parallel_size=2,
                         check_for_nan_in_loss_and_grad=False), {
@@ -184,6 +196,12 @@ def test_layout_gives_choices_and_reasons(layout):
     (["--fast-cuda-graphs", "iteration"],
      dict(recompute_granularity="selective", attention_dropout=0.1),
      "--fast-cuda-graphs iteration with selective recompute of core attention"),
+    ([], dict(cpu=True, attention_backend="fused"), "runs on NVIDIA GPUs only"),
+    ([], dict(cpu=True, attention_backend="flash", attention_dropout=0.1),
+     "flash attention kernel on the CPU has no dropout"),
+    ([], dict(bf16=False, attention_backend="flash"), "runs in bf16 or fp16"),
+    ([], dict(use_flash_attn=True, attention_backend="unfused"),
+     "--use-flash-attn with --attention-backend unfused"),
     # asked for on the namespace (no option asks for it)
     (["--fast-cuda-graphs", "layers"], dict(fast_grad_write=True), "gradients written: per-layer"),
 ])
@@ -251,3 +269,45 @@ def test_builders_build_the_layers_the_plan_names():
         choice = gpt_builders.choose_layer_spec(args)
         assert (choice.path, choice.reason) == (plan_of(argv, **attrs).value("layers"),
                                                 plan_of(argv, **attrs).choice("layers").reason)
+
+
+def test_use_flash_attn_is_taken_as_attention_backend_flash():
+    from megatron.core.transformer.enums import AttnBackend
+
+    args = launch(use_flash_attn=True)
+    plan = plan_fast_path(args, NO_TE, {})
+    assert plan.value("attention") == "SDPA, torch's flash attention kernel only"
+    assert dict(plan.args)["attention_backend"] == AttnBackend.flash
+    assert any("--use-flash-attn taken as --attention-backend flash" in line
+               for line in plan.log)
+
+
+@pytest.mark.parametrize("installed,attrs,match", [
+    (NO_TE, {}, "NVTE_FUSED_ATTN=0 in the environment .*which this launch does not run"),
+    (TE, dict(world_size=2, tensor_model_parallel_size=2),
+     "NVTE_FUSED_ATTN=0 in the environment .*give --attention-backend flash instead"),
+])
+def test_tes_attention_switches_megatron_would_stop_on_are_refused(installed, attrs, match):
+    # megatron's model constructor asserts that the switches agree with --attention-backend
+    with pytest.raises(UserError, match=match):
+        plan_of([], installed, environ={"NVTE_FUSED_ATTN": "0"}, **attrs)
+    agreeing = {"NVTE_FLASH_ATTN": "1", "NVTE_FUSED_ATTN": "0", "NVTE_UNFUSED_ATTN": "0"}
+    plan_of([], installed, environ=agreeing, attention_backend="flash", **attrs)
+
+
+@pytest.mark.parametrize("backend", ["auto", "flash", "fused", "unfused", "local"])
+def test_the_switches_are_the_ones_megatron_sets(monkeypatch, backend):
+    """attention_backend.TE_SWITCHES against megatron's own LanguageModule code."""
+    from types import SimpleNamespace
+
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megagpt.fast_spec.attention_backend import TE_SWITCH_NAMES, TE_SWITCHES
+
+    for name in TE_SWITCH_NAMES:
+        monkeypatch.delenv(name, raising=False)
+    config = SimpleNamespace(attention_backend=AttnBackend[backend],
+                             flash_attention_version=None)
+    LanguageModule._set_attention_backend(SimpleNamespace(config=config))
+    assert tuple(os.environ.get(name) for name in TE_SWITCH_NAMES) == TE_SWITCHES[backend]

@@ -325,6 +325,29 @@ def test_attention_is_causal(cpu_buffers, fused):
     assert (a[:, t:] - b[:, t:]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-layer", "sdpa-only"])
+def test_attention_backend_narrows_the_sdpa_kernels(cpu_buffers, monkeypatch, fused):
+    """--attention-backend reaches the SDPA call of both attention paths: with unfused (math)
+    and flash (torch's CPU flash kernel) the model matches megatron's local attention; with
+    fused (cuDNN, which has no CPU kernel) torch finds no kernel, so the restriction holds."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    def build(backend):
+        # each model's constructor sets TE's switches for its backend, and asserts on others
+        for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+            monkeypatch.delenv(name, raising=False)
+        return _models(_config(attention_backend=backend), _args(fast_spec_fused_layer=fused))
+
+    for backend in (AttnBackend.unfused, AttnBackend.flash):
+        ref, fast = build(backend)
+        _assert_same(ref, fast, _batch(2))
+    _, fast = build(AttnBackend.fused)
+    if fused:  # the fused function itself runs attention
+        assert all(layer.fused_unsupported_reason is None for layer in fast.decoder.layers)
+    with pytest.raises(RuntimeError, match="No available kernel|No viable backend"):
+        _loss_and_grads(fast, _batch(2))
+
+
 def test_document_mask_is_honoured_with_reset_attention_mask(cpu_buffers):
     """--reset-attention-mask: the fast spec applies the mask it is given, like the local one."""
     ref, fast = _models(_config(), _args(reset_attention_mask=True))

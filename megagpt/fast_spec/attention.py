@@ -4,7 +4,8 @@
 (same constructor and forward signature, same input/output layouts): queries, keys and
 values arrive as ``[sq, b, heads, head_dim]`` and the result leaves as ``[sq, b, heads *
 head_dim]``. Torch picks the kernel (flash, cuDNN, memory-efficient, or the math
-fallback on CPU), so the ``[b, heads, sq, sk]`` score matrix is never materialised.
+fallback on CPU), so the ``[b, heads, sq, sk]`` score matrix is never materialised;
+megatron's ``--attention-backend`` narrows the choice (``attention_backend``).
 
 Semantics kept from the local implementation:
 - softmax scale ``1/sqrt(head_dim)`` unless ``softmax_scale`` is given; with
@@ -25,12 +26,14 @@ softmax types other than "vanilla".
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import sdpa_kernel
 
 from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -39,6 +42,14 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
+
+from .attention_backend import sdpa_kernels_for
+
+
+def sdpa_kernels_only(kernels: Optional[tuple]):
+    """A context in which SDPA picks only among ``kernels`` (None: among all); it also holds
+    inside ``torch.compile``d code and CUDA graph captures, which keep the kernel picked."""
+    return contextlib.nullcontext() if kernels is None else sdpa_kernel(list(kernels))
 
 
 def sdpa_unsupported_reason(config: TransformerConfig) -> Optional[str]:
@@ -99,6 +110,8 @@ class SDPADotProductAttention(MegatronModule):
         self.attention_dropout_p = float(
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
+        # --attention-backend: the SDPA kernels this attention may use (None: torch picks)
+        self.sdpa_kernels = sdpa_kernels_for(getattr(config, "attention_backend", None))
 
     def forward(
         self,
@@ -139,6 +152,10 @@ class SDPADotProductAttention(MegatronModule):
         dropout_p = self.attention_dropout_p if self.training else 0.0
 
         def _attend():
+            with sdpa_kernels_only(self.sdpa_kernels):
+                return _sdpa()
+
+        def _sdpa():
             kk, vv = k, v
             kwargs = {}
             if gqa:

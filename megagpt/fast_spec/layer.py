@@ -57,7 +57,7 @@ from megatron.core.utils import make_viewless_tensor
 from megagpt import model_math
 
 from . import grad_write, hash_dropout
-from .attention import SDPADotProductAttention
+from .attention import SDPADotProductAttention, sdpa_kernels_only
 
 logger = logging.getLogger(__name__)
 
@@ -162,15 +162,18 @@ def _row_parallel_output(x: Tensor, tp_group, sequence_parallel: bool) -> Tensor
     return reduce_from_tensor_model_parallel_region(x, group=tp_group)
 
 
-def _attention(q, k, v, p: float, scale: float, tp_group, sequence_parallel: bool) -> Tensor:
-    if p > 0.0 and tp_group is not None and not sequence_parallel:
-        # each rank holds other heads: their dropout masks come from the model-parallel
-        # RNG stream, which differs across tensor-parallel ranks, as in megatron's attention
-        # (which, under sequence parallelism, draws from the default stream)
-        with tensor_parallel.get_cuda_rng_tracker().fork():
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                                  scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=scale)
+def _attention(q, k, v, p: float, scale: float, tp_group, sequence_parallel: bool,
+               kernels: Optional[tuple] = None) -> Tensor:
+    with sdpa_kernels_only(kernels):
+        if p > 0.0 and tp_group is not None and not sequence_parallel:
+            # each rank holds other heads: their dropout masks come from the model-parallel
+            # RNG stream, which differs across tensor-parallel ranks, as in megatron's
+            # attention (which, under sequence parallelism, draws from the default stream)
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                      scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                              scale=scale)
 
 
 def fused_layer_forward(
@@ -207,6 +210,7 @@ def fused_layer_forward(
     tp_group=None,
     sequence_parallel: bool = False,
     dropout_seeds: Optional[Tensor] = None,
+    attention_kernels: Optional[tuple] = None,
 ) -> Tensor:
     """One dense pre-norm GPT layer on ``x`` of shape [s, b, h]; megatron's layouts.
 
@@ -219,7 +223,8 @@ def fused_layer_forward(
     rank's slice of the sequence, gathered before QKV and fc1 and scattered after the
     projection and fc2, as megatron's parallel linears do. ``dropout_seeds``: two int32
     seeds, one per residual dropout, whose masks then come from ``hash_dropout`` (None:
-    ``F.dropout``)."""
+    ``F.dropout``). ``attention_kernels``: the SDPA kernels attention may use
+    (``--attention-backend``; None: torch picks)."""
     y = model_math.norm(x, ln1_w, ln1_b, eps, rms)
     qkv = _column_linear(y, qkv_w, qkv_b, qkv_main_grad, tp_group, sequence_parallel)
     s, b = qkv.shape[0], qkv.shape[1]  # the whole sequence, also under sequence parallelism
@@ -233,7 +238,8 @@ def fused_layer_forward(
     if q_per_group > 1:
         k = k.repeat_interleave(q_per_group, dim=1)
         v = v.repeat_interleave(q_per_group, dim=1)
-    o = _attention(q, k, v, attn_p if training else 0.0, scale, tp_group, sequence_parallel)
+    o = _attention(q, k, v, attn_p if training else 0.0, scale, tp_group, sequence_parallel,
+                   attention_kernels)
     o = o.permute(2, 0, 1, 3).reshape(s, b, groups * q_per_group * head_dim)
     a = _row_parallel_output(_linear(o, proj_w, None, proj_main_grad), tp_group,
                              sequence_parallel)
@@ -477,6 +483,7 @@ class FastTransformerLayer(TransformerLayer):
             rotary_interleaved=bool(cfg.rotary_interleaved),
             rope_mscale=float(mscale if mscale is not None else 1.0),
             training=bool(self.training),
+            attention_kernels=core.sdpa_kernels,
         )
         weights = dict(qkv_main_grad=att.linear_qkv.weight, proj_main_grad=att.linear_proj.weight,
                        fc1_main_grad=mlp.linear_fc1.weight, fc2_main_grad=mlp.linear_fc2.weight)

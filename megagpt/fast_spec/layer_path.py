@@ -1,5 +1,6 @@
 """Which layers a run's model is built from: the fast spec, Transformer Engine's, megatron's
-local ones, its MoE block or a user's ``--spec``. ``layer_path`` is the one place that tells
+local ones (also ``--spec local``, as megatron's help spells them), its MoE block or a user's
+``--spec MODULE FUNCTION``. ``layer_path`` is the one place that tells
 them apart; ``gpt_builders`` builds each, and the fast path's plan, ``megagpt.compat`` and
 the dry run's estimate ask it.
 """
@@ -14,9 +15,23 @@ LOCAL = "local"
 USER_SPEC = "user_spec"
 
 
+# megatron's ``--spec`` help: "To use local spec specify local as the argument"; its
+# validate_args asks for it with --attention-backend local
+LOCAL_SPEC_ARGUMENT = ["local"]
+
+
+def megatron_local_spec_asked(args) -> bool:
+    """Whether ``--spec local`` asks for megatron's local spec (not a module to import)."""
+    return list(getattr(args, "spec", None) or []) == LOCAL_SPEC_ARGUMENT
+
+
 def layer_path(args) -> tuple[str, str]:
     """(path, reason): which layers the model is built from (gpt_builders builds them)."""
     spec = getattr(args, "spec", None)
+    if megatron_local_spec_asked(args):
+        if getattr(args, "num_experts", None) is not None:
+            return MOE_BLOCK, f"--num-experts {args.num_experts}, local modules (--spec local)"
+        return LOCAL, "megatron's local modules: --spec local"
     if spec:
         return USER_SPEC, f"--spec {' '.join(spec)}"
     use_te = getattr(args, "transformer_impl", "local") == "transformer_engine"

@@ -138,6 +138,20 @@ def _layers(p: _Planner) -> None:
     p.choose("layers", *layer_path(p.v))
 
 
+def _attention_kernels(p: _Planner) -> None:
+    """megatron's --attention-backend on this launch's layers (``attention_backend``)."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    from .attention_backend import attention_plan, backend_name
+
+    planned = attention_plan(p.v, layer_path(p.v)[0], p.environ)
+    if planned.backend != backend_name(p.get("attention_backend")):
+        p.set("attention_backend", AttnBackend[planned.backend])
+    for line in planned.log:
+        p.log(line)
+    p.choose("attention", planned.kernels, planned.reason)
+
+
 def _fused_layer(p: _Planner) -> None:
     # With --overlap-param-gather, megatron's DDP waits for each bucket's all-gather in a
     # forward pre-hook of the module that owns the parameters; the fused layer reads its
@@ -434,7 +448,7 @@ def _optimizer(p: _Planner) -> None:
 
 
 STEPS: tuple[Callable[[_Planner], None], ...] = (
-    _switch_defaults, _layers, _fused_layer, _full_iteration_graph, _layer_graphs,
+    _switch_defaults, _layers, _attention_kernels, _fused_layer, _full_iteration_graph, _layer_graphs,
     _graph_choices, _nccl_connect, _bf16_grad_buffer, _grad_write, _attention_mask, _compile,
     _lm_loss, _optimizer,
 )

@@ -30,6 +30,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from .attention import SDPADotProductAttention
+from .layer_path import megatron_local_spec_asked
 from .layer import FastTransformerLayer, FusedLayerOptions
 from .lm_loss import lm_grad_in_forward_unsupported_reason
 from .norm import TorchNorm
@@ -70,6 +71,8 @@ def fast_spec_unsupported_reason(args) -> Optional[str]:
         return "--use-kitchen"
     if _get(args, "fp8", None) or _get(args, "fp4", None):
         return "FP8/FP4 training needs Transformer Engine"
+    if megatron_local_spec_asked(args):
+        return "--spec local asks for megatron's local spec"
     if _get(args, "spec", None):
         return "a user layer spec was given with --spec"
     if _get(args, "heterogeneous_layers_config_path", None) or _get(

@@ -1,0 +1,154 @@
+"""megatron's ``--attention-backend`` (auto, flash, fused, unfused, local) on each layer path.
+
+megatron reads the flag in two places: Transformer Engine's attention picks its kernel from
+the ``NVTE_FLASH_ATTN`` / ``NVTE_FUSED_ATTN`` / ``NVTE_UNFUSED_ATTN`` switches that megatron's
+``LanguageModule._set_attention_backend`` sets from it when the model is built (asserting
+that the environment does not already hold other values), and ``local`` needs megatron's
+local spec (``--spec local``, its ``validate_args`` says). megatron's own local attention
+(``DotProductAttention``) is unfused whatever the flag says.
+
+The fast spec's attention is torch's ``scaled_dot_product_attention``; it honours the flag
+by restricting the kernels torch may pick from to the same family as TE's:
+
+  auto     torch picks (flash, cuDNN, memory-efficient, math)
+  flash    torch's FlashAttention-2 kernel (TE: the flash-attn package's)
+  fused    cuDNN's fused attention (TE's "fused" backend is cuDNN's too)
+  unfused  torch's math kernel: matmul, softmax, matmul (TE: its unfused attention)
+
+``attention_plan`` is what the fast path's plan decides and logs for the flag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from torch.nn.attention import SDPBackend
+
+from megagpt.errors import UserError
+
+AUTO, FLASH, FUSED, UNFUSED, LOCAL = "auto", "flash", "fused", "unfused", "local"
+
+# the kernels the fast spec's SDPA attention may use for each backend (None: all)
+SDPA_KERNELS: dict[str, Optional[tuple[SDPBackend, ...]]] = {
+    AUTO: None,
+    FLASH: (SDPBackend.FLASH_ATTENTION,),
+    FUSED: (SDPBackend.CUDNN_ATTENTION,),
+    UNFUSED: (SDPBackend.MATH,),
+    LOCAL: (SDPBackend.MATH,),  # megatron's local attention is unfused
+}
+KERNEL_NAMES = {FLASH: "torch's flash attention kernel", FUSED: "cuDNN's fused attention",
+                UNFUSED: "torch's unfused math kernel", LOCAL: "torch's unfused math kernel"}
+
+# what megatron's _set_attention_backend sets TE's switches to (flash, fused, unfused)
+TE_SWITCHES = {
+    AUTO: ("1", "1", "1"),
+    FLASH: ("1", "0", "0"),
+    FUSED: ("0", "1", "0"),
+    UNFUSED: ("0", "0", "1"),
+    LOCAL: ("0", "0", "0"),
+}
+TE_SWITCH_NAMES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+def backend_name(value) -> str:
+    """``AttnBackend.flash`` (megatron's parsed value) or ``"flash"`` -> ``"flash"``."""
+    if value is None:
+        return AUTO
+    return str(getattr(value, "name", value))
+
+
+def sdpa_kernels_for(attention_backend) -> Optional[tuple[SDPBackend, ...]]:
+    """The SDPA kernels the fast spec's attention may run for ``attention_backend`` (a
+    TransformerConfig's value; None: torch picks among all)."""
+    return SDPA_KERNELS.get(backend_name(attention_backend))
+
+
+def te_switch_conflict(backend: str, environ: Mapping[str, str]) -> Optional[str]:
+    """Which of TE's attention switches in the environment megatron's model build would
+    stop on for ``backend`` (None: none)."""
+    expected = TE_SWITCHES.get(backend)
+    if expected is None:
+        return None
+    for name, want in zip(TE_SWITCH_NAMES, expected):
+        have = environ.get(name)
+        if have is not None and have != want:
+            return f"{name}={have} in the environment (megatron sets it to {want} for " \
+                   f"--attention-backend {backend})"
+    return None
+
+
+def _te_backend_for(environ: Mapping[str, str]) -> Optional[str]:
+    """The --attention-backend whose switches the environment holds, if one does."""
+    have = tuple(environ.get(name) for name in TE_SWITCH_NAMES)
+    for backend, switches in TE_SWITCHES.items():
+        if all(h is None or h == w for h, w in zip(have, switches)) and any(have):
+            if backend != LOCAL:
+                return backend
+    return None
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    backend: str  # megatron's --attention-backend after the plan
+    kernels: str  # what runs, for the plan's table
+    reason: str
+    log: tuple[str, ...] = ()
+
+
+def attention_plan(args, path: str, environ: Mapping[str, str]) -> AttentionPlan:
+    """What ``--attention-backend`` (and megatron's legacy ``--use-flash-attn``) come to on
+    ``path`` (a ``layer_path`` constant); UserError where the launch cannot run them."""
+    from .layer_path import FAST, MOE_BLOCK, TRANSFORMER_ENGINE
+
+    backend = backend_name(getattr(args, "attention_backend", None))
+    log: list[str] = []
+    if getattr(args, "use_flash_attn", False):
+        if backend not in (AUTO, FLASH):
+            raise UserError(f"--use-flash-attn with --attention-backend {backend}: the two ask "
+                            "for different attention kernels; give one")
+        if backend == AUTO:
+            backend = FLASH
+            log.append("attention: --use-flash-attn taken as --attention-backend flash "
+                       "(megatron-core reads only --attention-backend)")
+    te = path == TRANSFORMER_ENGINE or (
+        path == MOE_BLOCK and getattr(args, "transformer_impl", None) == "transformer_engine")
+    conflict = te_switch_conflict(backend, environ)
+    if conflict is not None:
+        # megatron asserts on it in every GPT model's constructor, whatever its layers
+        suggested = _te_backend_for(environ) if te else None
+        how = (f"and give --attention-backend {suggested} instead" if suggested
+               else "and choose TE's kernel with --attention-backend flash|fused|unfused"
+               if te else "(they choose Transformer Engine's attention kernels, which this "
+               "launch does not run)")
+        raise UserError(f"{conflict}: megatron stops on it while building the model; "
+                        f"unset {', '.join(TE_SWITCH_NAMES)} {how}")
+    if te:
+        kernels = "TE picks" if backend == AUTO else f"TE's {backend} attention"
+        return AttentionPlan(backend, kernels, "megatron sets TE's NVTE_*_ATTN switches from "
+                             "--attention-backend", tuple(log))
+    if path != FAST:
+        if backend not in (AUTO, LOCAL):
+            log.append(f"attention: megatron's local DotProductAttention (unfused): "
+                       f"--attention-backend {backend} selects the kernels of TE's and the "
+                       "fast spec's attention only")
+        return AttentionPlan(backend, "megatron's DotProductAttention",
+                             "megatron's local attention is unfused", tuple(log))
+    if backend == AUTO:
+        return AttentionPlan(backend, "SDPA, torch picks", "--attention-backend auto",
+                             tuple(log))
+    on_cpu = bool(getattr(args, "cpu", False))
+    if backend == FUSED and on_cpu:
+        raise UserError("--attention-backend fused with --cpu: cuDNN's fused attention runs "
+                        "on NVIDIA GPUs only; use auto, flash or unfused on the CPU")
+    if backend == FLASH and on_cpu and (getattr(args, "attention_dropout", 0.0) or 0.0) > 0.0:
+        raise UserError(f"--attention-backend flash with --cpu and --attention-dropout "
+                        f"{args.attention_dropout}: torch's flash attention kernel on the CPU "
+                        "has no dropout; add --attention-dropout 0, or use auto or unfused")
+    half = getattr(args, "bf16", False) or getattr(args, "fp16", False)
+    if backend in (FLASH, FUSED) and not on_cpu and not half:
+        raise UserError(f"--attention-backend {backend}: {KERNEL_NAMES[backend]} runs in bf16 "
+                        "or fp16, and this launch trains in fp32; add --bf16, or use auto or "
+                        "unfused")
+    return AttentionPlan(backend, f"SDPA, {KERNEL_NAMES[backend]} only",
+                         f"--attention-backend {backend}", tuple(log))
