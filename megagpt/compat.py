@@ -305,6 +305,13 @@ def adapt_megatron_quirks(args, log: Callable[[str], None]) -> None:
     if conflict:
         args.bias_gelu_fusion = False
         log(f"compat: --no-bias-gelu-fusion: {conflict}")
+    if (args.num_experts and getattr(args, "moe_grouped_gemm", False)
+            and args.transformer_impl != "transformer_engine"):
+        # megatron's local backend (LocalSpecProvider.grouped_mlp_modules) builds its
+        # sequential experts whatever the flag says
+        log("compat: --moe-grouped-gemm under megatron's local modules: megatron runs the "
+            "experts one after another (SequentialMLP, a GEMM per expert); only Transformer "
+            "Engine's layers group them")
     if (args.num_experts and args.add_bias_linear and args.bias_dropout_fusion
             and experts_add_bias_out_of_place(args)):
         # megatron's TEGroupedMLP asserts on it while the model is built

@@ -59,6 +59,7 @@ TOKENIZER = "whenever a tokenizer is built (data.tokenizers.build_tokenizer)"
 PREFLIGHT = ("around the preflight's schedule and sample-count checks "
              "(preflight.schedule_check.global_args), undone after")
 PARSE = "at parse time (data.tokenizers, megagpt.data.preprocess's parser)"
+ADAPT = "at parse time (megagpt.compat's adaptations, the fast path's plan)"
 
 
 @dataclass(frozen=True)
@@ -341,6 +342,18 @@ LEDGER: tuple[Change, ...] = (
            "SDPADotProductAttention takes its place in the spec with the same constructor and "
            "forward signature (torch's SDPA kernels: no [b, heads, s, s] scores)", MODEL,
            "ec3200d0b962"),
+    Change("megatron.core.models.common.language_module.language_module.LanguageModule."
+           "_set_attention_backend", RELIES_ON, "megagpt.fast_spec.attention_backend",
+           "every GPT model's constructor sets TE's NVTE_*_ATTN switches from "
+           "--attention-backend and asserts on other values already in the environment; "
+           "TE_SWITCHES holds the same values, so the plan refuses such an environment in one "
+           "line at parse time", ADAPT, "8f2e8f1beefd",
+           needle='check_and_set_env_variable("NVTE_FUSED_ATTN", 1, AttnBackend.fused)'),
+    Change("megatron.core.models.backends.LocalSpecProvider.grouped_mlp_modules", RELIES_ON,
+           "megagpt.compat",
+           "megatron's local modules build sequential experts whatever --moe-grouped-gemm "
+           "says; adapt_megatron_quirks logs it", ADAPT, "c624a2454eca",
+           needle="SequentialMLP"),
     Change("megatron.core.transformer.torch_norm.WrappedTorchNorm", STANDS_IN,
            "megagpt.fast_spec.norm",
            "it refuses --sequence-parallel; TorchNorm builds the same torch module with the "

@@ -287,6 +287,23 @@ def test_te_grouped_experts_with_biases_run_without_megatrons_bias_dropout_fusio
         assert args.bias_dropout_fusion is True, argv
 
 
+def test_grouped_gemm_under_megatrons_local_modules_is_said_to_run_sequential_experts():
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    # what megatron builds for the flag without TE's modules
+    spec = get_moe_module_spec(use_te=False, num_experts=4, moe_grouped_gemm=True)
+    assert spec.keywords["submodules"].experts.func is SequentialMLP
+    args, lines = megatron_defaults(["--num-experts", "4", "--moe-grouped-gemm",
+                                     "--disable-bias-linear", "--transformer-impl", "local"]), []
+    compat.adapt_megatron_quirks(args, lines.append)
+    assert any("--moe-grouped-gemm under megatron's local modules" in line and
+               "SequentialMLP" in line for line in lines)
+    args.transformer_impl, lines = "transformer_engine", []
+    compat.adapt_megatron_quirks(args, lines.append)
+    assert not any("--moe-grouped-gemm" in line for line in lines)
+
+
 def test_rerun_mode_spelling_of_megatrons_parser_reaches_its_enum():
     from megatron.core.rerun_state_machine import RerunMode
 

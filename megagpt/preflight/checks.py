@@ -116,7 +116,7 @@ def _check_batch(args, world_size: int) -> list[str]:
         problems.append(
             f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} × DP {dp} "
             f"= {per_step} ({gbs} / {per_step} = {gbs / per_step:.2f} micro-batches per step; "
-            f"DP = {world_size} GPUs / {_layout(args)})")
+            f"DP = {world_size} GPU{'' if world_size == 1 else 's'} / {_layout(args)})")
     return problems
 
 
