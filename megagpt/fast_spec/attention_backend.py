@@ -79,12 +79,14 @@ def te_switch_conflict(backend: str, environ: Mapping[str, str]) -> Optional[str
 
 
 def _te_backend_for(environ: Mapping[str, str]) -> Optional[str]:
-    """The --attention-backend whose switches the environment holds, if one does."""
+    """The --attention-backend whose switches agree with those set in the environment (the
+    first of flash, fused, unfused; None where none is set or none agrees)."""
     have = tuple(environ.get(name) for name in TE_SWITCH_NAMES)
-    for backend, switches in TE_SWITCHES.items():
-        if all(h is None or h == w for h, w in zip(have, switches)) and any(have):
-            if backend != LOCAL:
-                return backend
+    if all(value is None for value in have):
+        return None
+    for backend in (FLASH, FUSED, UNFUSED, AUTO):
+        if all(h is None or h == w for h, w in zip(have, TE_SWITCHES[backend])):
+            return backend
     return None
 
 
