@@ -80,10 +80,20 @@ def _by_dtype_and_device(tensors: List[torch.Tensor]) -> dict:
     return groups
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
 def _foreach_copy(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
     # group by (dtype pair, device) so that each group can take torch's fast path
     groups: dict = {}
     for d, s in zip(dst, src):
+        if _is_dtensor(d) or _is_dtensor(s):
+            # FSDP2's sharded parameters: DTensor has no sharding rule for _foreach_copy_
+            # (torch 2.11: NotImplementedError at the first step); one copy each, as
+            # megatron's own fallback does
+            d.copy_(s)
+            continue
         groups.setdefault((d.dtype, s.dtype, d.device), ([], []))
         groups[(d.dtype, s.dtype, d.device)][0].append(d)
         groups[(d.dtype, s.dtype, d.device)][1].append(s)
