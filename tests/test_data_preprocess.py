@@ -2,8 +2,11 @@
 
 import gzip
 import json
+import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +14,7 @@ import pytest
 
 from megagpt.data.preprocess import main, preprocess
 from megagpt.data.readers import InputError
+from test_tokenizer_files import HUB_VARIABLES, gpt2_hub_files, hub_cache_entry
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -243,13 +247,70 @@ def test_unwritable_output_folder(tmp_path, gpt2, capsys):
 
 
 def test_missing_tokenizer_file_is_one_line(tmp_path, gpt2, capsys):
+    """Checked as the training entry checks it, before any input is read or output written."""
     src = write_jsonl(tmp_path / "in.jsonl", [GOOD])
-    code = main(["--input", src, "--output-prefix", str(tmp_path / "o"), "--tokenizer-type",
-                 "GPT2BPETokenizer", "--vocab-file", str(tmp_path / "none.json"), "--merge-file",
-                 gpt2.merge_file])
-    assert code == 1
-    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
-        "error: cannot load tokenizer GPT2BPETokenizer:")
+    code = main(["--input", src, "--output-prefix", str(tmp_path / "out" / "o"),
+                 "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+                 str(tmp_path / "none.json"), "--merge-file", gpt2.merge_file])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --vocab-file {tmp_path / 'none.json'}: no such file (tokenizer GPT2BPETokenizer)")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture
+def no_hub(monkeypatch, tmp_path):
+    """An empty Hugging Face home, online, and a hub that refuses connections (a local port
+    bound and not listening); the environment for a process, with it."""
+    from megagpt.data import tokenizer_files
+
+    monkeypatch.setattr(tokenizer_files, "_PROBED", {})
+    for var in HUB_VARIABLES:
+        monkeypatch.delenv(var, raising=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{s.getsockname()[1]}"
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        yield endpoint
+
+
+def test_uncached_hub_name_is_one_line_at_once_and_leaves_nothing(tmp_path, no_hub, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD])
+    start = time.monotonic()
+    code = main(["--input", src, "--output-prefix", str(tmp_path / "out" / "o"),
+                 "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                 "openai-community/gpt2", "--workers", "1"])
+    assert time.monotonic() - start < 10  # huggingface_hub's retries took about a minute
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(
+        "error: --tokenizer-model openai-community/gpt2: not in the local Hugging Face cache "
+        f"({tmp_path / 'hf' / 'hub'}) and the hub cannot be reached ({no_hub}: "), err
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+@pytest.mark.slow
+def test_cached_hub_name_with_no_hub_to_ask_is_read_from_the_cache(tmp_path, gpt2, no_hub):
+    """A fresh process (huggingface_hub reads its cache folder and endpoint at its import)."""
+    cache = tmp_path / "hub"
+    hub_cache_entry(cache, "openai-community/gpt2", gpt2_hub_files(gpt2))
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "Hello world"}])
+    env = {k: v for k, v in os.environ.items() if k not in HUB_VARIABLES}
+    env.update(HF_HUB_CACHE=str(cache), HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=no_hub)
+    cmd = [sys.executable, "-m", "megagpt.data.preprocess", "--input", src, "--output-prefix",
+           str(tmp_path / "o"), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+           "openai-community/gpt2", "--workers", "1", "--log-interval", "0"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    said = [ln for ln in r.stderr.splitlines() if ln.startswith("[preprocess] tokenizer:")]
+    assert len(said) == 1 and said[0].startswith(
+        f"[preprocess] tokenizer: openai-community/gpt2 from the local Hugging Face cache "
+        f"({cache}); the hub ({no_hub}) does not answer ("), r.stderr[-2000:]
+    assert "Retry" not in r.stderr
+    assert [d.tolist() for d in docs(str(tmp_path / "o_text_document"))[0]] == [[15496, 995]]
 
 
 def test_progress_lines_and_summary(tmp_path, gpt2, capsys):

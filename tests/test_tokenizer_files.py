@@ -11,6 +11,7 @@ import hashlib
 import http.server
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -276,3 +277,182 @@ def test_a_cached_name_loads_offline_in_a_fresh_process(gpt2, tmp_path, closed_p
                        timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == "[15496, 995]"
+
+
+# A cached name while the hub cannot be asked: loaded from the cache with huggingface_hub
+# offline for the load (it would otherwise retry requests for optional files for minutes).
+
+@pytest.fixture(autouse=True)
+def _probes_forgotten(monkeypatch):
+    """Each test's hub is probed afresh (the module keeps one answer per endpoint a process)."""
+    monkeypatch.setattr(TF, "_PROBED", {})
+
+
+def counted_probes(monkeypatch) -> list[str]:
+    probes = []
+    real_probe = TF.probe_hub
+    monkeypatch.setattr(TF, "probe_hub", lambda url: probes.append(url) or real_probe(url))
+    return probes
+
+
+def test_a_cached_name_and_an_unreachable_hub_is_loaded_offline(gpt2, hf_cache, closed_port,
+                                                                monkeypatch):
+    endpoint = f"http://127.0.0.1:{closed_port}"
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    hub_cache_entry(hf_cache, "gpt2", gpt2_hub_files(gpt2))
+    probes = counted_probes(monkeypatch)
+    args = hf_args("gpt2")
+    check_tokenizer_files(args)  # cached: the check asks nothing
+    assert probes == []
+    line = TF.cached_hub_name_offline(args)
+    assert line.startswith(f"tokenizer: gpt2 from the local Hugging Face cache ({hf_cache}); "
+                           f"the hub ({endpoint}) does not answer (")
+    assert line.endswith("), so it is not asked") and "Connection refused" in line
+    assert TF.cached_hub_name_offline(args) == line
+    assert probes == [endpoint]  # once a process
+
+
+def test_a_cached_name_and_offline_variable_is_loaded_offline_unasked(gpt2, hf_cache,
+                                                                      silent_hub, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", silent_hub.url)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub_cache_entry(hf_cache, "openai-community/gpt2", gpt2_hub_files(gpt2))
+    assert TF.cached_hub_name_offline(hf_args("openai-community/gpt2")) == (
+        f"tokenizer: openai-community/gpt2 from the local Hugging Face cache ({hf_cache}); "
+        "HF_HUB_OFFLINE=1 keeps the hub from being asked")
+    time.sleep(0.2)
+    assert silent_hub.accepted == []
+
+
+def test_a_cached_name_and_a_hub_that_answers_loads_as_before(gpt2, hf_cache, answering_hub,
+                                                              monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", answering_hub.url)
+    hub_cache_entry(hf_cache, "gpt2", gpt2_hub_files(gpt2))
+    for _ in range(2):
+        assert TF.cached_hub_name_offline(hf_args("gpt2")) is None
+    assert answering_hub.requests == ["/"]
+
+
+def test_only_a_cached_hub_name_is_loaded_offline(gpt2, hf_cache, closed_port, tmp_path,
+                                                  monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port}")
+    probes = counted_probes(monkeypatch)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for args in (hf_args("gpt2"),  # not cached: the check refuses it
+                 hf_args(str(folder)),
+                 tokenizer_namespace(tokenizer_type="GPT2BPETokenizer",
+                                     vocab_file=gpt2.vocab_file, merge_file=gpt2.merge_file),
+                 tokenizer_namespace(tokenizer_type="NullTokenizer", vocab_size=512)):
+        assert TF.cached_hub_name_offline(args) is None
+    assert probes == []
+
+
+@pytest.mark.parametrize("before", [None, "0"])
+def test_hub_offline_is_scoped_and_restored(hf_cache, silent_hub, tmp_path, monkeypatch,
+                                            before):
+    """Inside, huggingface_hub refuses to ask the hub (it looks in the cache only); after,
+    its setting and the variable are as they were, also when the load raised."""
+    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    if before is not None:
+        monkeypatch.setenv("HF_HUB_OFFLINE", before)
+    saved = constants.HF_HUB_OFFLINE
+    with pytest.raises(LocalEntryNotFoundError):
+        with TF.hub_offline():
+            assert constants.is_offline_mode() is True and os.environ["HF_HUB_OFFLINE"] == "1"
+            hf_hub_download("gpt2", "config.json", cache_dir=str(tmp_path / "empty"),
+                            endpoint=silent_hub.url)
+    assert constants.HF_HUB_OFFLINE is saved
+    assert os.environ.get("HF_HUB_OFFLINE") == before
+    time.sleep(0.2)
+    assert silent_hub.accepted == []
+
+
+LOAD_TWICE = """
+import json, os, time
+from huggingface_hub import constants
+from megagpt.data import tokenizer_files as TF
+from megagpt.data.tokenizers import build_tokenizer, tokenizer_namespace
+TF.HUB_PROBE_TIMEOUT_S = 0.5
+probes = []
+real_probe = TF.probe_hub
+TF.probe_hub = lambda url: probes.append(url) or real_probe(url)
+args = tokenizer_namespace(tokenizer_type='HuggingFaceTokenizer', tokenizer_model=NAME)
+TF.check_tokenizer_files(args)
+offline_before = constants.HF_HUB_OFFLINE
+seconds, ids = [], []
+for _ in range(2):
+    start = time.monotonic()
+    ids.append(build_tokenizer(args).tokenize('Hello world'))
+    seconds.append(time.monotonic() - start)
+print(json.dumps({'ids': ids, 'seconds': seconds, 'probes': probes,
+                  'offline': [offline_before, constants.HF_HUB_OFFLINE,
+                              os.environ.get('HF_HUB_OFFLINE')]}))
+"""
+
+
+@pytest.mark.slow
+def test_a_cached_name_loads_at_once_when_the_hub_does_not_answer(gpt2, tmp_path, silent_hub):
+    """No HF_HUB_OFFLINE, a hub that accepts connections and never answers: the one probe
+    is all it is asked (huggingface_hub online would wait on it for minutes), the tokenizer
+    loads from the cache with GPT-2's ids, one line says so, and huggingface_hub is online
+    again afterwards."""
+    cache = tmp_path / "hub"
+    hub_cache_entry(cache, "openai-community/gpt2", gpt2_hub_files(gpt2))
+    env = {k: v for k, v in os.environ.items() if k not in HUB_VARIABLES}
+    env.update(HF_HUB_CACHE=str(cache), HF_HOME=str(tmp_path / "home"),
+               HF_ENDPOINT=silent_hub.url)
+    code = LOAD_TWICE.replace("NAME", repr("openai-community/gpt2"))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["ids"] == [[15496, 995]] * 2
+    assert result["probes"] == [silent_hub.url]
+    assert result["offline"] == [False, False, None]
+    assert max(result["seconds"]) < WELL_UNDER_THE_RETRIES_S
+    said = [line for line in r.stdout.splitlines() if line.startswith("[megagpt] tokenizer:")]
+    assert len(said) == 2, r.stdout[-3000:]
+    for line in said:  # the probe's socket timeout or the wait on it, whichever ends first
+        assert re.fullmatch(
+            re.escape(f"[megagpt] tokenizer: openai-community/gpt2 from the local Hugging Face "
+                      f"cache ({cache}); the hub ({silent_hub.url}) does not answer (")
+            + r"(no answer within 0\.5 s|timed out)"
+            + re.escape("), so it is not asked"), line), line
+    assert len(silent_hub.accepted) == 1  # the probe
+
+
+@pytest.mark.slow
+def test_a_cached_name_without_its_config_fails_in_one_line_at_once(gpt2, tmp_path,
+                                                                    closed_port):
+    """transformers reads config.json too: a cache with the tokenizer's files only does not
+    load offline; the load's error is one line, at once."""
+    cache = tmp_path / "hub"
+    files = gpt2_hub_files(gpt2)
+    del files["config.json"]
+    hub_cache_entry(cache, "gpt2", files)
+    code = ("import time\n"
+            "from megagpt.data.tokenizer_files import check_tokenizer_files, load_error\n"
+            "from megagpt.data.tokenizers import build_tokenizer, tokenizer_namespace\n"
+            "a = tokenizer_namespace(tokenizer_type='HuggingFaceTokenizer',"
+            " tokenizer_model='gpt2')\n"
+            "check_tokenizer_files(a)\n"
+            "start = time.monotonic()\n"
+            "try:\n"
+            "    build_tokenizer(a)\n"
+            "except Exception as exc:\n"
+            "    print(time.monotonic() - start)\n"
+            "    print(load_error(exc, a))\n")
+    env = {k: v for k, v in os.environ.items() if k not in HUB_VARIABLES}
+    env.update(HF_HUB_CACHE=str(cache), HF_HOME=str(tmp_path / "home"),
+               HF_ENDPOINT=f"http://127.0.0.1:{closed_port}")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    seconds, message = r.stdout.strip().splitlines()[-2:]
+    assert float(seconds) < WELL_UNDER_THE_RETRIES_S
+    assert message.startswith("cannot load the tokenizer (--tokenizer-type HuggingFaceTokenizer "
+                              "--tokenizer-model gpt2): ")
+    assert "[megagpt] tokenizer: gpt2 from the local Hugging Face cache" in r.stdout

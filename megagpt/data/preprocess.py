@@ -14,6 +14,10 @@ megatron's own. What differs:
   tokenizer's ids (tiktoken for GPT-2 files, the HF Rust backend for tokenizer folders), checked
   against the megatron tokenizer before use.
 * Plain text input (``.txt``): one document per file, or per blank-line separated paragraph.
+* The tokenizer's files are checked before any input is read or output written, as the
+  training entry checks them (``megagpt.data.tokenizer_files``): a missing file, or a
+  Hugging Face hub name neither in the local cache nor on a hub that answers, is one line
+  (exit 2); a cached hub name with no hub to ask is loaded from the cache at once.
 
 Exit codes: 0 done, 2 bad input or options, 1 output / tokenizer / fetch failure, 130 interrupted.
 """
@@ -246,12 +250,12 @@ def _pinned_gpt2(args) -> TokenizerSetup | None:
     return TokenizerSetup(gpt2_files.GPT2_VOCAB_SIZE, gpt2_files.GPT2_EOD, encoder, targs)
 
 
-def _tokenizer_setup(args) -> TokenizerSetup:
+def _tokenizer_setup(args, stream=None) -> TokenizerSetup:
     setup = _pinned_gpt2(args)
     if setup is None:
         from megagpt.data.tokenizers import fast_encoder_for
 
-        tokenizer, targs = _load_tokenizer(args)
+        tokenizer, targs = _load_tokenizer(args, stream)
         setup = TokenizerSetup(tokenizer.vocab_size, getattr(tokenizer, "eod", None),
                                fast_encoder_for(tokenizer, targs), targs)
     if args.append_eod and setup.eod is None:
@@ -259,7 +263,18 @@ def _tokenizer_setup(args) -> TokenizerSetup:
     return setup
 
 
-def _load_tokenizer(args):
+def _check_tokenizer(args) -> None:
+    """The training entry's check of the tokenizer flags' files (and of a hub name), as an
+    InputError; it imports no torch, megatron or transformers."""
+    from megagpt.data.tokenizer_files import TokenizerError, check_tokenizer_files
+
+    try:
+        check_tokenizer_files(args)
+    except TokenizerError as e:
+        raise InputError(str(e)) from None
+
+
+def _load_tokenizer(args, stream=None):
     from megagpt.data.tokenizers import build_tokenizer, complete_namespace
 
     targs = complete_namespace(args)
@@ -274,7 +289,8 @@ def _load_tokenizer(args):
     targs.padded_vocab_size = None
     targs.pad_vocab_size = False  # padding is the model's business, not the data's
     try:
-        tokenizer = build_tokenizer(targs)
+        tokenizer = build_tokenizer(
+            targs, say=lambda line: print(f"[preprocess] {line}", file=stream or sys.stderr))
     except Exception as e:  # megatron raises many kinds; the user needs the one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise OutputError(f"cannot load tokenizer {args.tokenizer_type}: {first}") from None
@@ -285,11 +301,12 @@ def run(args: argparse.Namespace, stream=None) -> PreprocessResult:
     """The whole pipeline for parsed ``args`` (see ``build_parser``). Raises InputError/OutputError."""
     stream = stream or sys.stderr
     _validate(args)
-    paths = readers.expand_inputs(args.input)
+    paths = readers.expand_inputs(args.input)  # names only: nothing is read yet
+    _check_tokenizer(args)
     _check_output_dir(args.output_prefix)
     if args.workers > 1:  # HF's Rust thread pool and fork() do not mix; workers give parallelism
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    setup = _tokenizer_setup(args)
+    setup = _tokenizer_setup(args, stream)
     targs, encoder = setup.targs, setup.encoder
     dtype = indexed_format.optimal_dtype(setup.vocab_size)
     keys = list(args.json_keys)

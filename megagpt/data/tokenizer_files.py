@@ -7,11 +7,15 @@ a sentencepiece ``RuntimeError``, ``OSError`` from transformers).
 A Hugging Face hub name (``--tokenizer-model gpt2``) that is not in the local Hugging Face
 cache is refused before the load when the hub cannot be asked (HF_HUB_OFFLINE) or does not
 answer one short probe: without it, huggingface_hub retries for about a minute before
-transformers gives up.
+transformers gives up. A name that is in the cache while the hub cannot be asked is loaded
+from the cache with huggingface_hub offline (``hub_tokenizer_load`` around the load): online,
+huggingface_hub would spend minutes retrying requests for optional files (a chat template)
+before transformers read the cached ones. The hub is probed once per process and endpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
@@ -68,24 +72,112 @@ def check_hub_name(name: str) -> None:
     """TokenizerError when the hub name ``name`` is not in the local Hugging Face cache and
     the hub cannot be asked for it: HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE set (no probe), or
     HF_ENDPOINT does not answer one probe. A cached name, a reachable hub, or no
-    huggingface_hub to read the cache with: megatron loads it as before."""
+    huggingface_hub to read the cache with: megatron loads it (a cached name with no hub to
+    ask from the cache alone: ``hub_tokenizer_load``)."""
     cache = hub_cache_dir()
     if _hub_cached(name, cache) is not False:
         return
-    offline = _offline_variable()
-    if offline:
-        why = f"{offline} keeps the hub from being asked"
-    else:
-        endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-        unreachable = probe_hub(endpoint)
-        if unreachable is None:
-            return
-        why = f"the hub cannot be reached ({endpoint}: {unreachable})"
+    why = _hub_not_asked()
+    if why is None:
+        return
     raise TokenizerError(
         f"--tokenizer-model {name}: not in the local Hugging Face cache ({cache}) and {why}; "
         f"download it where there is internet (`hf download {name}`) and copy that cache "
         "folder here (or point HF_HUB_CACHE at it), or pass a local tokenizer folder: "
         "--tokenizer-model DIR")
+
+
+def _hub_not_asked() -> str | None:
+    """Why the hub will not be asked for a file: an offline variable set (no probe), or the
+    endpoint not answering the probe (asked once per process); None when it answers."""
+    offline = _offline_variable()
+    if offline:
+        return f"{offline} keeps the hub from being asked"
+    endpoint = hub_endpoint()
+    unreachable = hub_unreachable(endpoint)
+    if unreachable is None:
+        return None
+    return f"the hub cannot be reached ({endpoint}: {unreachable})"
+
+
+def hub_endpoint() -> str:
+    """The hub huggingface_hub asks: HF_ENDPOINT as it is now, without a trailing slash."""
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+
+
+# endpoint -> probe_hub's answer: each endpoint is probed once per process (every tokenizer
+# load and check after the first takes the answer as it was).
+_PROBED: dict[str, str | None] = {}
+
+
+def hub_unreachable(endpoint: str) -> str | None:
+    """``probe_hub(endpoint)``, asked once per process for each endpoint."""
+    if endpoint not in _PROBED:
+        _PROBED[endpoint] = probe_hub(endpoint)
+    return _PROBED[endpoint]
+
+
+def cached_hub_name_offline(args) -> str | None:
+    """For a ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model NAME`` whose NAME is a
+    hub name in the local Hugging Face cache while the hub cannot be asked (an offline
+    variable, or no answer to the probe): the line saying it is loaded from the cache, with
+    the hub not asked. None for anything else (megatron loads it as before)."""
+    model = getattr(args, "tokenizer_model", None)
+    if (getattr(args, "tokenizer_type", None) != "HuggingFaceTokenizer" or not model
+            or os.path.exists(model) or not _looks_like_hub_name(model)):
+        return None
+    cache = hub_cache_dir()
+    if _hub_cached(model, cache) is not True:
+        return None
+    offline = _offline_variable()
+    if offline:
+        why = f"{offline} keeps the hub from being asked"
+    else:
+        endpoint = hub_endpoint()
+        unreachable = hub_unreachable(endpoint)
+        if unreachable is None:
+            return None
+        why = f"the hub ({endpoint}) does not answer ({unreachable}), so it is not asked"
+    return f"tokenizer: {model} from the local Hugging Face cache ({cache}); {why}"
+
+
+@contextlib.contextmanager
+def hub_offline():
+    """huggingface_hub offline inside, as HF_HUB_OFFLINE=1 at its import would have it, and
+    as it was afterwards. huggingface_hub reads the variable once, at its import, into
+    ``huggingface_hub.constants.HF_HUB_OFFLINE``, which its ``is_offline_mode()`` returns and
+    every request it makes (transformers' too: it asks ``is_offline_mode()``) is refused by;
+    the variable is set as well, for code that reads it later. Process-wide while inside."""
+    from huggingface_hub import constants
+
+    saved_env, saved = os.environ.get("HF_HUB_OFFLINE"), constants.HF_HUB_OFFLINE
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = saved
+        if saved_env is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = saved_env
+
+
+@contextlib.contextmanager
+def hub_tokenizer_load(args, say=None):
+    """Around the load of the tokenizer ``args`` names: a hub name in the local cache while
+    the hub cannot be asked (``cached_hub_name_offline``) is loaded with huggingface_hub
+    offline (``hub_offline``), and ``say`` (megagpt.log.log by default) is given the line
+    saying so; anything else loads as it would."""
+    line = cached_hub_name_offline(args)
+    if line is None:
+        yield
+        return
+    if say is None:
+        from megagpt.log import log as say
+    say(line)
+    with hub_offline():
+        yield
 
 
 def hub_cache_dir() -> str:

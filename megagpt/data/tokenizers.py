@@ -130,10 +130,13 @@ def _resolve_gpt2_files(args) -> tuple[str, str]:
     return files.vocab_file, files.merge_file
 
 
-def build_tokenizer(args, **kwargs):
+def build_tokenizer(args, say=None, **kwargs):
     """Build the global tokenizer from megatron's parsed args; GPT2BPETokenizer works offline.
 
-    Every type other than GPT2BPETokenizer goes to megatron's ``build_tokenizer`` unchanged.
+    Every type other than GPT2BPETokenizer goes to megatron's ``build_tokenizer`` unchanged,
+    a HuggingFace hub name in the local cache while the hub cannot be asked with
+    huggingface_hub offline for the load (``tokenizer_files.hub_tokenizer_load``; ``say``
+    is given the line saying so, megagpt.log.log by default).
     For GPT2BPETokenizer the vocab/merge files (``--vocab-file``/``--merge-file``, or the cached
     GPT-2 files when both are absent) become a local HF folder loaded through megatron's
     ``HuggingFaceTokenizer`` path. ``args.padded_vocab_size`` is set exactly as megatron does:
@@ -142,8 +145,11 @@ def build_tokenizer(args, **kwargs):
     from megatron.core.tokenizers.utils.build_tokenizer import _set_padded_vocab_size
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer as mcore_build
 
+    from megagpt.data.tokenizer_files import hub_tokenizer_load
+
     if args.tokenizer_type != GPT2_TYPE:
-        return mcore_build(args, **kwargs)
+        with hub_tokenizer_load(args, say):
+            return mcore_build(args, **kwargs)
     vocab_file, merge_file = _resolve_gpt2_files(args)
     local = copy.copy(args)
     local.tokenizer_type = "HuggingFaceTokenizer"
