@@ -448,9 +448,9 @@ def _optimizer(p: _Planner) -> None:
 
 
 STEPS: tuple[Callable[[_Planner], None], ...] = (
-    _switch_defaults, _layers, _attention_kernels, _fused_layer, _full_iteration_graph, _layer_graphs,
-    _graph_choices, _nccl_connect, _bf16_grad_buffer, _grad_write, _attention_mask, _compile,
-    _lm_loss, _optimizer,
+    _switch_defaults, _layers, _attention_kernels, _fused_layer, _full_iteration_graph,
+    _layer_graphs, _graph_choices, _nccl_connect, _bf16_grad_buffer, _grad_write,
+    _attention_mask, _compile, _lm_loss, _optimizer,
 )
 
 
