@@ -68,6 +68,11 @@ def _environment_as_before():
     """The fast path's plan, applied in-process, sets variables such as NCCL_RUNTIME_CONNECT in
     os.environ (as the entry does for its NCCL); the next test must not plan with them."""
     saved = dict(os.environ)
+    # megatron's GPT model constructor writes TE's attention switches into os.environ from
+    # --attention-backend (LanguageModule._set_attention_backend): a model that an earlier
+    # test or a module fixture built must not decide this test's backend check
+    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        os.environ.pop(name, None)
     yield
     os.environ.clear()
     os.environ.update(saved)

@@ -515,26 +515,24 @@ def test_foreach_multi_tensor_kernels():
         torch.testing.assert_close(d, s.bfloat16())
 
 
-def test_optimizer_kernels_take_fsdp2s_sharded_parameters():
+def test_optimizer_kernels_take_fsdp2s_sharded_parameters(megatron_cpu):
     """--use-torch-fsdp2 hands megatron's copy of the main parameters into the model's DTensors,
     which have no sharding rule for ``_foreach_copy_`` (on the GPU the first step stopped with
     NotImplementedError); megatron's norm and scale take their local tensors."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from gloo_ranks import single_gloo_rank
     from megagpt.fast_spec.optim import foreach_copy_this_to_that
 
-    with single_gloo_rank():
-        mesh = init_device_mesh("cpu", (1,))
-        src = [distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]) for _ in range(2)]
-        dst = [distribute_tensor(torch.zeros(8, 4, dtype=torch.bfloat16), mesh, [Shard(0)])
-               for _ in range(2)]
-        with pytest.raises(NotImplementedError):  # what the copy must not rely on
-            torch._foreach_copy_([d.clone() for d in dst], src)
-        foreach_copy_this_to_that(src, dst)
-        for s, d in zip(src, dst):
-            torch.testing.assert_close(d.full_tensor(), s.full_tensor().bfloat16())
+    mesh = init_device_mesh("cpu", (1,))  # on the module's one-rank gloo group
+    src = [distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]) for _ in range(2)]
+    dst = [distribute_tensor(torch.zeros(8, 4, dtype=torch.bfloat16), mesh, [Shard(0)])
+           for _ in range(2)]
+    with pytest.raises(NotImplementedError):  # what the copy must not rely on
+        torch._foreach_copy_([d.clone() for d in dst], src)
+    foreach_copy_this_to_that(src, dst)
+    for s, d in zip(src, dst):
+        torch.testing.assert_close(d.full_tensor(), s.full_tensor().bfloat16())
 
 
 def test_install_fast_optimizer_swaps_megatron_fallbacks_and_restores():
