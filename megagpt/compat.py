@@ -164,8 +164,12 @@ def experts_bias_refusal(args, installed: Installed) -> UserError:
             f"--num-experts {args.num_experts} with linear biases needs Transformer Engine: "
             f"{why}. Add --disable-bias-linear (as MoE models usually do), or install "
             "Transformer Engine (pip install 'megagpt[te]') and add --moe-grouped-gemm.")
-    local = (" and drop --transformer-impl local"
-             if args.transformer_impl != "transformer_engine" else "")
+    from megagpt.fast_spec.layer_path import megatron_local_spec_asked
+
+    asked_local = ("--spec local" if megatron_local_spec_asked(args)
+                   else "--transformer-impl local")
+    local = (f" and drop {asked_local}" if args.transformer_impl != "transformer_engine"
+             else "")
     return UserError(
         f"--num-experts {args.num_experts} with linear biases needs --moe-grouped-gemm under "
         f"Transformer Engine's layers: {why}. Add --moe-grouped-gemm{local}, or "

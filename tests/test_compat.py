@@ -261,6 +261,11 @@ def test_moe_experts_with_linear_biases_are_refused_unless_te_groups_them():
             compat.check_required_packages(megatron_defaults(
                 ["--num-experts", "4", "--moe-grouped-gemm", "--transformer-impl", "local"]),
                 installed)
+        spec_local = megatron_defaults(["--num-experts", "4", "--moe-grouped-gemm",
+                                        "--spec", "local"])
+        spec_local.transformer_impl = "local"  # as layer_impl chooses for --spec local
+        with pytest.raises(compat.UserError, match="and drop --spec local, or"):
+            compat.check_required_packages(spec_local, installed)
         compat.check_required_packages(
             megatron_defaults(["--num-experts", "4", "--moe-grouped-gemm"]), installed)
     with pytest.raises(compat.MissingDependencyError, match="needs Transformer Engine"):
