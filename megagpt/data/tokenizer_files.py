@@ -87,16 +87,26 @@ def check_hub_name(name: str) -> None:
         "--tokenizer-model DIR")
 
 
-def _hub_not_asked() -> str | None:
-    """Why the hub will not be asked for a file: an offline variable set (no probe), or the
-    endpoint not answering the probe (asked once per process); None when it answers."""
+def _hub_silent() -> tuple[str | None, str, str | None] | None:
+    """Why the hub will not be asked for a file, as ``(offline variable, endpoint, why it
+    does not answer)``: an offline variable set (no probe), or the endpoint not answering the
+    probe (asked once per process); None when it answers."""
     offline = _offline_variable()
     if offline:
-        return f"{offline} keeps the hub from being asked"
+        return offline, "", None
     endpoint = hub_endpoint()
     unreachable = hub_unreachable(endpoint)
-    if unreachable is None:
+    return None if unreachable is None else (None, endpoint, unreachable)
+
+
+def _hub_not_asked() -> str | None:
+    """``_hub_silent`` in words for a refusal (None: the hub answers)."""
+    silent = _hub_silent()
+    if silent is None:
         return None
+    offline, endpoint, unreachable = silent
+    if offline:
+        return f"{offline} keeps the hub from being asked"
     return f"the hub cannot be reached ({endpoint}: {unreachable})"
 
 
@@ -129,15 +139,12 @@ def cached_hub_name_offline(args) -> str | None:
     cache = hub_cache_dir()
     if _hub_cached(model, cache) is not True:
         return None
-    offline = _offline_variable()
-    if offline:
-        why = f"{offline} keeps the hub from being asked"
-    else:
-        endpoint = hub_endpoint()
-        unreachable = hub_unreachable(endpoint)
-        if unreachable is None:
-            return None
-        why = f"the hub ({endpoint}) does not answer ({unreachable}), so it is not asked"
+    silent = _hub_silent()
+    if silent is None:
+        return None
+    offline, endpoint, unreachable = silent
+    why = (f"{offline} keeps the hub from being asked" if offline else
+           f"the hub ({endpoint}) does not answer ({unreachable}), so it is not asked")
     return f"tokenizer: {model} from the local Hugging Face cache ({cache}); {why}"
 
 
