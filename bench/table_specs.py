@@ -82,6 +82,11 @@ TE_PATHS = {"fast": "the entry's default (fast spec)",
             "te": "TE's layers, full-iteration graph"}
 FP8_PATHS = {"te": "TE's layers, bf16", "tefp8": "TE's layers, FP8, delayed scaling",
              "tefp8cs": "TE's layers, FP8, current scaling", "fast": "fast path, bf16"}
+FAST_FP8_PATHS = {"fast": "fast path, bf16", "fp8": "fast path, FP8, delayed scaling",
+                  "fp8cs": "fast path, FP8, current scaling",
+                  "tefp8": "TE's layers, FP8, delayed scaling",
+                  "tefp8cs": "TE's layers, FP8, current scaling",
+                  "referencefp8": "plain PyTorch + torchao FP8 (tensorwise)"}
 SHAPE_ORDER = {"tiny": 0, "345M": 1, "1.3B": 2}
 PREPROCESS_TOOLS = {"baseline": "upstream-style baseline", "megagpt": "megagpt"}
 MULTI_GPU_PATHS = {"default": "single-GPU default (full-iteration graph)",
@@ -246,6 +251,29 @@ TABLES = (
         summary=lambda r: (f"{r['row']['shape']}, TE {r['row']['te']}, "
                            f"{TE_PATHS.get(r['row']['path'], r['row']['path'])}: "
                            f"{number(r['figures'].get('tflops_per_gpu'))} TFLOP/s"),
+    ),
+    Table(
+        "fp8-fast", "FP8 on the fast path, without Transformer Engine",
+        "The fast spec's FP8 linears (`--fp8-format hybrid`: e4m3 inputs and weights, e5m2 "
+        "gradients; megatron's default delayed scaling, or `--fp8-recipe tensorwise`) "
+        "against the fast path in bf16, TE's FP8 layers (under the full-iteration graph, "
+        "their fastest on one GPU) and plain PyTorch with torchao's FP8 "
+        "(`bench/reference_gpt.py --fp8 tensorwise`). One call of `bench/gpu_fp8.sh` per "
+        "column of ratios: the fast path's rows without TE importable, TE's rows with it, "
+        "in one invocation of `bench/bench_throughput.py` each; mock data, dropout 0, 40 "
+        "iterations, medians after iteration 10, TFLOP/s by megatron's count (FP8 matmuls "
+        "counted as the same FLOPs). The ratios are against rows of the same call.",
+        columns=(("shape", rowval("shape")), ("path", rowval("path", FAST_FP8_PATHS)),
+                 ("ms/iter", fig("ms_per_iter")), ("TFLOP/s/GPU", fig("tflops_per_gpu")),
+                 ("vs fast bf16", fig("vs_fast_bf16", 3)),
+                 ("vs TE FP8 delayed", fig("vs_te_fp8", 3))),
+        sort=lambda r: (SHAPE_ORDER.get(r["shape"], 9),
+                        list(FAST_FP8_PATHS).index(r["path"])
+                        if r["path"] in FAST_FP8_PATHS else 9),
+        text_columns=2,
+        summary=lambda r: (f"{r['row']['shape']} "
+                           f"{FAST_FP8_PATHS.get(r['row']['path'], r['row']['path'])}: "
+                           f"{number(r['figures'].get('ms_per_iter'))} ms/iter"),
     ),
     Table(
         "fp8", "FP8 with Transformer Engine",

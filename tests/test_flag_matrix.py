@@ -125,7 +125,7 @@ def test_row_trains_or_is_refused_in_one_line(row, matrix_results):
     result = matrix_results[row.name]
     out = result["out"]
     assert "Traceback" not in out, _context(result)
-    refusal = row.expected_refusal(_te_installed())
+    refusal = row.expected_refusal(_te_installed(), DEVICE)
     if refusal is None:
         assert result["rc"] == 0, _context(result)
         losses = parse_losses(out)
