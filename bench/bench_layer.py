@@ -25,8 +25,11 @@ says so) at the 345M and 1.3B shapes, once per inductor setting:
                        the residual dropouts with masks hashed from each element's index and
                        a seed drawn per step, as the fast path's compiled layer runs them
                        (megagpt.fast_spec.hash_dropout; the other dropout settings: F.dropout)
+  fp8 tensorwise, fp8 delayed
+                       the four linears in FP8 (megagpt.fast_spec.fp8, hybrid format), with
+                       current or delayed scaling (not run unless named)
 
-  python bench/bench_layer.py [--shapes 345M,1.3B] [--settings default,...] [--split-sizes N,...]
+  python bench/bench_layer.py [--shapes 345M,1.3B,wide] [--settings default,...] [--split-sizes N,...]
                               [--out F.json]
 
 Each setting's forward + backward is captured as one CUDA graph; the graphs take turns,
@@ -182,9 +185,11 @@ def summarise_kernels(per_kernel: dict) -> dict:
 
 
 def kernel_kind(name: str) -> str:
-    """GEMM, attention, inductor's fused kernels (casts, norms, activations, amax
-    reductions), or other, from a CUDA kernel's name."""
+    """GEMM, attention, the FP8 cast kernel, inductor's fused kernels (norms, activations,
+    amax reductions), or other, from a CUDA kernel's name."""
     low = name.lower()
+    if "cast_transpose" in low:  # megagpt.fast_spec.fp8_cast's kernel
+        return "fp8 cast"
     if any(k in low for k in ("flash", "fmha", "cudnn", "attention", "sdpa")):
         return "attention"
     if any(k in low for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "matmul")):

@@ -263,14 +263,15 @@ TABLES = (
         "in one invocation of `bench/bench_throughput.py` each; mock data, dropout 0, 40 "
         "iterations, medians after iteration 10, TFLOP/s by megatron's count (FP8 matmuls "
         "counted as the same FLOPs). The ratios are against rows of the same call.",
-        columns=(("shape", rowval("shape")), ("path", rowval("path", FAST_FP8_PATHS)),
+        columns=(("shape", rowval("shape")), ("call", rowval("call")),
+                 ("path", rowval("path", FAST_FP8_PATHS)),
                  ("ms/iter", fig("ms_per_iter")), ("TFLOP/s/GPU", fig("tflops_per_gpu")),
                  ("vs fast bf16", fig("vs_fast_bf16", 3)),
                  ("vs TE FP8 delayed", fig("vs_te_fp8", 3))),
-        sort=lambda r: (SHAPE_ORDER.get(r["shape"], 9),
+        sort=lambda r: (SHAPE_ORDER.get(r["shape"], 9), r.get("call", ""),
                         list(FAST_FP8_PATHS).index(r["path"])
                         if r["path"] in FAST_FP8_PATHS else 9),
-        text_columns=2,
+        text_columns=3,
         summary=lambda r: (f"{r['row']['shape']} "
                            f"{FAST_FP8_PATHS.get(r['row']['path'], r['row']['path'])}: "
                            f"{number(r['figures'].get('ms_per_iter'))} ms/iter"),
