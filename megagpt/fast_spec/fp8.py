@@ -16,9 +16,9 @@ amax comes from:
   before the cast can start;
 - ``delayed`` (megatron's default, TE's delayed scaling): for inputs and weights, the amax
   recorded by the layer's earlier forwards (``--fp8-amax-history-len``,
-  ``--fp8-amax-compute-algo``), so the cast needs nothing before it and fuses with the norm
-  or activation that produces its input; the amax is recorded in the same pass. A layer's
-  first forward has no history and scales by the tensor's own amax. Output gradients are
+  ``--fp8-amax-compute-algo``), so the cast needs no reduction before it and records this
+  step's amax in the same pass. A layer's first forward has no history and scales by the
+  tensor's own amax. Output gradients are
   scaled by their own amax under both recipes: a gradient's range is known only once
   backward has made it, and scaling it from earlier steps' would tie the scale to state
   written in backward.
