@@ -119,6 +119,17 @@ def cuda_home() -> str:
     return "/usr/local/cuda" if Path("/usr/local/cuda/bin/nvcc").exists() else ""
 
 
+def nvcc_release() -> str:
+    """nvcc's release line ("Cuda compilation tools, release 13.0, V13.0.88")."""
+    nvcc = Path(cuda_home() or "/usr/local/cuda", "bin", "nvcc")
+    try:
+        out = subprocess.run([str(nvcc) if nvcc.exists() else "nvcc", "--version"],
+                             capture_output=True, text=True, timeout=60).stdout
+    except OSError:
+        return "unknown"
+    return next((line for line in out.splitlines() if "release" in line), "unknown").strip()
+
+
 def cuda_header_path() -> str:
     """CPATH for the compilers: the headers of the CUDA libraries torch's wheels bring (torch's
     own headers include cusparse.h and cublas headers, which a CUDA install holding only the
@@ -265,9 +276,13 @@ def main(argv=None) -> int:
     site.mkdir(parents=True, exist_ok=True)
     copy_python_package(source, site)
     summary = build_all(names, source, a.build_root.resolve(), site, a.budget, a.jobs)
-    summary.update(arch=os.environ["TORCH_CUDA_ARCH_LIST"],
-                   source=(source / "SOURCE").read_text().split() if (
-                       source / "SOURCE").exists() else None)
+    import torch
+
+    summary.update(arch=os.environ["TORCH_CUDA_ARCH_LIST"], torch=torch.__version__,
+                   cuda=torch.version.cuda, nvcc=nvcc_release(),
+                   source=dict(line.split(" ", 1) for line in (
+                       source / "SOURCE").read_text().splitlines() if " " in line)
+                   if (source / "SOURCE").exists() else None)
     (site / "apex-build.json").write_text(json.dumps(summary, indent=1))
     built = [n for n, r in summary["extensions"].items() if r["built"]]
     print(f"apex build: {len(built)} of {len(names)} extensions in {summary['total_s']:.0f} s "

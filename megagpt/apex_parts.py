@@ -189,22 +189,17 @@ def layer_modules(path: str, args) -> str:
     return LOCAL if path in (lp.LOCAL, lp.MOE_BLOCK) else SPEC
 
 
-def _wgrad_scope(modules: str, args) -> Optional[str]:
-    """Which of megatron's linear layers run their own backward in this launch (None: none):
-    the fast spec's fused layers and its chunked LM loss form their weight gradients
-    themselves, Transformer Engine's layers fuse theirs."""
+def _wgrad_scope(modules: str, args) -> str:
+    """Which of megatron's linear layers run their own backward in this launch (where the
+    fast spec's fused layers and chunked LM loss leave none, ``wgrad_fusion_unused_reason``
+    says so first): Transformer Engine's layers fuse theirs."""
     if modules == TE:
         return "the output layer; Transformer Engine's layers fuse their own"
     if modules != FAST:
         return "megatron's linear layers"
     if not _get(args, "fast_spec_fused_layer", True):
         return "the layers' linears (--fast-disable fused-layer) and the output layer"
-    chunked_loss = (_get(args, "fast_lm_loss", True)
-                    and not _get(args, "cross_entropy_loss_fusion", False)
-                    and _get(args, "tensor_model_parallel_size", 1) == 1
-                    and not _get(args, "sequence_parallel", False)
-                    and not _get(args, "use_mup", False))
-    return None if chunked_loss else "the output layer"
+    return "the output layer"
 
 
 def launch_uses(modules: str, args, found: frozenset[str], bound: Mapping[str, object],
@@ -246,18 +241,18 @@ def launch_uses(modules: str, args, found: frozenset[str], bound: Mapping[str, o
             + (": megatron takes Transformer Engine's first" if te_installed else ""))
     # gradient-accumulation fusion
     if "wgrad" in found:
-        scope = _wgrad_scope(modules, args)
-        if not _get(args, "gradient_accumulation_fusion", False):
+        from megagpt.fast_spec.settings import wgrad_fusion_unused_reason
+
+        unused = wgrad_fusion_unused_reason(args) if modules == FAST else None
+        if unused is not None:
+            uses.append(Use(BY_KEY["wgrad"].label, False, unused))
+        elif not _get(args, "gradient_accumulation_fusion", False):
             uses.append(Use(BY_KEY["wgrad"].label, False, "--no-gradient-accumulation-fusion"))
         elif not bound.get("wgrad_kernel"):
             uses.append(Use(BY_KEY["wgrad"].label, False, "megatron's linears did not find it"))
-        elif scope is None:
-            uses.append(Use(BY_KEY["wgrad"].label, False,
-                            "the fast spec's fused layers and LM loss form their weight "
-                            "gradients themselves"))
         else:
             uses.append(Use(BY_KEY["wgrad"].label, True,
-                            f"gradient-accumulation fusion in {scope}"))
+                            f"gradient-accumulation fusion in {_wgrad_scope(modules, args)}"))
     # norms
     uses.extend(_norm_uses(modules, args, found, bound))
     # softmax
@@ -271,7 +266,7 @@ def launch_uses(modules: str, args, found: frozenset[str], bound: Mapping[str, o
             add("softmax", True, "megatron's local attention, for the shapes they take")
     else:
         add("softmax", False, {TE: "attention is Transformer Engine's",
-                               FAST: "attention is the fast spec's (torch SDPA)"}.get(
+                               FAST: "attention is the fast spec's torch SDPA"}.get(
                                    modules, "attention is the spec's own"))
     return uses
 
@@ -281,14 +276,20 @@ def _norm_uses(modules: str, args, found: frozenset[str], bound: Mapping[str, ob
     keys = [k for k in ("layer_norm", "persistent_layer_norm") if k in found]
     if not keys and not bound.get("fused_layer_norm"):
         return []
+    layer_norm = _get(args, "normalization", "LayerNorm") == "LayerNorm"
     if modules == FAST:
+        if (_get(args, "qk_layernorm", False) and layer_norm and "layer_norm" in found
+                and bound.get("fused_layer_norm")):
+            # the fast spec replaces the layers' norms, not megatron's q/k norms
+            return [Use(BY_KEY["layer_norm"].label, True, "the q/k norms of --qk-layernorm; "
+                        "the layers' own norms are the fast spec's torch ones")]
         return [Use(BY_KEY[k].label, False, "the fast spec's norms are torch's") for k in keys]
     if modules == TE:
         return [Use(BY_KEY[k].label, False, "Transformer Engine's layers have their own")
                 for k in keys]
     if modules != LOCAL:
         return [Use(BY_KEY[k].label, False, "the spec picks its own norms") for k in keys]
-    if _get(args, "normalization", "LayerNorm") != "LayerNorm":
+    if not layer_norm:
         return [Use(BY_KEY[k].label, False, f"{args.normalization} is megatron's torch norm")
                 for k in keys]
     if "layer_norm" not in found:

@@ -156,9 +156,49 @@ def test_the_fast_path_takes_the_gradient_norm_kernels_only():
     assert taken(text) == ("apex: what this launch takes from it: amp_C multi-tensor kernels "
                            "(megatron's gradient norm and clipping)")
     for left in ("FusedAdam (the fast optimizer's torch fused AdamW replaces it)",
-                 "fused_weight_gradient_mlp_cuda (the fast spec's fused layers and LM loss",
+                 "fused_weight_gradient_mlp_cuda (the fast spec's fused layers and chunked LM "
+                 "loss form their weight gradients)",
                  "(the fast spec's norms are torch's)", "attention is the fast spec's"):
         assert left in text.split("not taken:")[1]
+
+
+def dry_run(tmp_path, *flags) -> str:
+    """The plan ``--dry-run`` prints for a tiny bf16 launch, the stand-in apex importable."""
+    folder = write_stand_in(tmp_path / "site")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(folder), os.environ.get("PYTHONPATH", "")]))}
+    out = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), "--dry-run",
+                          *TINY_LAUNCH, *flags], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    return out.stdout
+
+
+TINY_LAUNCH = ["--mock-data", "--vocab-size", "512", "--num-layers", "2", "--hidden-size", "64",
+               "--num-attention-heads", "4", "--seq-length", "64",
+               "--max-position-embeddings", "64", "--micro-batch-size", "2",
+               "--global-batch-size", "2", "--train-iters", "3", "--lr", "1e-3", "--bf16"]
+
+
+@pytest.mark.slow
+def test_with_apex_the_fast_path_still_writes_gradients(tmp_path):
+    """apex's weight-gradient kernel leaves megatron's fusion on, which would keep the
+    gradients added into a zeroed buffer; the fast spec's fused layers and chunked loss never
+    call it, so the plan turns it off and writes them (the plan without apex)."""
+    text = dry_run(tmp_path)
+    assert "fast path: --no-gradient-accumulation-fusion: the fast spec's fused layers" in text
+    assert re.search(r"grad write +on", text), text
+    kept = dry_run(tmp_path, "--fast-disable", "grad-write")
+    assert "--no-gradient-accumulation-fusion" not in kept
+
+
+@pytest.mark.slow
+def test_with_apex_layernorm_1p_takes_megatrons_local_spec(tmp_path):
+    """torch's norms (the fast spec's) have no zero-centred gamma, apex's FusedLayerNorm
+    has: --apply-layernorm-1p builds megatron's local spec, not the fast spec."""
+    text = dry_run(tmp_path, "--apply-layernorm-1p")
+    assert re.search(r"layers +local — megatron's local modules; fast spec off: "
+                     r"--apply-layernorm-1p", text), text
 
 
 def test_the_distributed_optimizer_keeps_fused_adam():
@@ -194,6 +234,13 @@ def test_megatron_local_spec_takes_the_norms_and_the_softmax():
     assert ("persistent kernel: --no-persist-layer-norm" in
             taken(line(LOCAL, launch(no_persist_layer_norm=True))))
     assert ("they take fp16/bf16 scores" in line(LOCAL, launch(bf16=False)))
+
+
+def test_the_fast_spec_keeps_megatrons_qk_norms():
+    assert ("FusedLayerNorm (fused_layer_norm_cuda) (the q/k norms of --qk-layernorm" in
+            taken(line(FAST, launch(qk_layernorm=True))))
+    assert "FusedLayerNorm" not in taken(line(FAST, launch(qk_layernorm=True,
+                                                           normalization="RMSNorm")))
 
 
 def test_a_local_spec_without_the_norm_kernel_says_its_norms_will_fail():

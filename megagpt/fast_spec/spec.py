@@ -71,6 +71,10 @@ def fast_spec_unsupported_reason(args) -> Optional[str]:
         return "--use-kitchen"
     if _get(args, "fp8", None) or _get(args, "fp4", None):
         return "FP8/FP4 training needs Transformer Engine"
+    if _get(args, "layernorm_zero_centered_gamma", False):
+        # megatron's WrappedTorchNorm asserts on it; apex's FusedLayerNorm (megatron's local
+        # spec) and TE's norms have it
+        return "--apply-layernorm-1p: torch's norms have no zero-centred gamma"
     if megatron_local_spec_asked(args):
         return "--spec local asks for megatron's local spec"
     if _get(args, "spec", None):
