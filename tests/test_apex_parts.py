@@ -292,3 +292,43 @@ def test_the_build_without_apex_source_says_so_in_one_line(tmp_path):
     assert out.stderr.strip().splitlines() == [
         f"error: no apex source at {tmp_path / 'nothing'}: run bench/gpu_apex_carry.sh here "
         "and carry .apex"]
+
+
+def _bench_output(folder: Path, shape: str, ms: dict[str, float]) -> None:
+    """What bench_throughput.py writes for one invocation, the figures given."""
+    folder.mkdir(parents=True)
+    info = dict(date="2026-12-04 10:00 UTC", commit="abc1234", machine="NVIDIA H200",
+                versions={"torch": "2.11.0+cu130", "megatron-core": "0.19.2"},
+                command=f"python bench/bench_throughput.py --shape {shape} --out /root/x",
+                shape=shape)
+    results = {path: dict(ms_per_iter=v, tflops_per_gpu=400.0 * 44.0 / v, peak_mem_mib=12000.0)
+               for path, v in ms.items()}
+    (folder / f"bench_{shape}.json").write_text(json.dumps(dict(info=info, results=results)))
+
+
+def test_the_records_of_a_call_compare_each_launch_with_apex_hidden(tmp_path):
+    import apex_records
+    import records
+    import tables
+    from table_specs import TABLES
+
+    (tmp_path / "versions.txt").write_text(
+        "NVIDIA H200\ntorch 2.11.0+cu130 megatron-core 0.19.2 apex 25.09 (4bdecd06, built for "
+        "9.0 with Cuda compilation tools, release 13.0) transformer-engine not installed\n")
+    _bench_output(tmp_path / "speed" / "apex_345M", "345M", {"fast": 44.0})
+    _bench_output(tmp_path / "speed" / "hidden_345M", "345M", {"fast": 44.9})
+    _bench_output(tmp_path / "pieces" / "apex_local_345M", "345M",
+                  {"local": 80.0, "nopersist": 82.0})
+    made = {(r["row"]["install"], r["row"]["path"]): r
+            for r in apex_records.make_records(tmp_path)}
+    assert set(made) == {("apex", "fast"), ("without apex", "fast"), ("apex", "local"),
+                         ("apex", "nopersist")}
+    assert made["apex", "fast"]["figures"]["vs_without_apex"] == round(44.9 / 44.0, 3)
+    assert made["apex", "nopersist"]["figures"]["vs_piece_on"] == round(80 / 82, 3)
+    assert made["apex", "fast"]["versions"]["apex"] == "25.09 (4bdecd06)"
+    assert made["without apex", "fast"]["versions"]["apex"] == "hidden"
+    assert all(records.problems(r) == [] for r in made.values())
+    spec = next(t for t in TABLES if t.name == "apex")
+    text = "\n".join(tables.render_table(spec, list(made.values()), list(made.values())))
+    assert "| 345M | apex | the entry's default (fast spec) | 44.0 |" in text
+    assert "not measured yet: shape 1.3B, install apex, path fast" in text
