@@ -172,7 +172,7 @@ def _start(ext: Extension, source: Path, build_root: Path, jobs: int) -> subproc
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """The extension's process and its ninja and compilers (one session of their own)."""
+    """The extension's process and its ninja and compilers (a process group of their own)."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=10)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Check the apex megatron takes: every part imports, and on a GPU each kernel, called the way
-megatron calls it, agrees with torch's own computation.
+"""Check the apex megatron takes: every part imports, and on a GPU each kernel, used as megatron
+uses it, agrees with torch's own computation.
 
     PYTHONPATH=/tmp/apex-site python bench/apex_check.py [--json OUT.json]
 

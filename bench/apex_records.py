@@ -3,10 +3,10 @@
 
     python bench/apex_records.py OUT_DIR [--commit C] [--dry-run]
 
-OUT_DIR is what one call of ``bench/gpu_record_apex.sh OUT_DIR speed,pieces`` left: per step
+OUT_DIR is what one run of ``bench/gpu_record_apex.sh OUT_DIR speed,pieces`` left: per step
 folders ``<install>_<shape>/bench_<shape>.json`` (bench/bench_throughput.py's output) and
 ``versions.txt`` (the apex tag and build). One record per path measured: ms/iter, TFLOP/s,
-peak memory, and against the same launch without apex in the same call (``vs_without_apex``:
+peak memory, and against the same launch without apex in the same run (``vs_without_apex``:
 its ms/iter ÷ this row's, above 1: faster with apex) and, for a piece switched off by its
 flag, against the launch that keeps it (``vs_piece_on``). Then ``make tables``.
 """
@@ -35,13 +35,13 @@ PIECES = {"nowrite": ("fast", "--fast-disable grad-write"),
           "nopersist": ("local", "--no-persist-layer-norm"),
           "nosoftmax": ("local", "--no-masked-softmax-fusion"),
           "nofusion": ("local", "--no-gradient-accumulation-fusion")}
-NOTE = ("one call of `bash bench/gpu_record_apex.sh OUT {step}` on one GPU: apex on PYTHONPATH "
+NOTE = ("one run of `bash bench/gpu_record_apex.sh OUT {step}` on one GPU: apex on PYTHONPATH "
         "for the rows marked apex, hidden from the process for those without; bf16, mock data, "
         "dropout 0, 30 iterations, the last 20 timed")
 
 
 def apex_version(out: Path) -> str | None:
-    """"25.09 (4bdecd06)" from the call's versions.txt."""
+    """"25.09 (4bdecd06)" from the run's versions.txt."""
     text = (out / "versions.txt").read_text() if (out / "versions.txt").exists() else ""
     m = re.search(r"apex (\S+) \(([0-9a-f]{8})", text)
     return f"{m.group(1)} ({m.group(2)})" if m else None

@@ -4,18 +4,18 @@
 #
 #   bash bench/gpu_apex_build.sh OUT_DIR [BUDGET_S]
 #
-# Whichever the call carried, in this order:
+# Whichever of these the GPU machine has, in this order:
 #   /tmp/apex-site already there (the machine stayed warm): only checked;
-#   .apex-built/ (the apex-built.tar.gz, or its .partN files, that an earlier call left in its
+#   .apex-built/ (the apex-built.tar.gz, or its .partN files, that an earlier build left in its
 #       OUT_DIR, copied here): unpacked into /tmp/apex-site, seconds;
 #   .apex/ (bash bench/gpu_apex_carry.sh): the extensions megatron takes (megagpt.apex_parts)
 #       built for this GPU's architecture only (bench/apex_build.py: all at once on every
 #       core; what is not built within BUDGET_S, default 420, is left out), then packed into
 #       OUT_DIR/apex-built.tar.gz, or parts of it under 16 MiB each (at most 6), for later
-#       calls to carry as .apex-built/.
+#       commands to bring along as .apex-built/.
 # Then bench/apex_check.py: each part imports and its kernels agree with torch on this GPU
 # (OUT_DIR/apex_check.json). Later commands: PYTHONPATH=/tmp/apex-site:... (or APEX_SITE);
-# bench/gpu_record_apex.sh calls this itself when /tmp/apex-site is missing.
+# bench/gpu_record_apex.sh runs this itself when /tmp/apex-site is missing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: gpu_apex_build.sh OUT_DIR [BUDGET_S]}
@@ -30,7 +30,7 @@ START=$SECONDS
 torch_version() { $PY -c 'import torch; print(torch.__version__)'; }
 built_for() { $PY -c "import json, sys; print(json.load(open(sys.argv[1]))['torch'])" "$1"; }
 
-pack() {  # the site, whole, into OUT: one file, or parts a later call's carry joins
+pack() {  # the site, whole, into OUT: one file, or parts that a later unpack joins
     local archive="$OUT/apex-built.tar.gz"
     rm -f "$archive" "$archive".part*
     tar -czf "$archive" -C "$SITE" . || return 1
@@ -46,22 +46,22 @@ pack() {  # the site, whole, into OUT: one file, or parts a later call's carry j
         return 1
     fi
     echo "apex: packed $(du -ch "$archive"* | tail -1 | cut -f1) into $parts file(s):" \
-         "copy OUT's apex-built.tar.gz* into .apex-built/ here and carry .apex-built"
+         "copy OUT's apex-built.tar.gz* into .apex-built/ and bring .apex-built along next time"
 }
 
 if [ -f "$SITE/apex-build.json" ] && [ -d "$SITE/apex" ]; then
-    echo "apex: $SITE is there already (built or unpacked by an earlier call)"
+    echo "apex: $SITE is there already (built or unpacked earlier on this machine)"
 elif ls .apex-built/apex-built.tar.gz* > /dev/null 2>&1; then
     rm -rf "$SITE" && mkdir -p "$SITE"
     if ! cat .apex-built/apex-built.tar.gz* | tar -xz -C "$SITE"; then
         rm -rf "$SITE"
-        echo "error: .apex-built/ does not unpack (a part missing or cut short?): carry every" \
+        echo "error: .apex-built/ does not unpack (a part missing or cut short?): bring every" \
              "apex-built.tar.gz* file of the build's OUT"
         exit 2
     fi
     if [ "$(built_for "$SITE/apex-build.json")" != "$(torch_version)" ]; then
         echo "error: .apex-built/ was built against torch $(built_for "$SITE/apex-build.json")," \
-             "this machine has $(torch_version): build again (carry .apex, not .apex-built)"
+             "this machine has $(torch_version): build again (bring .apex, not .apex-built)"
         rm -rf "$SITE"
         exit 2
     fi
@@ -78,8 +78,8 @@ elif [ -f .apex/setup.py ] && [ -d .apex/csrc ]; then
     mkdir -p "$OUT/apex-build-logs" && cp /tmp/apex-build/*.log "$OUT/apex-build-logs/" 2>/dev/null
     BUILT=1
 else
-    echo "error: no apex carried: carry .apex-built (an earlier build's apex-built.tar.gz*) or" \
-         ".apex (bash bench/gpu_apex_carry.sh here)"
+    echo "error: no apex here: bring .apex-built (an earlier build's apex-built.tar.gz*) or" \
+         ".apex (bash bench/gpu_apex_carry.sh makes it)"
     exit 2
 fi
 

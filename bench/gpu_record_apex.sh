@@ -7,10 +7,10 @@
 # MCORE_SITE holds megatron-core and the entry's other wheels (bench/gpu_site.sh sets it, and
 # TE_SITE where Transformer Engine was built into /tmp/site); APEX_SITE (default
 # /tmp/apex-site) holds apex as bench/gpu_apex_build.sh builds it, which this script runs
-# first when the folder is missing (the call then carries .apex-built, or .apex to build).
-# Installs, each a PYTHONPATH of the same interpreter, so that one call measures them side by
+# first when the folder is missing (.apex-built, or .apex to build, must then be there).
+# Installs, each a PYTHONPATH of the same interpreter, so that one command measures them side by
 # side: plain (MCORE_SITE), apex (+ APEX_SITE), te (+ TE_SITE), apex_te (both). Without
-# TE_SITE the steps leave what needs TE out. Steps, each within one 10-minute call (SECONDS,
+# TE_SITE the steps leave what needs TE out. Steps, each within 10 minutes on the GPU machine (SECONDS,
 # default 560, bounds them all; what does not fit is skipped and said):
 #   smoke        the shipped configs cut to one GPU and the layer choices
 #                (tests/test_apex_gpu.py), and every one-GPU row of the flag matrix, apex
@@ -94,7 +94,7 @@ matrix() {  # NAME PYTHONPATH: every one-GPU row of the flag matrix under that i
         $PY -m pytest -q -rA -p no:cacheprovider --basetemp "$OUT/$name" \
         tests/test_flag_matrix.py -k row_trains > "$OUT/$name.txt" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$name.txt" | cut -c1-200 | tail -20
-    # rows that finished, by their logs (what a call cut short still shows)
+    # rows that finished, by their logs (what a run cut short still shows)
     for log in "$OUT/$name"/flag_matrix0/*/entry.log; do
         [ -f "$log" ] || continue
         echo "$(basename "$(dirname "$log")"): $(grep -c ' iteration ' "$log") iteration lines," \

@@ -260,7 +260,7 @@ TABLES = (
         "apex", "With NVIDIA apex installed",
         "The same launches with NVIDIA apex (built from its source at a release tag for the "
         "GPU's architecture, `bench/gpu_apex_build.sh`) importable and hidden from the "
-        "process, one after the other in one device call (`bench/gpu_record_apex.sh OUT "
+        "process, one after the other in one run on the GPU machine (`bench/gpu_record_apex.sh OUT "
         "speed` and `... pieces`), alone and beside Transformer Engine: bf16, mock data, "
         "dropout 0. vs without apex = ms/iter of the same launch without apex ÷ this row's; "
         "vs the piece on = ms/iter of the launch that keeps the piece (the default, or "

@@ -7,7 +7,7 @@ with a fallback of its own (the sites below name the files, under ``megatron/``)
   layers (``tensor_parallel/layers.py``): their weight-gradient GEMM adds into the fp32 or
   bf16 gradient buffer. Without it megatron refuses ``--gradient-accumulation-fusion`` for
   them (``megagpt.compat`` turns it off);
-- ``apex.optimizers.FusedAdam`` / ``FusedSGD`` (which call ``amp_C``'s kernels) as
+- ``apex.optimizers.FusedAdam`` / ``FusedSGD`` (over ``amp_C``'s kernels) as
   megatron's Adam and SGD, and ``amp_C`` with ``apex.multi_tensor_apply`` for the gradient
   norm, clipping and parameter copies, where Transformer Engine's (imported first) are
   missing;
@@ -277,6 +277,9 @@ def _norm_uses(modules: str, args, found: frozenset[str], bound: Mapping[str, ob
     if not keys and not bound.get("fused_layer_norm"):
         return []
     layer_norm = _get(args, "normalization", "LayerNorm") == "LayerNorm"
+    if _get(args, "cpu", False):
+        # gpt_builders.with_torch_norms: apex's kernels take CUDA tensors only
+        return [Use(BY_KEY[k].label, False, "CPU mode builds torch's norms") for k in keys]
     if modules == FAST:
         if (_get(args, "qk_layernorm", False) and layer_norm and "layer_norm" in found
                 and bound.get("fused_layer_norm")):
@@ -320,8 +323,8 @@ def launch_line(uses: Iterable[Use]) -> str:
 
 
 def log_launch_line(args, log: Callable[[str], None]) -> Optional[str]:
-    """Log what this launch takes from apex (nothing where apex is not importable); call
-    after the fast path's patches are installed, before the model is built."""
+    """Log what this launch takes from apex (nothing where apex is not importable): after
+    the fast path's patches are installed, before the model is built."""
     found = found_parts()
     if not found:
         return None

@@ -184,7 +184,7 @@ TINY_LAUNCH = ["--mock-data", "--vocab-size", "512", "--num-layers", "2", "--hid
 def test_with_apex_the_fast_path_still_writes_gradients(tmp_path):
     """apex's weight-gradient kernel leaves megatron's fusion on, which would keep the
     gradients added into a zeroed buffer; the fast spec's fused layers and chunked loss never
-    call it, so the plan turns it off and writes them (the plan without apex)."""
+    use it, so the plan turns it off and writes them (the plan without apex)."""
     text = dry_run(tmp_path)
     assert "fast path: --no-gradient-accumulation-fusion: the fast spec's fused layers" in text
     assert re.search(r"grad write +on", text), text
@@ -248,10 +248,31 @@ def test_a_local_spec_without_the_norm_kernel_says_its_norms_will_fail():
     assert "FusedLayerNorm (megatron's local spec builds it, but fused_layer_norm_cuda" in text
 
 
-def test_cpu_mode_takes_no_optimizer_kernel():
-    text = line(FAST, launch(cpu=True, gradient_accumulation_fusion=False))
-    assert taken(text).endswith("takes from it: nothing")
-    assert "FusedAdam (CPU mode runs megatron's torch optimizer)" in text
+def test_cpu_mode_takes_nothing_from_apex():
+    for modules in (FAST, LOCAL):
+        text = line(modules, launch(cpu=True, gradient_accumulation_fusion=False, bf16=False))
+        assert taken(text).endswith("takes from it: nothing"), text
+        assert "FusedAdam (CPU mode runs megatron's torch optimizer)" in text
+    assert "(CPU mode builds torch's norms)" in line(LOCAL, launch(cpu=True))
+
+
+def test_a_cpu_model_of_megatrons_local_spec_has_torch_norms():
+    """Where apex imports megatron's local spec takes apex's FusedLayerNorm, whose kernels
+    take CUDA tensors only; a --cpu model (training or generating) gets torch's instead."""
+    from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    import gpt_builders
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=True)
+    attention = spec.submodules.self_attention.submodules
+    # megatron's spec as it is where apex imports (gpt_layer_specs.LNImpl)
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = FusedLayerNorm
+    attention.q_layernorm = attention.k_layernorm = FusedLayerNorm
+    gpt_builders.with_torch_norms(spec)
+    assert {spec.submodules.input_layernorm, spec.submodules.pre_mlp_layernorm,
+            attention.q_layernorm, attention.k_layernorm} == {WrappedTorchNorm}
 
 
 def test_every_apex_import_of_megatron_is_known():
@@ -306,7 +327,7 @@ def _bench_output(folder: Path, shape: str, ms: dict[str, float]) -> None:
     (folder / f"bench_{shape}.json").write_text(json.dumps(dict(info=info, results=results)))
 
 
-def test_the_records_of_a_call_compare_each_launch_with_apex_hidden(tmp_path):
+def test_the_records_of_a_run_compare_each_launch_with_apex_hidden(tmp_path):
     import apex_records
     import records
     import tables

@@ -355,7 +355,7 @@ def _grad_write(p: _Planner) -> None:
               if asked is not False and p.get("gradient_accumulation_fusion", False) else None)
     if unused is not None:
         # on by megatron's default where apex's kernel imports: it would keep gradients
-        # added into a zeroed buffer while nothing of this launch calls the kernel
+        # added into a zeroed buffer while nothing of this launch uses the kernel
         p.set("gradient_accumulation_fusion", False)
         if s.grad_write_unsupported_reason(p.v) is None:
             p.log(f"fast path: --no-gradient-accumulation-fusion: {unused}; they are written "
