@@ -122,7 +122,8 @@ LAYER_CHOICES = [
      "persistent layer norm (fast_layer_norm) (megatron's local spec's LayerNorms)"),
     ("apex", ["--fast-disable", "lm-loss"], "gradient-accumulation fusion in the output layer"),
     ("apex", ["--apply-layernorm-1p"], "FusedLayerNorm"),
-    ("apex_te", [], "fused_weight_gradient_mlp_cuda"),
+    # the fast spec beside TE: megatron takes TE's optimizer kernels first
+    ("apex_te", [], "takes from it: nothing"),
     ("apex_te", ["--transformer-impl", "transformer_engine"],
      "gradient-accumulation fusion in the output layer"),
     ("apex_te", ["--transformer-impl", "transformer_engine", "--use-distributed-optimizer"],
