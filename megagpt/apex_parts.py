@@ -114,6 +114,9 @@ def imports(module: str) -> bool:
 
 def found_parts(importable: Callable[[str], bool] = imports) -> frozenset[str]:
     """The keys of the parts whose every module imports."""
+    # first: the compiled extensions link against torch's libraries, which its import loads
+    import torch  # noqa: F401
+
     known: dict[str, bool] = {}
 
     def ok(module: str) -> bool:
