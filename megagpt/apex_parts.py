@@ -105,11 +105,9 @@ def imports(module: str) -> bool:
     """Whether ``module`` imports here (a real import, as megatron's try/except does it)."""
     try:
         importlib.import_module(module)
-        return True
-    except ImportError:
+    except Exception:  # noqa: BLE001 - ImportError, or a broken install megatron cannot take
         return False
-    except Exception:  # noqa: BLE001 - a broken install, which megatron does not take either
-        return False
+    return True
 
 
 def found_parts(importable: Callable[[str], bool] = imports) -> frozenset[str]:
@@ -219,7 +217,8 @@ def launch_uses(modules: str, args, found: frozenset[str], bound: Mapping[str, o
     # the optimizer
     sgd = _get(args, "optimizer", "adam") == "sgd"
     label_optimizer = "FusedSGD" if sgd else "FusedAdam"
-    current = bound.get("sgd" if sgd else "adam")
+    current = bound.get("sgd" if sgd else "adam")  # what megatron's optimizer builds
+    first = bound.get("sgd" if sgd else "adam_bound")  # what megatron bound at import
     if "optimizer" in found:
         if cpu:
             detail, taken = "CPU mode runs megatron's torch optimizer", False
@@ -227,10 +226,10 @@ def launch_uses(modules: str, args, found: frozenset[str], bound: Mapping[str, o
             which = ("the distributed optimizer's" if _get(args, "use_distributed_optimizer",
                                                             False) else "megatron's")
             detail, taken = f"{which} {'SGD' if sgd else 'Adam'}", True
-        elif te_installed and current == "transformer_engine":
-            detail, taken = "megatron takes Transformer Engine's first", False
-        elif bound.get("adam_bound") == "apex":
+        elif first == "apex":
             detail, taken = "the fast optimizer's torch fused AdamW replaces it", False
+        elif first == "transformer_engine":
+            detail, taken = "megatron takes Transformer Engine's first", False
         else:
             detail, taken = f"megatron's optimizer is {current}'s", False
         uses.append(Use(label_optimizer, taken, detail))

@@ -223,6 +223,10 @@ def test_beside_transformer_engine_only_the_output_layer_takes_apex():
                                 "own)")
     assert "FusedAdam (megatron takes Transformer Engine's first)" in text
     assert "the gradient norm is transformer_engine's" in text
+    # the fast spec beside TE, the fast optimizer over TE's FusedAdam: nothing from apex
+    text = line(FAST, launch(), bound={**TE_BOUND, "adam": "megagpt"}, te=True)
+    assert taken(text).endswith("takes from it: nothing")
+    assert "FusedAdam (megatron takes Transformer Engine's first)" in text
 
 
 def test_megatron_local_spec_takes_the_norms_and_the_softmax():
