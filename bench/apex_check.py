@@ -42,11 +42,11 @@ def check_wgrad(torch):
     x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(512, 384, device="cuda", dtype=torch.bfloat16)
     worst = 0.0
-    for dtype, call in ((torch.float32, k.wgrad_gemm_accum_fp32),
+    for dtype, accumulate in ((torch.float32, k.wgrad_gemm_accum_fp32),
                         (torch.bfloat16, k.wgrad_gemm_accum_fp16)):
         start = torch.randn(384, 256, device="cuda", dtype=dtype)
         main_grad = start.clone()
-        call(x, dy, main_grad)
+        accumulate(x, dy, main_grad)
         want = start.float() + dy.float().t() @ x.float()
         worst = max(worst, rel(main_grad, want))
     return worst, BF16_TOLERANCE
