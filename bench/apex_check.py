@@ -43,7 +43,7 @@ def check_wgrad(torch):
     dy = torch.randn(512, 384, device="cuda", dtype=torch.bfloat16)
     worst = 0.0
     for dtype, accumulate in ((torch.float32, k.wgrad_gemm_accum_fp32),
-                        (torch.bfloat16, k.wgrad_gemm_accum_fp16)):
+                              (torch.bfloat16, k.wgrad_gemm_accum_fp16)):
         start = torch.randn(384, 256, device="cuda", dtype=dtype)
         main_grad = start.clone()
         accumulate(x, dy, main_grad)
