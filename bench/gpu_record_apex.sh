@@ -18,6 +18,7 @@
 #   smoke_te     the same beside TE (needs TE_SITE)
 #   speed        throughput, bf16, mock data, dropout 0, 345M and 1.3B: the default with apex
 #                importable, then hidden; then beside TE against TE alone if time is left
+#                (SPEED_PAIRS="apex_te:te" measures only the latter)
 #   pieces       345M: each piece megatron takes from apex switched off by its flag, where a
 #                launch takes it (the fast path's optimizer; megatron's local spec's norms,
 #                softmax and weight-gradient fusion), and the same launches with apex hidden
@@ -155,18 +156,21 @@ smoke_te)
     wait
     ;;
 speed)
-    for shape in 345M 1.3B; do
-        bench speed apex "$APEX" $shape --paths fast
-        bench speed hidden "$PLAIN" $shape --paths fast
-        compare speed $shape apex hidden
-    done
-    if [ -n "$APEX_TE" ]; then
+    # SPEED_PAIRS picks (default: apex against hidden, then beside TE against TE alone)
+    for pair in ${SPEED_PAIRS:-apex:hidden apex_te:te}; do
+        with=${pair%%:*} without=${pair##*:}
+        [ "$with" = apex ] || [ -n "$APEX_TE" ] || { echo "== speed $pair: no TE_SITE"; continue; }
         for shape in 345M 1.3B; do
-            bench speed apex_te "$APEX_TE" $shape --paths fast
-            bench speed te "$TE" $shape --paths fast
-            compare speed $shape apex_te te
+            if [ "$with" = apex ]; then
+                bench speed apex "$APEX" $shape --paths fast
+                bench speed hidden "$PLAIN" $shape --paths fast
+            else
+                bench speed apex_te "$APEX_TE" $shape --paths fast
+                bench speed te "$TE" $shape --paths fast
+            fi
+            compare speed $shape "$with" "$without"
         done
-    fi
+    done
     ;;
 pieces)
     # the fast path's pieces first: writing gradients against megatron's fusion kept on, and
