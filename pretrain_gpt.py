@@ -37,7 +37,7 @@ from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_
 
 import gpt_builders
 from megagpt import arguments as entry_arguments
-from megagpt import compat, cpu_mode
+from megagpt import apex_parts, compat, cpu_mode
 from megagpt import resilience
 from megagpt.fast_spec.lm_loss import get_output_processor
 from megagpt.fast_spec.settings import install_fast_path_patches
@@ -315,6 +315,7 @@ def run(args, store=None) -> None:
     compat.megatron_linears_without_wgrad_fusion(args, compat.Installed.detect())
     # before pretrain builds the optimizer; not at parse time, so a dry run patches nothing
     install_fast_path_patches(args, log)
+    apex_parts.log_launch_line(args, log)  # after the patches, which replace some of it
     try:
         model_config, container, choice = build_configs(args)
     except INPUT_ERRORS as exc:  # megatron's config dataclasses check here

@@ -80,6 +80,15 @@ PATHS = {"local": "megatron's local spec", "fast": "fast path",
 PATH_ORDER = {"local": 0, "fast": 1, "reference": 2}
 TE_PATHS = {"fast": "the entry's default (fast spec)",
             "te": "TE's layers, full-iteration graph"}
+APEX_PATHS = {"fast": "the entry's default (fast spec)",
+              "nowrite": "default, --fast-disable grad-write (megatron's fusion kept on)",
+              "distopt": "default, --use-distributed-optimizer",
+              "megatron_optimizer": "default, --fast-disable optimizer (megatron's own step)",
+              "local": "megatron's local spec",
+              "nopersist": "local spec, --no-persist-layer-norm",
+              "nosoftmax": "local spec, --no-masked-softmax-fusion",
+              "nofusion": "local spec, --no-gradient-accumulation-fusion"}
+APEX_INSTALLS = ("apex", "without apex", "apex beside TE", "TE without apex")
 FP8_PATHS = {"te": "TE's layers, bf16", "tefp8": "TE's layers, FP8, delayed scaling",
              "tefp8cs": "TE's layers, FP8, current scaling", "fast": "fast path, bf16"}
 FAST_FP8_PATHS = {"fast": "fast path, bf16", "fp8": "fast path, FP8, delayed scaling",
@@ -275,6 +284,38 @@ TABLES = (
         summary=lambda r: (f"{r['row']['shape']} "
                            f"{FAST_FP8_PATHS.get(r['row']['path'], r['row']['path'])}: "
                            f"{number(r['figures'].get('ms_per_iter'))} ms/iter"),
+    ),
+    Table(
+        "apex", "With NVIDIA apex installed",
+        "The same launches with NVIDIA apex (built from its source at a release tag for the "
+        "GPU's architecture, `bench/gpu_apex_build.sh`) importable and hidden from the "
+        "process, one after the other in one run on the GPU machine (`bench/gpu_record_apex.sh OUT "
+        "speed` and `... pieces`), alone and beside Transformer Engine: bf16, mock data, "
+        "dropout 0. vs without apex = ms/iter of the same launch without apex ÷ this row's; "
+        "vs the piece on = ms/iter of the launch that keeps the piece (the default, or "
+        "megatron's local spec) ÷ this row's (above 1: faster). What megatron takes from apex "
+        "and why the fast path leaves most of it: "
+        "[speed.md](speed.md#what-a-user-of-nvidias-containers-gets).",
+        columns=(("shape", rowval("shape")), ("install", rowval("install")),
+                 ("path", rowval("path", APEX_PATHS)), ("ms/iter", fig("ms_per_iter")),
+                 ("TFLOP/s/GPU", fig("tflops_per_gpu")),
+                 ("peak MiB", lambda r: peak_memory(r["figures"])),
+                 ("vs without apex", fig("vs_without_apex", 3)),
+                 ("vs the piece on", fig("vs_piece_on", 3))),
+        sort=lambda r: (SHAPE_ORDER.get(r["shape"], 9),
+                        list(APEX_PATHS).index(r["path"]) if r["path"] in APEX_PATHS else 99,
+                        APEX_INSTALLS.index(r["install"]) if r["install"] in APEX_INSTALLS
+                        else 9),
+        summary=lambda r: (f"{r['row']['shape']}, {r['row']['install']}, "
+                           f"{APEX_PATHS.get(r['row']['path'], r['row']['path'])}: "
+                           f"{number(r['figures'].get('ms_per_iter'))} ms/iter"),
+        expected=tuple(
+            (dict(shape=shape, install=install, path="fast"),
+             "bash bench/gpu_record_apex.sh OUT speed")
+            for shape in ("345M", "1.3B") for install in ("apex", "without apex"))
+        + tuple((dict(shape="345M", install="apex", path=path),
+                 "bash bench/gpu_record_apex.sh OUT pieces")
+                for path in APEX_PATHS if path != "fast"),
     ),
     Table(
         "fp8", "FP8 with Transformer Engine",

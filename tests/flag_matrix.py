@@ -17,7 +17,8 @@ as written, except for two things the device decides (``launch``):
 A row either trains (exit 0, losses logged for iterations 1-3, no traceback) or is refused by
 design: exit 2, one ``error:`` line containing ``refused``, before any model is built. The
 refusals are those of a plain install (no Transformer Engine, no apex), on any device; where
-TE is installed the rows marked ``te_changes`` train (or meet the layout's refusal) instead.
+TE is installed the rows marked ``te_changes`` train (or meet the layout's refusal) instead,
+and where apex is the rows marked ``apex_changes`` train.
 ``ci`` marks the selection ``make test`` runs; ``MEGAGPT_FLAG_MATRIX=all`` runs every row.
 """
 
@@ -54,11 +55,16 @@ class Row:
     refused_with_te: str | None = None
     # refused on the CPU alone: a GPU (one with FP8 tensor cores, for FP8) trains it
     refused_on_cpu_only: bool = False
+    # where NVIDIA apex is installed the row trains (its norms take what torch's do not)
+    apex_changes: bool = False
 
-    def expected_refusal(self, te_installed: bool, device: str = "cpu") -> str | None:
+    def expected_refusal(self, te_installed: bool, apex_installed: bool = False,
+                         device: str = "cpu") -> str | None:
         if self.refused_on_cpu_only and device != "cpu":
             return None
-        return self.refused_with_te if (te_installed and self.te_changes) else self.refused
+        if te_installed and self.te_changes:
+            return self.refused_with_te
+        return None if (apex_installed and self.apex_changes) else self.refused
 
 
 def _f(text: str) -> tuple[str, ...]:
@@ -95,7 +101,8 @@ ROWS: tuple[Row, ...] = (
     Row("rope_partial_qk_norm", _f("--position-embedding-type rope --rotary-percent 0.5 "
                                    "--qk-layernorm --squared-relu"), ci=True),
     Row("layernorm_1p", _f("--apply-layernorm-1p"),
-        refused="--apply-layernorm-1p needs Transformer Engine or apex", te_changes=True),
+        refused="--apply-layernorm-1p needs Transformer Engine or apex", te_changes=True,
+        apex_changes=True),
     Row("moe", _f("--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 "
                   "--moe-token-dispatcher-type alltoall --disable-bias-linear"), ci=True),
     Row("moe_with_linear_bias", _f("--num-experts 4 --moe-router-topk 2"),

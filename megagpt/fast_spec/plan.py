@@ -382,6 +382,17 @@ def _bf16_grad_buffer(p: _Planner) -> None:
 
 def _grad_write(p: _Planner) -> None:
     asked = p.v.fast_grad_write
+    unused = (s.wgrad_fusion_unused_reason(p.v)
+              if asked is not False and p.get("gradient_accumulation_fusion", False) else None)
+    if unused is not None:
+        # on by megatron's default where apex's kernel imports: it would keep gradients
+        # added into a zeroed buffer while nothing of this launch uses the kernel
+        p.set("gradient_accumulation_fusion", False)
+        if s.grad_write_unsupported_reason(p.v) is None:
+            p.log(f"fast path: --no-gradient-accumulation-fusion: {unused}; they are written "
+                  "into megatron's buffer instead (--fast-disable grad-write keeps the fusion)")
+        else:
+            del p.decided["gradient_accumulation_fusion"]
     reason = s.grad_write_unsupported_reason(p.v)
     if asked is None:
         p.set("fast_grad_write", reason is None)

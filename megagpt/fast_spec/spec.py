@@ -77,6 +77,10 @@ def fast_spec_unsupported_reason(args) -> Optional[str]:
         fp8_reason = fast_fp8_unsupported_reason(args)
         if fp8_reason is not None:
             return f"--fp8-format {args.fp8} on the fast spec: {fp8_reason}"
+    if _get(args, "layernorm_zero_centered_gamma", False):
+        # megatron's WrappedTorchNorm asserts on it; apex's FusedLayerNorm (megatron's local
+        # spec) and TE's norms have it
+        return "--apply-layernorm-1p: torch's norms have no zero-centred gamma"
     if megatron_local_spec_asked(args):
         return "--spec local asks for megatron's local spec"
     if _get(args, "spec", None):
