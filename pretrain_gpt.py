@@ -12,13 +12,13 @@ The hooks megatron's training loop calls:
 and a ``PretrainConfigContainer``, and hands everything to ``megatron.training.pretrain``.
 """
 
+import sys
 import time
 
 _PROGRAM_START = time.time()  # before the heavy imports, for megatron's start-up report
 
 import contextlib
 import copy
-import sys
 from dataclasses import dataclass
 from functools import partial
 
@@ -44,6 +44,7 @@ from megagpt.fast_spec.settings import install_fast_path_patches
 from megagpt.fast_spec.spec import describe_fast_spec
 from megagpt.log import log
 from megagpt.megatron_errors import INPUT_ERRORS
+from megagpt.resilience.divergence import EVALUATION_FAULT
 from megagpt.rendezvous import default_single_process_env
 
 # A loss ten times the largest seen so far counts as a spike (--check-for-spiky-loss).
@@ -232,9 +233,12 @@ class LossChecks:
         return cls(args.check_for_nan_in_loss_and_grad, args.check_for_spiky_loss)
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, checks: LossChecks):
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, checks: LossChecks,
+              evaluating: bool = False):
     """Sum of per-token losses where loss_mask is 1, the number of such tokens, and the
-    ``lm loss`` report; the schedule divides the sum by the token count across ranks."""
+    ``lm loss`` report; the schedule divides the sum by the token count across ranks.
+    ``evaluating``: the model is in eval mode, and a NaN/Inf is the evaluation's (its
+    message says so, for ``resilience.divergence``)."""
     losses = output_tensor.view(-1).float()
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
@@ -242,14 +246,17 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, checks: Loss
     report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
 
     rerun_state_machine = get_rerun_state_machine()
+    during = EVALUATION_FAULT if evaluating else ""
     if checks.nan_and_inf:
         # The forward pass is deterministic: any NaN/Inf is a fault, not noise (tolerance 0).
         rerun_state_machine.validate_result(
             result=loss, rejection_func=torch.isnan,
-            message="found NaN in local forward loss calculation", tolerance=0.0, fatal=True)
+            message="found NaN in local forward loss calculation" + during, tolerance=0.0,
+            fatal=True)
         rerun_state_machine.validate_result(
             result=loss, rejection_func=torch.isinf,
-            message="found Inf in local forward loss calculation", tolerance=0.0, fatal=True)
+            message="found Inf in local forward loss calculation" + during, tolerance=0.0,
+            fatal=True)
     if checks.spiky_loss:
         rerun_state_machine.validate_result(
             result=loss,
@@ -281,7 +288,8 @@ def forward_step(data_iterator, model, checkpoint_activations_microbatch=None, *
     extra = {"output_processor": output_processor} if output_processor is not None else {}
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels,
                           loss_mask=loss_mask, **extra)
-    return output_tensor, partial(loss_func, loss_mask, checks=checks)
+    return output_tensor, partial(loss_func, loss_mask, checks=checks,
+                                  evaluating=not model.training)
 
 
 def get_embedding_ranks(pp_ranks: list[int]) -> list[int]:

@@ -49,8 +49,10 @@ def add_entry_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="Train on data whose tokenizer record names another tokenizer "
                             "than this run's (ids must still fit the vocabulary).")
     from megagpt.fast_spec.settings import add_fast_path_arguments
+    from megagpt.resilience import checkpoint_integrity
 
     add_fast_path_arguments(group)
+    checkpoint_integrity.add_arguments(group)
     return parser
 
 

@@ -126,6 +126,11 @@ LEDGER: tuple[Change, ...] = (
            "diverged model is never saved; outside the snapshot's wrapper (no snapshot of a "
            "save that is refused)", PRETRAIN + ", when the gradient-norm guard is on",
            "42e813b3aa30"),
+    Change(T + "save_checkpoint", WRAPS, "megagpt.resilience.checkpoint_integrity",
+           "a shard overwritten in place keeps its length and loads as raw tensor bytes; the "
+           "files' checksums, recorded after each persistent save, let a load tell a damaged "
+           "checkpoint; outermost, so that the configuration snapshot is among the files "
+           "hashed", PRETRAIN, "42e813b3aa30"),
     Change("megatron.training.checkpointing.schedule_async_save", WRAPS,
            "megagpt.resilience.async_save",
            "an asynchronous save's request takes finalize functions only before it is "
@@ -136,6 +141,12 @@ LEDGER: tuple[Change, ...] = (
            "megatron reports a bad checkpoint with a stack trace from torch.distributed or a "
            "bare sys.exit(); the wrapper makes it one line naming the checkpoint", PRETRAIN,
            "ee0f61114e6f"),
+    Change(T + "load_checkpoint", WRAPS, "megagpt.resilience.checkpoint_integrity",
+           "megatron loads a damaged shard of the right length without noticing; the files "
+           "are checked against their checksums first (a damaged checkpoint is set aside for "
+           "the previous intact one), and the loaded weights for NaN and Inf after; outside "
+           "the one-line errors' wrapper, which then names the checkpoint chosen here",
+           PRETRAIN, "ee0f61114e6f"),
     Change("megatron.core.optimizer.optimizer.FP32Optimizer.load_state_dict", WRAPS,
            "megagpt.resilience.precision_change",
            "a checkpoint of megatron's bf16/fp16 optimizer keeps its parameter groups' settings "

@@ -213,3 +213,22 @@ def call_tool(main, args: list[str]) -> subprocess.CompletedProcess:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         status = main(args)
     return subprocess.CompletedProcess(args, status, out.getvalue(), err.getvalue())
+
+
+def overwrite_weight(ckpt_dir, name: str, value: float = float("nan"), count: int = 1000) -> str:
+    """Overwrite ``count`` float32 values in the middle of tensor ``name`` of a distributed
+    checkpoint folder, in place (the file keeps its length), as a bad disk or a stray write
+    would. Returns the shard's file name."""
+    import numpy as np
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(ckpt_dir)).read_metadata()
+    found = [info for index, info in metadata.storage_data.items() if index.fqn == name]
+    if not found:
+        raise LookupError(f"{name} is not in {ckpt_dir}")
+    info = found[0]
+    with open(Path(ckpt_dir) / info.relative_path, "r+b") as f:
+        # past torch.save's header of the tensor's record, inside its values
+        f.seek(info.offset + info.length // 2 // 4 * 4)
+        f.write(np.full(count, value, dtype=np.float32).tobytes())
+    return info.relative_path
