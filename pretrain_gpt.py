@@ -17,6 +17,11 @@ import time
 
 _PROGRAM_START = time.time()  # before the heavy imports, for megatron's start-up report
 
+if __name__ == "__main__":  # a misspelled option is named in a fraction of a second
+    from megagpt.option_errors import check_early
+
+    check_early(sys.argv[1:])
+
 import contextlib
 import copy
 from dataclasses import dataclass
