@@ -353,7 +353,9 @@ def run(args, store=None) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Parse and check the launch, then train (or, with --dry-run, print the plan)."""
     from megagpt.errors import UserError
+    from megagpt.resilience import interrupt
 
+    args = None
     try:
         args, plan = entry_arguments.parse_arguments_and_plan(argv)
         store = default_single_process_env()
@@ -375,6 +377,15 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C where nothing is to be saved
+        print(f"[megagpt] {interrupt.interrupted_line(args)}", file=sys.stderr, flush=True)
+        return interrupt.EXIT_STATUS
+    except SystemExit:  # megatron leaves after its exit signal's save
+        if not interrupt.pressed():
+            raise
+    if interrupt.pressed():
+        log("stopped by Ctrl-C after saving a checkpoint; the same command resumes from it")
+        return interrupt.EXIT_STATUS
     return 0
 
 

@@ -487,6 +487,11 @@ LEDGER: tuple[Change, ...] = (
     Change("megatron.training.arguments._add_tokenizer_args", RELIES_ON,
            "megagpt.data.tokenizers", "the preprocessing tool takes megatron's own tokenizer "
            "flags", PARSE, "f63941a6c5da"),
+    Change("megatron.training.dist_signal_handler.DistributedSignalHandler", RELIES_ON,
+           "megagpt.resilience.interrupt",
+           "Ctrl-C sets the handler's _signal_received, as its own SIGTERM handler does, so that "
+           "megatron's loop saves and exits after the iteration", LAUNCH, "bd8e98c3239d",
+           needle="self._signal_received = True"),
     Change("megatron.training.global_vars._set_signal_handler", RELIES_ON,
            "megagpt.resilience.preemption",
            "installs the exit-signal handler megatron would have installed, when --save turns "

@@ -3,8 +3,8 @@
 Two entry points for ``pretrain_gpt``:
 
 ``prepare(args)``
-    before megatron's globals are set: preemption defaults (``preemption``) and the
-    checks of ``--load`` (``checkpoint_guard``); raises ``UserError`` subclasses with a
+    before megatron's globals are set: preemption defaults (``preemption``), Ctrl-C as the
+    exit signal (``interrupt``) and the checks of ``--load`` (``checkpoint_guard``); raises ``UserError`` subclasses with a
     one-line message naming the problem and the path.
 
 ``active(args, container)``
@@ -28,13 +28,14 @@ import contextlib
 from megagpt import megatron_wrappers
 from megagpt.log import log
 from megagpt.resilience import (checkpoint_guard, checkpoint_integrity, config_snapshot,
-                                divergence, fidelity, precision_change, preemption)
+                                divergence, fidelity, interrupt, precision_change, preemption)
 
 
 def prepare(args) -> None:
     """Launch-time decisions about saving, loading, signals and faults (every rank, after
     megatron's globals are set, before ``pretrain`` initialises torch.distributed)."""
     preemption.apply_defaults(args, log)
+    interrupt.install(args, log)  # Ctrl-C saves as the exit signal does
     divergence.apply_defaults(args, getattr(args, "entry_argv", None), log)
     checkpoint_guard.prepare_load(args, log)
 
