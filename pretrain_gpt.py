@@ -43,7 +43,7 @@ from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_
 import gpt_builders
 from megagpt import arguments as entry_arguments
 from megagpt import compat, cpu_mode
-from megagpt import resilience
+from megagpt import resilience, run_log
 from megagpt.fast_spec.lm_loss import get_output_processor
 from megagpt.fast_spec.settings import install_fast_path_patches
 from megagpt.fast_spec.spec import describe_fast_spec
@@ -345,7 +345,7 @@ def run(args, store=None) -> None:
                    checks=LossChecks.from_args(args),
                    output_processor=get_output_processor(args))
     device_context = cpu_mode.active() if args.cpu else contextlib.nullcontext()
-    with device_context, resilience.active(args, container):
+    with device_context, resilience.active(args, container), run_log.active(args, log):
         pretrain(container, datasets_provider, ModelType.encoder_or_decoder, step,
                  get_embedding_ranks=get_embedding_ranks, store=store)
 
@@ -367,7 +367,9 @@ def main(argv: list[str] | None = None) -> int:
         # the dry run's checks, with their numbers, then megatron's; all before any model
         preflight.check_layout(args, args.world_size)
         preflight.check_outputs(args)
-        entry_arguments.validate_arguments(args, device_arch=0 if args.cpu else None)
+        with run_log.argument_table_kept():  # for the run folder, not the log
+            entry_arguments.validate_arguments(args, device_arch=0 if args.cpu else None)
+        vars(args).update(run_log.quiet.argument_changes(args))
         entry_arguments.set_megatron_globals(args)
         from megatron.training import get_tokenizer
 

@@ -51,9 +51,11 @@ def add_entry_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                             "than this run's (ids must still fit the vocabulary).")
     from megagpt.fast_spec.settings import add_fast_path_arguments
     from megagpt.resilience import checkpoint_integrity
+    from megagpt.run_log import run_folder
 
     add_fast_path_arguments(group)
     checkpoint_integrity.add_arguments(group)
+    run_folder.add_arguments(group)
     return parser
 
 

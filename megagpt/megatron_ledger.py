@@ -131,6 +131,24 @@ LEDGER: tuple[Change, ...] = (
            "files' checksums, recorded after each persistent save, let a load tell a damaged "
            "checkpoint; outermost, so that the configuration snapshot is among the files "
            "hashed", PRETRAIN, "42e813b3aa30"),
+    Change(T + "print_rank_last", WRAPS, "megagpt.run_log",
+           "training_log prints its 300-character iteration line through it; the wrapper "
+           "prints this entry's line from the same figures, with tokens/s, MFU and the time "
+           "left, and records them for the run's plot; any other text passes", PRETRAIN,
+           "888f2c02a721"),
+    Change(T + "training_log", RELIES_ON, "megagpt.run_log.iteration_line",
+           "the entry's iteration line is read from the one training_log builds: its fields "
+           "are named and formatted there", PRETRAIN, "7e7ebec01bcf",
+           needle="log_string += ' iteration {:8d}/{:8d} |'.format(iteration, args.train_iters)"),
+    Change(T + "report_memory", REPLACES, "megagpt.run_log",
+           "on the CPU torch.cuda's memory counters are all 0, and megatron reports them "
+           "after the first iterations and around every save", "with --cpu, " + PRETRAIN,
+           "471d75cba957"),
+    Change("megatron.training.arguments._print_args", WRAPS, "megagpt.run_log.run_folder",
+           "validate_args prints every argument (about 830 lines, most of a short run's log); "
+           "the table goes to the run folder, and to the log with --print-arguments",
+           "around megatron's validate_args in pretrain_gpt.main (run_log.argument_table_kept), "
+           "undone after", "c69a5f5d3f0c"),
     Change("megatron.training.checkpointing.schedule_async_save", WRAPS,
            "megagpt.resilience.async_save",
            "an asynchronous save's request takes finalize functions only before it is "

@@ -31,6 +31,7 @@ def entry_env(env: dict | None = None) -> dict:
     shared by the trainer, its data workers and often a second rank), unbuffered output."""
     merged = dict(os.environ)
     merged.setdefault("OMP_NUM_THREADS", "1")
+    merged.setdefault("MEGAGPT_NO_PLOT", "1")  # a second of matplotlib per run; see test_run_log
     merged["PYTHONUNBUFFERED"] = "1"
     merged.update(env or {})
     return merged

@@ -1,6 +1,7 @@
 """The examples run as shipped: the launch scripts' dry runs (no torchrun, no GPU), the SLURM
 path with stand-ins for srun/scontrol, the minimal loop and the resume script on the CPU."""
 
+import json
 import os
 import re
 import subprocess
@@ -110,14 +111,21 @@ def test_minimal_loop_trains_and_round_trips_a_checkpoint_on_cpu(tmp_path):
 @pytest.mark.slow
 def test_resume_script_continues_from_the_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    result = run_script("resume.sh", run_dir, env={"TRAIN_ITERS": "6", "STOP_AT": "3"})
+    result = run_script("resume.sh", run_dir, env={"TRAIN_ITERS": "6", "STOP_AT": "3",
+                                                   "MEGAGPT_NO_PLOT": "0"})
     assert result.returncode == 0, result.stdout[-3000:]
     first = parse_losses((run_dir / "first.log").read_text())
     resumed_text = (run_dir / "resumed.log").read_text()
     resumed = parse_losses(resumed_text)
     assert sorted(first) == [1, 2, 3] and sorted(resumed) == [4, 5, 6]
-    # The resumed run starts where the first stopped: 3 steps × 4 samples already consumed.
-    assert re.search(r"iteration +4/ +6 \| consumed samples: +16 \|", resumed_text)
+    # The resumed run starts where the first stopped: 3 steps × 4 samples already consumed,
+    # as the run folder's records of the two launches say.
+    assert re.search(r"iteration +4/6 \| lm loss: ", resumed_text)
+    records = [json.loads(line) for line in
+               (run_dir / "checkpoints" / "iterations.jsonl").read_text().splitlines()]
+    assert [(r["iteration"], r["consumed_samples"]) for r in records] == [
+        (i, 4 * i) for i in range(1, 7)]
+    assert (run_dir / "checkpoints" / "training.png").read_bytes()[:4] == b"\x89PNG"
     assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
     png = run_dir / "resume.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
