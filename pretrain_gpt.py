@@ -17,10 +17,13 @@ import time
 
 _PROGRAM_START = time.time()  # before the heavy imports, for megatron's start-up report
 
-if __name__ == "__main__":  # a misspelled option is named in a fraction of a second
+if __name__ == "__main__":
+    from megagpt.project_env import use_project_environment
+
+    use_project_environment(__file__)  # .venv's Python where this one lacks megatron
     from megagpt.option_errors import check_early
 
-    check_early(sys.argv[1:])
+    check_early(sys.argv[1:])  # a misspelled option is named in a fraction of a second
 
 import contextlib
 import copy

@@ -129,3 +129,52 @@ def test_resume_script_continues_from_the_checkpoint(tmp_path):
     assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
     png = run_dir / "resume.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _bare_shell_env() -> dict:
+    """A shell as a new terminal gives one after ``make demo``: no activated environment, the
+    system's python3 (without megatron) first on PATH."""
+    return {"HOME": os.environ.get("HOME", "/root"), "PATH": "/usr/bin:/bin",
+            "OMP_NUM_THREADS": "1", "MEGAGPT_NO_PLOT": "1",
+            **{k: v for k, v in os.environ.items() if k.startswith("MEGAGPT_CACHE")}}
+
+
+@pytest.mark.slow
+def test_readme_commands_work_from_a_shell_without_the_project_environment(tmp_path):
+    """The examples and the tools find the project's .venv themselves."""
+    env = _bare_shell_env()
+    bare = subprocess.run(["bash", "-c", "command -v python3 && python3 -c 'import megatron'"],
+                          env=env, capture_output=True, text=True)
+    if not bare.stdout.strip():
+        pytest.skip("no python3 on the system PATH to stand for a new shell's")
+    assert bare.returncode != 0, "the system python3 has megatron: not a bare shell"
+    example = subprocess.run(["bash", str(EXAMPLES / "train_gpt345m.sh"), "1"], cwd=tmp_path,
+                             env={**env, "DRY_RUN": "1", "DATA_PATH": "mock"},
+                             capture_output=True, text=True, timeout=300)
+    assert example.returncode == 0, example.stderr[-3000:]
+    assert "dry run OK: 1 GPU, 354.87M parameters" in example.stdout
+    tool = subprocess.run(["python3", str(REPO / "tools" / "perplexity.py"), "--help"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert tool.returncode == 0 and "usage: tools/perplexity.py" in tool.stdout, tool.stderr
+    assert "has no megatron-core: running with" in tool.stderr
+    entry = subprocess.run(["python3", str(REPO / "pretrain_gpt.py"), "--cpu", "--hiden-size",
+                            "3"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert entry.returncode == 2
+    assert entry.stderr.splitlines()[-1] == ("error: --hiden-size: unknown option (did you mean "
+                                             "--hidden-size?); pretrain_gpt.py --help lists "
+                                             "them all")
+
+
+def test_the_slurm_path_off_a_cluster_says_what_to_run():
+    env = _bare_shell_env()
+    result = subprocess.run(["bash", str(EXAMPLES / "train_gpt3_175b.sbatch")], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: srun not found: this file is submitted to SLURM")
+    result = subprocess.run(["bash", str(EXAMPLES / "train_gpt3_175b_distributed.sh"), "2", "0"],
+                            env={**env, "SLURM_JOB_NODELIST": "gpu[1-2]"}, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: SLURM_JOB_NODELIST is set but scontrol is not on "
+                                    "PATH")
