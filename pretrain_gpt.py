@@ -353,12 +353,18 @@ def run(args, store=None) -> None:
                  get_embedding_ranks=get_embedding_ranks, store=store)
 
 
+def stopped_before_training(args, tensorboard) -> None:
+    """No empty TensorBoard event file from a launch that trained nothing."""
+    if tensorboard is not None and not hasattr(args, "curr_iteration"):
+        run_log.run_folder.discard_empty_tensorboard(args, tensorboard)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse and check the launch, then train (or, with --dry-run, print the plan)."""
     from megagpt.errors import UserError
     from megagpt.resilience import interrupt
 
-    args = None
+    args = tensorboard = None
     try:
         args, plan = entry_arguments.parse_arguments_and_plan(argv)
         store = default_single_process_env()
@@ -373,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         with run_log.argument_table_kept():  # for the run folder, not the log
             entry_arguments.validate_arguments(args, device_arch=0 if args.cpu else None)
         vars(args).update(run_log.quiet.argument_changes(args))
+        tensorboard = run_log.run_folder.tensorboard_before(args)
         entry_arguments.set_megatron_globals(args)
         from megatron.training import get_tokenizer
 
@@ -381,9 +388,11 @@ def main(argv: list[str] | None = None) -> int:
         run(args, store)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        stopped_before_training(args, tensorboard)
         return 2
     except KeyboardInterrupt:  # Ctrl-C where nothing is to be saved
         print(f"[megagpt] {interrupt.interrupted_line(args)}", file=sys.stderr, flush=True)
+        stopped_before_training(args, tensorboard)
         return interrupt.EXIT_STATUS
     except SystemExit:  # megatron leaves after its exit signal's save
         if not interrupt.pressed():

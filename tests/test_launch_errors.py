@@ -294,3 +294,19 @@ def test_resume_under_another_schedule_names_the_flags_that_allow_it(tmp_path):
     resumed = run_entry(longer + ["--load", "ckpt", "--override-opt_param-scheduler"],
                         cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
+
+
+def test_a_refused_launch_leaves_no_empty_tensorboard_file(tmp_path):
+    """megatron opens its TensorBoard writer (an event file) with its globals, before the data
+    and the checkpoint are checked: a launch refused then leaves nothing behind, and a folder
+    that was there keeps what it held."""
+    tensorboard = tmp_path / "tb"
+    one_error_line(run_entry(TINY + NULL_512 + ["--data-path", str(tmp_path / "none"),
+                                                "--tensorboard-dir", str(tensorboard)],
+                             cwd=tmp_path))
+    assert not tensorboard.exists()
+    tensorboard.mkdir()
+    (tensorboard / "notes.txt").write_text("mine")
+    one_error_line(run_entry(MOCK + ["--load", str(tmp_path / "nothing"), "--tensorboard-dir",
+                                     str(tensorboard)], cwd=tmp_path))
+    assert [p.name for p in tensorboard.iterdir()] == ["notes.txt"]

@@ -13,6 +13,9 @@ The run folder is ``--save`` (where megatron writes its ``progress.txt`` too), e
     learning rate and throughput are drawn from them (``megagpt.plots``), and
     ``python tools/plot_runs.py FOLDER`` draws them on request. ``MEGAGPT_NO_PLOT=1`` in the
     environment skips the drawing (a second of matplotlib; the test suite's runs skip it).
+
+A launch refused after megatron opened its TensorBoard writer (bad data, a bad checkpoint)
+leaves no empty event file: ``discard_empty_tensorboard``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import contextlib
 import functools
 import io
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -116,3 +120,55 @@ def draw_plot(folder: Path, say: Callable[[str], None]) -> Path | None:
         return None
     say(f"plot: {out} (python tools/plot_runs.py {folder} draws it again)")
     return out
+
+
+# ---------------------------------------------------------------------------
+# A launch that stops before training leaves no empty TensorBoard file behind
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorBoardBefore:
+    """The --tensorboard-dir as it was before megatron opened its writer."""
+
+    folder: Path | None
+    existed: bool
+    files: frozenset
+
+
+def tensorboard_before(args) -> TensorBoardBefore:
+    folder = Path(args.tensorboard_dir) if getattr(args, "tensorboard_dir", None) else None
+    if folder is None or not folder.is_dir():
+        return TensorBoardBefore(folder, False, frozenset())
+    return TensorBoardBefore(folder, True, frozenset(folder.glob("events.out.tfevents.*")))
+
+
+def _holds_summaries(path: Path) -> bool:
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    try:
+        return any(event.HasField("summary") for event in EventFileLoader(str(path)).Load())
+    except Exception:  # noqa: BLE001 - unreadable: not ours to remove
+        return True
+
+
+def discard_empty_tensorboard(args, before: TensorBoardBefore) -> None:
+    """After a launch stopped before training: close megatron's writer, remove the event file
+    it opened if it holds nothing (megatron writes the arguments when training starts), and
+    the folder if this launch created it and it is empty now."""
+    if before.folder is None:
+        return
+    try:
+        from megatron.training.global_vars import get_tensorboard_writer
+
+        writer = get_tensorboard_writer()
+    except ImportError:
+        writer = None
+    if writer is not None:
+        writer.close()
+    if not before.folder.is_dir():
+        return
+    for path in set(before.folder.glob("events.out.tfevents.*")) - before.files:
+        if not _holds_summaries(path):
+            path.unlink(missing_ok=True)
+    if not before.existed and not any(before.folder.iterdir()):
+        before.folder.rmdir()
