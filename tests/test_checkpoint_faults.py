@@ -172,6 +172,30 @@ def test_the_tools_take_the_newest_intact_checkpoint_or_name_the_damaged_file(ck
         checkpoint_folder(it_dir(ckpt, 8))
 
 
+def test_a_damaged_configuration_snapshot_is_named_not_taken_for_a_missing_one(ckpt):
+    from megagpt.inference.checkpoint import CheckpointError as ToolCheckpointError
+    from megagpt.inference.checkpoint import read_saved_config
+    from megagpt.resilience import config_snapshot
+
+    snapshot = os.path.join(it_dir(ckpt, 8), "megagpt_config.yaml")
+    args = _args_like(it_dir(ckpt, 8), load=ckpt, save=ckpt, ckpt_step=None)
+    with open(snapshot, "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00\xff: [ {")
+    with pytest.raises(config_snapshot.SnapshotError, match=rf"{re.escape(snapshot)} is "
+                                                            r"unreadable"):
+        config_snapshot.read(it_dir(ckpt, 8))
+    with pytest.raises(ToolCheckpointError, match=rf"{re.escape(snapshot)} is unreadable"):
+        read_saved_config(it_dir(ckpt, 8))
+    lines = []  # with checksums, loading names the damage and takes iteration 4
+    guard.prepare_load(args, lines.append)
+    assert any(f"{snapshot} is unreadable" in line for line in lines)
+    os.remove(os.path.join(it_dir(ckpt, 8), checksums.MANIFEST))
+    with pytest.raises(CheckpointError, match=rf"--load {re.escape(it_dir(ckpt, 8))}: "
+                                              rf"{re.escape(snapshot)} is unreadable"):
+        guard.prepare_load(args, lines.append)
+
+
 def test_load_path_without_checkpoint(tmp_path):
     empty = str(tmp_path / "empty")
     os.makedirs(empty)

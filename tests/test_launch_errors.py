@@ -13,6 +13,7 @@ import pytest
 
 from helpers import run_entry
 from megagpt.data.preprocess import preprocess
+from megagpt.data.tokenizer_files import GPT2_FILES_HINT
 
 pytestmark = pytest.mark.slow
 
@@ -110,7 +111,8 @@ def test_missing_vocab_file(tmp_path, gpt2):
         line = one_error_line(run_entry(MOCK + ["--tokenizer-type", "GPT2BPETokenizer",
                                                 "--vocab-file", "/missing", "--merge-file",
                                                 gpt2.merge_file, *extra], cwd=tmp_path))
-        assert line == "error: --vocab-file /missing: no such file (tokenizer GPT2BPETokenizer)"
+        assert line == ("error: --vocab-file /missing: no such file (tokenizer "
+                        "GPT2BPETokenizer)" + GPT2_FILES_HINT)
 
 
 def test_unreadable_tokenizer_file_is_one_line(tmp_path, gpt2):

@@ -109,7 +109,10 @@ def _newest_intact(load: str, tracker: int | None) -> str:
 
 def read_saved_config(folder: str) -> SavedConfig | None:
     """The configuration saved beside the checkpoint in ``folder``, or None without one."""
-    entry = config_snapshot.read(folder)
+    try:
+        entry = config_snapshot.read(folder)
+    except config_snapshot.SnapshotError as exc:
+        raise CheckpointError(f"--load {folder}: {exc}") from None
     if entry is None:
         return None
     with open(os.path.join(folder, config_snapshot.FILENAME)) as f:
