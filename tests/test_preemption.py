@@ -115,7 +115,10 @@ def test_ctrl_c_saves_like_sigterm_and_a_second_ctrl_c_exits_at_once(tmp_path):
     assert min(parse_losses(text)) == stopped + 1, text[-3000:]  # it had resumed
     assert proc.returncode == 130, text[-3000:]
     assert "Ctrl-C again: exiting now, without saving" in text
-    assert "successfully saved checkpoint" not in text and "Traceback" not in text
+    assert "successfully saved checkpoint" not in text
+    # the trainer leaves without a traceback (a helper process megatron's save was starting
+    # gets the terminal's Ctrl-C too, and may print its own interruption)
+    assert "pretrain_gpt.py" not in text.split("Ctrl-C again")[-1]
     assert guard.read_tracker(str(ckpt)) == stopped  # the last complete save stands
 
 
