@@ -50,12 +50,13 @@ def parameters(shape: str) -> int:
     import contextlib
     import io
 
-    from megagpt.arguments import parse_arguments
+    from megagpt.arguments import parse_arguments, validate_arguments
     from megagpt.preflight import estimate
 
     with contextlib.redirect_stdout(io.StringIO()):
         args = parse_arguments(["--config", str(CONFIGS[shape]), "--mock-data", "--vocab-size",
-                                "50257", "--dry-run", "--lr", "1e-4", "--train-iters", "1"])
+                                "50257", "--dry-run"])
+        validate_arguments(args, device_arch=9)
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     args.padded_vocab_size = -(-50257 // multiple) * multiple
     return estimate.count_parameters(args).total
