@@ -355,17 +355,43 @@ def test_bad_checkpoints_stop_with_one_line(ckpt, tmp_path):
     assert sorted(parse_losses(proc.stdout)) == [9, 10]
 
 
+def test_a_damaged_checkpoint_gives_way_to_the_previous_intact_one_unless_asked_for(ckpt):
+    """What loading does (checkpoint_integrity.choose_intact, one process): in the run's own
+    --save the damaged newest checkpoint is moved aside and the tracker and --ckpt-step point
+    at the previous one; elsewhere nothing moves; asked for by --ckpt-step, or with nothing
+    earlier, it is one error naming the file."""
+    from megagpt.resilience.checkpoint_integrity import choose_intact
+
+    shard_name = overwrite_weight(it_dir(ckpt, 8), WEIGHT)
+    mismatch = (f"{it_dir(ckpt, 8)}/{shard_name} does not match the checksum recorded when it "
+                "was saved (its bytes changed since)")
+    elsewhere = Namespace(ckpt_format="torch_dist", save=None, ckpt_step=None, entry_argv=[])
+    lines = []
+    assert choose_intact(elsewhere, ckpt, lines.append) == it_dir(ckpt, 4)
+    assert elsewhere.ckpt_step == 4 and guard.saved_iterations(ckpt) == [4, 8]
+    assert f"{mismatch}; left where it is (not this run's --save)" in lines[0]
+    asked = Namespace(ckpt_format="torch_dist", save=ckpt, ckpt_step=8,
+                      entry_argv=["--ckpt-step", "8"])
+    with pytest.raises(CheckpointError) as caught:
+        choose_intact(asked, ckpt, lines.append)
+    assert str(caught.value) == (f"--load {it_dir(ckpt, 8)} is damaged: {mismatch}; "
+                                 "--ckpt-step asked for it")
+    own = Namespace(ckpt_format="torch_dist", save=ckpt, ckpt_step=None, entry_argv=[])
+    assert choose_intact(own, ckpt, lines.append) == it_dir(ckpt, 4)
+    assert guard.saved_iterations(ckpt) == [4] and guard.read_tracker(ckpt) == 4
+    assert own.ckpt_step == 4 and "moved to" in lines[-2]
+    overwrite_weight(it_dir(ckpt, 4), WEIGHT)
+    with pytest.raises(CheckpointError, match="no earlier complete checkpoint is there"):
+        choose_intact(own, ckpt, lines.append)
+
+
 @pytest.mark.slow
 def test_a_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_resumes(ckpt, tmp_path):
     """A shard of iteration 8 overwritten in place: the same command resumes from 4, names
-    the file and moves iteration 8 aside; asked for 8 with --ckpt-step, it stops."""
+    the file and moves iteration 8 aside."""
     shard_name = overwrite_weight(it_dir(ckpt, 8), WEIGHT)
     base = TINY_MODEL + NO_DROPOUT + ["--train-iters", "8", "--save", ckpt, "--load", ckpt,
                                       "--save-interval", "4"]
-    line = _one_line_error(run_entry(base + ["--ckpt-step", "8"], cwd=tmp_path))
-    assert line == (f"error: --load {it_dir(ckpt, 8)} is damaged: {it_dir(ckpt, 8)}/"
-                    f"{shard_name} does not match the checksum recorded when it was saved (its "
-                    "bytes changed since); --ckpt-step asked for it")
     resumed = run_entry(base, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert (f"resume: {it_dir(ckpt, 8)} is damaged: {it_dir(ckpt, 8)}/{shard_name} does not "

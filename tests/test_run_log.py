@@ -34,13 +34,11 @@ def launches(tmp_path_factory):
     return out
 
 
-pytestmark = pytest.mark.slow
-
-
 def iteration_lines(text):
     return [line for line in text.splitlines() if re.search(r"\biteration\s+\d+/\s*\d+ \|", line)]
 
 
+@pytest.mark.slow
 def test_one_short_iteration_line_with_megatrons_figures(launches):
     entry, _ = launches["entry"]
     megatron, _ = launches["megatron"]
@@ -57,6 +55,7 @@ def test_one_short_iteration_line_with_megatrons_figures(launches):
     assert all("consumed samples" in line for line in iteration_lines(megatron))
 
 
+@pytest.mark.slow
 def test_the_records_and_the_plot_are_in_the_run_folder(launches):
     _, folder = launches["entry"]
     records = [json.loads(line) for line in (folder / iteration_line.RECORDS).read_text()
@@ -67,6 +66,7 @@ def test_the_records_and_the_plot_are_in_the_run_folder(launches):
     assert f"plot: {folder / run_folder.PLOT}" in launches["entry"][0]
 
 
+@pytest.mark.slow
 def test_megatrons_argument_table_is_in_the_run_folder_and_shown_on_request(launches):
     entry, folder = launches["entry"]
     table = (folder / run_folder.ARGUMENTS).read_text()
@@ -78,12 +78,14 @@ def test_megatrons_argument_table_is_in_the_run_folder_and_shown_on_request(laun
     assert "------------------------ arguments ------------------------" in megatron
 
 
+@pytest.mark.slow
 def test_no_memory_report_on_the_cpu(launches):
     """megatron reports torch.cuda's counters after the first iterations and around every
     save, all 0 on the CPU."""
     assert "memory (MB) | allocated" not in launches["entry"][0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quieted", [q for q in quiet.QUIETED],
                          ids=[q.pattern[:32] for q in quiet.QUIETED])
 def test_each_quieted_message_is_megatrons_text_and_is_gone(launches, quieted):
@@ -106,6 +108,7 @@ def _found(pattern: str, text: str) -> bool:
     return re.search("^" + pattern, text, flags=re.M) is not None
 
 
+@pytest.mark.slow
 def test_one_loggers_internal_link_is_not_printed(launches):
     assert "one_logger package is required" in launches["megatron"][0]
     assert "one_logger" not in launches["entry"][0]
@@ -143,3 +146,18 @@ def test_mfu_time_left_and_rates_from_megatrons_figures():
                     "nan iterations: 2")
     assert [iteration_line.duration(s) for s in (43.2, 725, 12000, 200000)] == [
         "43s", "12m 05s", "3h 20m", "2d 07h"]
+
+
+@pytest.mark.gpu
+def test_the_line_gives_mfu_against_this_gpus_peak_in_bf16(tmp_path):
+    """On a GPU the dry run knows (H100, H200, A100), a bf16 run's line has MFU: its
+    TFLOP/s per GPU over that peak."""
+    gpu_flags = [a for a in TINY_MODEL if a not in ("--cpu", "--deterministic-mode")]
+    proc = run_entry(gpu_flags + ["--bf16", "--train-iters", "6"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    peak = re.search(r"MFU against the (.*)'s ([\d.]+) TFLOP/s dense 16-bit peak", proc.stdout)
+    assert peak, "not a GPU the dry run knows: " + proc.stdout[-2000:]
+    lines = iteration_lines(proc.stdout)
+    tflops, mfu = map(float, re.search(r"TFLOP/s/GPU: ([\d.]+) \| MFU: ([\d.]+)%",
+                                       lines[-1]).groups())
+    assert mfu == pytest.approx(100 * tflops / float(peak.group(2)), abs=0.1)
