@@ -4,13 +4,12 @@ megatron's ``training_log`` prints a line of about 300 characters per ``--log-in
 (consumed samples, milliseconds per iteration, learning rate, batch size, each loss, loss
 scale, grad norm, skipped and NaN counts) without tokens per second, MFU or the time left.
 This entry prints instead, from the same figures (megatron's line is parsed, so every
-number is megatron's own, for the same iterations)::
+number is megatron's own, for the same iterations), in one line of the form::
 
-     [2026-12-04 10:01:02] iteration   40/1000 | lm loss: 6.581037E+00 | lr: 2.464E-03 |
-     grad norm: 0.886 | tokens/s: 11,650 | TFLOP/s/GPU: 412.3 | MFU: 41.7% |
-     ms/iter: 45.0 | time left: 43s
+     [DATE TIME] iteration N/TOTAL | lm loss: L | lr: LR | grad norm: G | tokens/s: T |
+     TFLOP/s/GPU: F | MFU: M% | ms/iter: MS | time left: 1h 05m
 
-(one line). TFLOP/s per GPU counts as megatron's ``--log-throughput`` does
+(docs/log.md shows real ones). TFLOP/s per GPU counts as megatron's ``--log-throughput`` does
 (``num_floating_point_operations``); MFU divides it by the dense 16-bit (or FP8) peak of the
 GPU that the dry run plans for (``megagpt.gpus``: this machine's GPU, or ``--gpu-type``),
 where that is known and the run trains in bf16, fp16 or FP8. Time left is the iterations to
