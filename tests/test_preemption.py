@@ -116,9 +116,12 @@ def test_ctrl_c_saves_like_sigterm_and_a_second_ctrl_c_exits_at_once(tmp_path):
     assert proc.returncode == 130, text[-3000:]
     assert "Ctrl-C again: exiting now, without saving" in text
     assert "successfully saved checkpoint" not in text
-    # the trainer leaves without a traceback (a helper process megatron's save was starting
-    # gets the terminal's Ctrl-C too, and may print its own interruption)
-    assert "pretrain_gpt.py" not in text.split("Ctrl-C again")[-1]
+    # the trainer leaves without a traceback; a helper process megatron's save was starting
+    # (multiprocessing's spawn, re-importing the entry) gets the terminal's Ctrl-C too, and
+    # may print its own interruption
+    for traceback in text.split("Traceback (most recent call last):")[1:]:
+        assert traceback.lstrip().startswith('File "<string>", line 1, in <module>') and \
+            "spawn_main" in traceback.split("\n", 3)[2], traceback[:500]
     assert guard.read_tracker(str(ckpt)) == stopped  # the last complete save stands
 
 
