@@ -131,7 +131,8 @@ def records(result: dict) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sizes", nargs="+", default=["1GB", "345M", "1.3B"])
+    p.add_argument("--sizes", nargs="*", default=["1GB", "345M", "1.3B"],
+                   help="sizes to write and hash (none: only --folder)")
     p.add_argument("--threads", nargs="+", type=int,
                    default=sorted({1, checksums.default_threads()}))
     p.add_argument("--dir", default="/tmp/megagpt-checksum-bench")
