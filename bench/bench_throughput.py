@@ -70,10 +70,12 @@ ENTRY_PATH_FLAGS = {
     "te": ["--transformer-impl", "transformer_engine", "--fast-cuda-graphs", "iteration"],
 }
 
+# the entry's iteration line (ms/iter, TFLOP/s/GPU) or megatron's (--megatron-iteration-log)
 ITER_RE = re.compile(
-    r"iteration\s+(\d+)/\s*(\d+)\s*\|.*?elapsed time per iteration \(ms\):\s*([\d.]+)"
+    r"iteration\s+(\d+)/\s*(\d+)\s*\|.*?(?:elapsed time per iteration \(ms\)|ms/iter):"
+    r"\s*([\d.]+)"
 )
-TFLOPS_RE = re.compile(r"throughput per GPU \(TFLOP/s/GPU\):\s*([\d.]+)")
+TFLOPS_RE = re.compile(r"(?:throughput per GPU \(TFLOP/s/GPU\)|TFLOP/s/GPU):\s*([\d.]+)")
 LOSS_RE = re.compile(r"lm loss:\s*([\d.Ee+-]+)")
 MEM_RE = re.compile(r"max allocated:\s*([\d.]+)")
 SPEC_RE = re.compile(r"(layer spec:[^\n]*)")

@@ -511,3 +511,6 @@ def quiet_fallback_warnings() -> None:
     """megatron warns once per module that TE/apex are missing; Installed.summary says it once."""
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(are|is) not installed.*")
     warnings.filterwarnings("ignore", message=r".*Apex is not installed.*")
+    from megagpt.run_log import quiet
+
+    quiet.install()  # the other messages that do not apply to this install
