@@ -353,7 +353,7 @@ def _torch_optimizer_kernels() -> list[tuple[object, list]]:
     import megatron.training.utils.common_utils as mcommon
     from megatron.core import utils as mutils
 
-    from megagpt.fast_spec.optim import megatron_uses_local_fallbacks
+    from megagpt.train_step.optimizer import megatron_uses_local_fallbacks
 
     if megatron_uses_local_fallbacks():
         return []

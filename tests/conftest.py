@@ -58,7 +58,7 @@ def _grad_write_off_afterwards():
     must not leave them on for the next one's models: they come off through the registry."""
     yield
     from megagpt import megatron_wrappers
-    from megagpt.fast_spec import grad_write
+    from megagpt.train_step import grad_write
 
     megatron_wrappers.remove_all(grad_write.__name__)
 

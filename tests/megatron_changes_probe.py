@@ -56,7 +56,7 @@ def main() -> int:
         importlib.import_module(split_target(change.target)[0])
     from megagpt import arguments, compat, cpu_mode, resilience
     from megagpt.preflight import schedule_check
-    from megagpt.fast_spec import async_step, capture_watchdog, flat_adam, grad_write, optim
+    from megagpt.train_step import async_step, capture_watchdog, flat_adam, grad_write, optimizer as optim
 
     from megagpt import megatron_wrappers
 

@@ -17,7 +17,7 @@ def fast_optimizer_kernels(tensor_clip: bool = True):
     """megatron's optimizer modules with the fast optimizer's kernels (this process), put
     back as they were afterwards. Skips where TE or apex provide megatron's kernels."""
     from megagpt import megatron_wrappers
-    from megagpt.fast_spec import optim
+    from megagpt.train_step import optimizer as optim
 
     if not optim.megatron_uses_local_fallbacks():
         pytest.skip("TE or apex installed: megatron's optimizer takes their kernels")

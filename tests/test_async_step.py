@@ -1,4 +1,4 @@
-"""The fast path's step without host waits (megagpt.fast_spec.async_step), the gradient norm
+"""The fast path's step without host waits (megagpt.train_step.async_step), the gradient norm
 kept on the device, the divergence guard that reads it late, and the bf16 gradient buffer.
 
 Megatron's own clipping, reductions and logging code runs here on the CPU (cpu_mode maps its
@@ -33,7 +33,7 @@ def tensor_clip():
 
 
 def test_tensor_scale_kernel_in_place_and_copy():
-    from megagpt.fast_spec.optim import foreach_multi_tensor_scale_tensor
+    from megagpt.train_step.optimizer import foreach_multi_tensor_scale_tensor
 
     ts = [torch.randn(5), torch.randn(3, 4), torch.randn(7).double()]
     before = [t.clone() for t in ts]
@@ -74,7 +74,7 @@ def test_megatron_clips_by_a_norm_that_stays_a_tensor(cpu_megatron, tensor_clip,
 def test_single_rank_reductions_are_identities(cpu_megatron):
     import megatron.training.utils as mutils
 
-    from megagpt.fast_spec import async_step
+    from megagpt.train_step import async_step
 
     reduce_max = async_step.single_rank_reduce_max_stat(mutils.reduce_max_stat_across_model_parallel_group)
     logical_and = async_step.single_rank_logical_and(mutils.logical_and_across_model_parallel_group)
@@ -94,7 +94,7 @@ def _reductions_over_two_ranks(rank, world_size):
 
     import megatron.training.utils as mutils
     from megagpt import cpu_mode
-    from megagpt.fast_spec import async_step
+    from megagpt.train_step import async_step
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     try:
@@ -117,7 +117,7 @@ def test_reductions_over_two_ranks_still_reduce():
 
 
 def test_scalar_tensors_are_built_without_blocking(cpu_megatron):
-    from megagpt.fast_spec.async_step import NonBlockingScalarTensors
+    from megagpt.train_step.async_step import NonBlockingScalarTensors
 
     with NonBlockingScalarTensors():
         t = torch.tensor([0.0], dtype=torch.float, device="cuda")  # training_log's default
@@ -131,7 +131,7 @@ def test_install_wraps_and_removal_restores():
     import megatron.training.dist_signal_handler as msignal
     import megatron.training.training as mtraining
 
-    from megagpt.fast_spec import async_step
+    from megagpt.train_step import async_step
 
     from megagpt import megatron_wrappers
 
@@ -290,7 +290,7 @@ def test_no_attention_mask_from_the_loader_where_the_fast_spec_ignores_it(attrs,
 
 
 def test_constant_loss_scale_is_read_on_the_host():
-    from megagpt.fast_spec.async_step import host_loss_scale_of_one
+    from megagpt.train_step.async_step import host_loss_scale_of_one
 
     class Bf16Optimizer:
         grad_scaler = None
@@ -325,7 +325,7 @@ def test_main_grads_from_one_cast_per_buffer_equal_megatrons(buffer_dtype):
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
     from megagpt import megatron_wrappers
-    from megagpt.fast_spec import optim
+    from megagpt.train_step import optimizer as optim
 
     original = megatron_wrappers.original(Float16OptimizerWithFloat16Params,
                                           "_copy_model_grads_to_main_grads")

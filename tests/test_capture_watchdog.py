@@ -1,4 +1,4 @@
-"""The full-iteration CUDA graph's capture under a deadline (megagpt.fast_spec.capture_watchdog):
+"""The full-iteration CUDA graph's capture under a deadline (megagpt.train_step.capture_watchdog):
 a capture that does not finish stops the run with one line naming its rank."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 
 def test_a_call_that_finishes_in_time_returns_its_value():
-    from megagpt.fast_spec.capture_watchdog import run_with_deadline
+    from megagpt.train_step.capture_watchdog import run_with_deadline
 
     exits = []
     assert run_with_deadline(lambda: 42, 5.0, "the capture", 0, exit_fn=exits.append) == 42
@@ -20,7 +20,7 @@ def test_a_call_that_finishes_in_time_returns_its_value():
 
 
 def test_a_call_past_its_deadline_names_the_rank_and_exits():
-    from megagpt.fast_spec.capture_watchdog import EXIT_STATUS, run_with_deadline
+    from megagpt.train_step.capture_watchdog import EXIT_STATUS, run_with_deadline
 
     exited = threading.Event()
     codes, out = [], io.StringIO()
@@ -43,7 +43,7 @@ def test_a_call_past_its_deadline_names_the_rank_and_exits():
 
 
 def test_an_exception_passes_through_and_disarms_the_watch():
-    from megagpt.fast_spec.capture_watchdog import run_with_deadline
+    from megagpt.train_step.capture_watchdog import run_with_deadline
 
     exits = []
 
@@ -61,7 +61,7 @@ def watchdog_installed():
     """The watchdog over megatron's ``FullCudaGraphWrapper.__call__`` for the test, taken off
     through the registry afterwards."""
     from megagpt import megatron_wrappers
-    from megagpt.fast_spec import capture_watchdog
+    from megagpt.train_step import capture_watchdog
 
     megatron_wrappers.remove_all(capture_watchdog.__name__)
     capture_watchdog.install(0.2)
@@ -76,7 +76,7 @@ def test_only_the_capturing_iteration_is_watched(monkeypatch):
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 
     from megagpt import megatron_wrappers
-    from megagpt.fast_spec import capture_watchdog
+    from megagpt.train_step import capture_watchdog
 
     watched = []
 

@@ -149,7 +149,7 @@ def test_te_bound_optimizer_kernels_give_way_to_megatrons_torch_fallbacks(monkey
     from megatron.core import utils as mutils
 
     from megagpt import megatron_wrappers
-    from megagpt.fast_spec import optim
+    from megagpt.train_step import optimizer as optim
 
     def cuda_only(*args, **kwargs):
         raise AssertionError("a CUDA-only kernel ran in CPU mode")

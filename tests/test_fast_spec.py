@@ -487,7 +487,7 @@ def test_chunk_kernels_trace_without_graph_breaks():
 # optimizer kernels
 # ---------------------------------------------------------------------------------------
 def test_foreach_multi_tensor_kernels():
-    from megagpt.fast_spec.optim import (
+    from megagpt.train_step.optimizer import (
         foreach_copy_this_to_that,
         foreach_multi_tensor_l2norm,
         foreach_multi_tensor_scale,
@@ -522,7 +522,7 @@ def test_optimizer_kernels_take_fsdp2s_sharded_parameters(megatron_cpu):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from megagpt.fast_spec.optim import foreach_copy_this_to_that
+    from megagpt.train_step.optimizer import foreach_copy_this_to_that
 
     mesh = init_device_mesh("cpu", (1,))  # on the module's one-rank gloo group
     src = [distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]) for _ in range(2)]
@@ -542,7 +542,7 @@ def test_install_fast_optimizer_swaps_megatron_fallbacks_and_restores():
     from megatron.core import utils as mutils
 
     from megagpt import megatron_wrappers
-    from megagpt.fast_spec import optim
+    from megagpt.train_step import optimizer as optim
 
     if not optim.megatron_uses_local_fallbacks():
         pytest.skip("TE or apex installed: megatron has its fused kernels")
@@ -569,7 +569,7 @@ def test_install_fast_optimizer_swaps_megatron_fallbacks_and_restores():
 
 
 def test_torch_fused_adam_takes_megatrons_arguments_and_matches_foreach_adamw():
-    from megagpt.fast_spec.optim import torch_fused_adam
+    from megagpt.train_step.optimizer import torch_fused_adam
 
     torch.manual_seed(0)
     p1 = torch.nn.Parameter(torch.randn(64))
@@ -621,7 +621,7 @@ def _resolved(argv=(), **attrs):
 @pytest.fixture()
 def restore_optimizer():
     from megagpt import megatron_wrappers
-    from megagpt.fast_spec import async_step, flat_adam, optim
+    from megagpt.train_step import async_step, flat_adam, optimizer as optim
 
     installed = {module.__name__: bool(megatron_wrappers.installed_by(module.__name__))
                  for module in (optim, async_step, flat_adam)}
@@ -798,7 +798,7 @@ def test_parsing_patches_nothing_launching_does(restore_optimizer):
     import megatron.core.optimizer as mopt
     import megatron.training.training as mtraining
 
-    from megagpt.fast_spec import optim
+    from megagpt.train_step import optimizer as optim
     from megagpt.fast_spec.settings import install_fast_path_patches
 
     if not optim.megatron_uses_local_fallbacks():
@@ -806,7 +806,7 @@ def test_parsing_patches_nothing_launching_does(restore_optimizer):
     before = (mopt.Adam, mtraining.training_log)
     args, _ = _resolved()
     assert (mopt.Adam, mtraining.training_log) == before
-    from megagpt.fast_spec import grad_write
+    from megagpt.train_step import grad_write
 
     assert args.fast_grad_write and not grad_write.grad_write_enabled()
     lines = []
@@ -816,7 +816,7 @@ def test_parsing_patches_nothing_launching_does(restore_optimizer):
     assert mtraining.training_log is not before[1]
     assert any("no host synchronisation" in line for line in lines)
     from megagpt import megatron_wrappers
-    from megagpt.fast_spec import flat_adam
+    from megagpt.train_step import flat_adam
 
     assert flat_adam.__name__ in megatron_wrappers.installed(  # the flat step, once built
         mtraining, "setup_model_and_optimizer")
@@ -824,7 +824,7 @@ def test_parsing_patches_nothing_launching_does(restore_optimizer):
 
 def test_no_fast_flat_adam_keeps_megatrons_step(restore_optimizer):
     from megagpt import megatron_wrappers
-    from megagpt.fast_spec import flat_adam, optim
+    from megagpt.train_step import flat_adam, optimizer as optim
     from megagpt.fast_spec.settings import install_fast_path_patches
 
     if not optim.megatron_uses_local_fallbacks():

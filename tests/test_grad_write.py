@@ -1,5 +1,5 @@
 """Gradients written into megatron's gradient buffer instead of zeroed and added
-(``megagpt.fast_spec.grad_write``; ``--fast-disable grad-write`` adds them).
+(``megagpt.train_step.grad_write``; ``--fast-disable grad-write`` adds them).
 
 Two tiny GPTs of the fast spec with the same weights, each in megatron's real DDP, run the
 same batches on the CPU: one with writing on, one with megatron's zeroing and adding. After
@@ -30,7 +30,7 @@ def writing():
     """megatron's DDP with megagpt's wrappers (CPU mode, one gloo rank); taken off after,
     through the registry."""
     from megagpt import cpu_mode, megatron_wrappers
-    from megagpt.fast_spec import grad_write
+    from megagpt.train_step import grad_write
 
     grad_write.install()
     with single_gloo_rank(), cpu_mode.active():
@@ -42,7 +42,7 @@ def _write(on: bool) -> None:
     """Gradients written from the next ``zero_grad_buffer`` on (grad_write's wrappers in
     place), or zeroed and added as megatron does (taken off; the models' hooks stay)."""
     from megagpt import megatron_wrappers
-    from megagpt.fast_spec import grad_write
+    from megagpt.train_step import grad_write
 
     if on:
         grad_write.install()
@@ -206,7 +206,7 @@ def test_off_is_megatrons_zeroing_and_adding(writing):
     ({"transformer_impl": "transformer_engine"}, "fast spec"),
 ])
 def test_on_by_default_where_nothing_is_accumulated(attrs, needle):
-    from megagpt.fast_spec import grad_write
+    from megagpt.train_step import grad_write
     from megagpt.fast_spec.plan import apply_fast_path_defaults
     from megagpt.fast_spec.settings import grad_write_unsupported_reason
 
@@ -220,7 +220,7 @@ def test_on_by_default_where_nothing_is_accumulated(attrs, needle):
 
 def test_switch_off_and_refused_where_gradients_are_summed():
     from megagpt.errors import UserError
-    from megagpt.fast_spec import grad_write
+    from megagpt.train_step import grad_write
     from megagpt.fast_spec.plan import apply_fast_path_defaults
 
     args = fast_path_namespace(["--fast-disable", "grad-write"])

@@ -87,7 +87,7 @@ def setup_function_untouched():
     the wrappers that were there (installed by an earlier test) back afterwards."""
     import megatron.training.training as mtraining
 
-    from megagpt.fast_spec import async_step, flat_adam
+    from megagpt.train_step import async_step, flat_adam
 
     had = {"async": bool(megatron_wrappers.installed_by(async_step.__name__)),
            "flat": bool(megatron_wrappers.installed_by(flat_adam.__name__))}
@@ -95,7 +95,7 @@ def setup_function_untouched():
     megatron_wrappers.remove_all(flat_adam.__name__)
     assert megatron_wrappers.installed(mtraining, "setup_model_and_optimizer") == []
     yield mtraining
-    for owner in ("megagpt.fast_spec.async_step", "megagpt.fast_spec.flat_adam"):
+    for owner in ("megagpt.train_step.async_step", "megagpt.train_step.flat_adam"):
         megatron_wrappers.remove(mtraining, "setup_model_and_optimizer", owner)
     if had["flat"]:
         flat_adam.install()
@@ -126,7 +126,7 @@ def test_wrappers_of_one_function_compose_in_the_ledgers_order(setup_function_un
     original = mtraining.setup_model_and_optimizer
     target = "megatron.training.training.setup_model_and_optimizer"
     inner, outer = megatron_ledger.wrap_order(target)
-    assert (inner, outer) == ("megagpt.fast_spec.flat_adam", "megagpt.fast_spec.async_step")
+    assert (inner, outer) == ("megagpt.train_step.flat_adam", "megagpt.train_step.async_step")
 
     # installed outer first: the inner one still goes next to megatron's function
     megatron_wrappers.install(mtraining, "setup_model_and_optimizer", outer, _tagging("outer"))
@@ -145,7 +145,7 @@ def test_wrappers_of_one_function_compose_in_the_ledgers_order(setup_function_un
 
 def test_the_real_installers_compose_in_the_ledgers_order(setup_function_untouched):
     """The asynchronous step installed before the flat step still ends up outside it."""
-    from megagpt.fast_spec import async_step, flat_adam
+    from megagpt.train_step import async_step, flat_adam
 
     mtraining = setup_function_untouched
     original = mtraining.setup_model_and_optimizer
@@ -175,7 +175,7 @@ def test_a_change_the_ledger_does_not_list_is_refused():
 def test_a_replacement_outside_the_wrappers_is_noticed(setup_function_untouched):
     mtraining = setup_function_untouched
     original = mtraining.setup_model_and_optimizer
-    owner = "megagpt.fast_spec.flat_adam"
+    owner = "megagpt.train_step.flat_adam"
     megatron_wrappers.install(mtraining, "setup_model_and_optimizer", owner, _tagging("a"))
     mtraining.setup_model_and_optimizer = original  # behind the wrappers' back
     try:
@@ -192,9 +192,9 @@ def test_a_replacement_is_undone_by_its_owner_and_wrapped_over():
     import megatron.core.optimizer as mopt
     import megatron.core.optimizer.clip_grads as mclip
 
-    from megagpt.fast_spec import optim
+    from megagpt.train_step import optimizer as optim
 
-    owner = "megagpt.fast_spec.optim"
+    owner = "megagpt.train_step.optimizer"
     had = bool(megatron_wrappers.installed_by(owner))
     megatron_wrappers.remove_all(owner)
     using, norm = mopt.USING_PYTORCH_OPTIMIZER, mclip.l2_norm_impl

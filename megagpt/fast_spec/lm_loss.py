@@ -33,6 +33,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from megagpt.torch_compile import is_compile_error
+
 # elements of one chunk's logits (tokens x vocab) per 1024 of hidden size: 2**26 = 64 Mi =
 # 128 MB in bf16 at the 345M shape. Scaled with the hidden size, the chunk keeps its share
 # of the peak (activations grow with it), and wider models get chunks of more tokens: each
@@ -110,8 +112,7 @@ def _kernel(name: str, fn, device: torch.device, compile_kernels: bool):
             try:
                 return compiled(*args)
             except Exception as e:  # noqa: BLE001
-                mod = type(e).__module__ or ""
-                if not mod.startswith(("torch._dynamo", "torch._inductor", "torch.fx")):
+                if not is_compile_error(e):
                     raise
                 logging.getLogger(__name__).warning(
                     "chunked LM loss: torch.compile failed (%s); running eagerly", type(e).__name__)

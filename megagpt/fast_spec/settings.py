@@ -395,37 +395,37 @@ def install_fast_path_patches(args, log: Optional[Callable[[str], None]] = None)
 
     - gradients written (``fast_grad_write``): megatron's DDP hook copies, its buffer is not
       zeroed, parameters without a gradient are zeroed at ``finish_grad_sync``
-      (``megagpt.fast_spec.grad_write``);
+      (``megagpt.train_step.grad_write``);
     - optimizer: if ``fast_optimizer``, torch's fused AdamW as megatron's Adam class and,
       where megatron is on its no-TE/no-apex fallbacks, torch._foreach_* versions of the
       gradient-norm / scale / param-copy kernels
-      (``megagpt.fast_spec.optim.install_fast_optimizer``). Fused AdamW is left out, with a
+      (``megagpt.train_step.optimizer.install_fast_optimizer``). Fused AdamW is left out, with a
       logged reason, for ``--use-precision-aware-optimizer``, ``--optimizer-cpu-offload``,
       optimizers other than adam, and the distributed optimizer where TE or apex is
       installed (megatron's checkpoints of it then follow their FusedAdam);
     - flat AdamW step (``fast_flat_adam``, with fused AdamW): where megatron's optimizer is
       its bf16 ``Float16OptimizerWithFloat16Params`` over one gradient buffer, one pass over
-      flat buffers replaces its five (``megagpt.fast_spec.flat_adam``; decided, and logged,
+      flat buffers replaces its five (``megagpt.train_step.flat_adam``; decided, and logged,
       once the optimizer exists);
     - asynchronous step (``fast_async_step``, with the fast optimizer): the gradient norm
       stays on the GPU and megatron's per-step waits for the host are skipped where they are
-      identities (``megagpt.fast_spec.async_step``).
+      identities (``megagpt.train_step.async_step``).
     """
     log = log or (lambda s: None)
     if getattr(args, "cuda_graph_impl", "none") == "full_iteration" and not getattr(
             args, "cpu", False):
-        from . import capture_watchdog
+        from megagpt.train_step import capture_watchdog
 
         capture_watchdog.install(float(getattr(args, "fast_cuda_graph_capture_timeout", 300)),
                                  log)
     if getattr(args, "fast_grad_write", False):
-        from . import grad_write
+        from megagpt.train_step import grad_write
 
         grad_write.install(log)
     if not getattr(args, "fast_optimizer", True):
         log("fast optimizer: off (--fast-disable optimizer)")
         return
-    from .optim import install_fast_optimizer, megatron_uses_local_fallbacks
+    from megagpt.train_step.optimizer import install_fast_optimizer, megatron_uses_local_fallbacks
 
     left_out = fused_adam_left_out_reason(args, megatron_uses_local_fallbacks)
     fused_adam = left_out is None
@@ -435,13 +435,13 @@ def install_fast_path_patches(args, log: Optional[Callable[[str], None]] = None)
     install_fast_optimizer(fused_adam=fused_adam, multi_tensor=True, tensor_clip=async_step,
                            log=log)
     if fused_adam and getattr(args, "fast_flat_adam", True):
-        from . import flat_adam
+        from megagpt.train_step import flat_adam
 
         flat_adam.install(log)
     elif fused_adam:
         log("fast optimizer: megatron's five-pass bf16 step kept (--fast-disable flat-adam)")
     if async_step:
-        from . import async_step as async_step_module
+        from megagpt.train_step import async_step as async_step_module
 
         async_step_module.install(log)
     else:

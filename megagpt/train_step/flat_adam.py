@@ -247,7 +247,7 @@ class FlatAdamState:
 
     def _compile_failed(self, exc: Exception) -> None:
         """A compiler failure must not stop training: the same arithmetic, eagerly."""
-        from .layer import is_compile_error
+        from megagpt.torch_compile import is_compile_error
 
         if not is_compile_error(exc):
             raise exc

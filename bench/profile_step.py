@@ -20,7 +20,7 @@ e.g. ``local`` is upstream's path without TE and ``fused+opt+ce+graph`` the fast
 It is not the project's entry (``bench/bench_throughput.py`` runs that); it exists to see
 where time goes without the data loader and logging. Run on a GPU:
 
-  python -m megagpt.fast_spec.profile_step --shape 345M \
+  python bench/profile_step.py --shape 345M \
       --variants local,sdpa+opt,fused+opt+ce+graph --profile fused+opt+ce+graph --out DIR
 """
 
@@ -34,12 +34,16 @@ import statistics
 import time
 from functools import partial
 
+import sys
+from pathlib import Path
+
 import torch
 
-SHAPES = {
-    "345M": (24, 1024, 16, 1024, 8),
-    "1.3B": (24, 2048, 16, 2048, 4),
-}
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # megagpt, from this checkout
+
+from reference_gpt import SHAPES  # noqa: E402
+
 VOCAB = 50257
 VOCAB_PADDED = 50304
 
@@ -115,7 +119,7 @@ def build(shape, variant, dropout):
     from megatron.core.transformer.module import Float16Module
 
     from megagpt import megatron_wrappers
-    from megagpt.fast_spec import optim
+    from megagpt.train_step import optimizer as optim
 
     megatron_wrappers.remove_all(optim.__name__)
     _, flags = _parts(variant)
@@ -262,7 +266,7 @@ def run_variant(shape, variant, iters, warmup, dropout, profile_dir=None, log=pr
         fwdbwd.append(a)
         opt.append(b)
         losses.append(loss)
-    from megagpt.fast_spec.flops import megatron_flops
+    from megatron_flops import megatron_flops
 
     flops = megatron_flops(L, h, heads, seq, mb, VOCAB_PADDED)
     ms = statistics.median(walls)

@@ -259,7 +259,7 @@ def install_fast_optimizer(
 
     Safe to call more than once. Where TE or apex provides the multi-tensor kernels, theirs
     are kept (the norm, the scales); ``fused_adam`` still puts torch's fused AdamW in place of
-    their FusedAdam, which the flat AdamW step needs (``megagpt.fast_spec.flat_adam``).
+    their FusedAdam, which the flat AdamW step needs (``megagpt.train_step.flat_adam``).
     Must run before ``get_megatron_optimizer`` builds the optimizer (i.e. before
     ``setup_model_and_optimizer``): ``settings.install_fast_path_patches`` calls it when the
     entry launches training, not at parse time.
