@@ -34,10 +34,10 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 
-from megagpt.fast_spec import layer_path
+from megagpt.launch import layer_path
 from megagpt.fast_spec.spec import fast_decoder_block_spec, get_fast_gpt_layer_spec
 
-# the layer paths, as megagpt.fast_spec.layer_path names them
+# the layer paths, as megagpt.launch.layer_path names them
 TRANSFORMER_ENGINE = layer_path.TRANSFORMER_ENGINE
 MOE_BLOCK = layer_path.MOE_BLOCK
 FAST = layer_path.FAST
@@ -56,7 +56,7 @@ class LayerSpecChoice:
 
 def choose_layer_spec(args) -> LayerSpecChoice:
     """Decide the layer-spec path for this run from its (adapted) arguments: the plan's
-    ``layers`` choice (``megagpt.fast_spec.layer_path``)."""
+    ``layers`` choice (``megagpt.launch.layer_path``)."""
     return LayerSpecChoice(*layer_path.layer_path(args))
 
 

@@ -40,7 +40,7 @@ from megagpt import arguments as entry_arguments
 from megagpt import compat, cpu_mode
 from megagpt import resilience
 from megagpt.fast_spec.lm_loss import get_output_processor
-from megagpt.fast_spec.settings import install_fast_path_patches
+from megagpt.launch.fast_path_reasons import install_fast_path_patches
 from megagpt.fast_spec.spec import describe_fast_spec
 from megagpt.log import log
 from megagpt.megatron_errors import INPUT_ERRORS

@@ -5,7 +5,7 @@ Order, each step one function:
   2. megatron's own parser reads it, plus this entry's options (``add_entry_arguments``);
   3. settings that need missing packages are adapted (``megagpt.compat``), and in
      ``--cpu`` mode the CPU settings are applied (``megagpt.cpu_mode``); then the fast
-     path's plan is made and applied (``megagpt.fast_spec.plan``);
+     path's plan is made and applied (``megagpt.launch.fast_path``);
   4. megatron's ``validate_args`` runs (without touching CUDA when none is present);
   5. megatron's global state is set and the tokenizer installed.
 
@@ -48,7 +48,7 @@ def add_entry_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--allow-data-tokenizer-mismatch", action="store_true",
                        help="Train on data whose tokenizer record names another tokenizer "
                             "than this run's (ids must still fit the vocabulary).")
-    from megagpt.fast_spec.settings import add_fast_path_arguments
+    from megagpt.fast_path_flags import add_fast_path_arguments
 
     add_fast_path_arguments(group)
     return parser
@@ -135,7 +135,7 @@ def parse_arguments_and_plan(argv: list[str] | None = None,
     compat.quiet_fallback_warnings()
     argv = list(sys.argv[1:] if argv is None else argv)
     argv, config_path = expand_config_file(argv)
-    from megagpt.fast_spec.settings import check_replaced_flags
+    from megagpt.fast_path_flags import check_replaced_flags
 
     check_replaced_flags(argv)
     if config_path is not None:
@@ -172,7 +172,7 @@ def parse_arguments_and_plan(argv: list[str] | None = None,
     if args.eval_interval is None:
         # megatron 0.19 has no default and fails deep in training; upstream's was 1000.
         args.eval_interval = 1000
-    from megagpt.fast_spec.plan import apply_plan, plan_fast_path
+    from megagpt.launch.fast_path import apply_plan, plan_fast_path
 
     # last: the plan reads what the steps above adapted
     plan = plan_fast_path(args, installed)
@@ -214,7 +214,7 @@ def _check_user_spec(spec: list[str]) -> None:
     local spec."""
     import importlib
 
-    from megagpt.fast_spec.layer_path import LOCAL_SPEC_ARGUMENT
+    from megagpt.flags import LOCAL_SPEC_ARGUMENT
 
     if list(spec) == LOCAL_SPEC_ARGUMENT:
         return  # megatron's local spec, built by gpt_builders

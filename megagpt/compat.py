@@ -164,7 +164,7 @@ def experts_bias_refusal(args, installed: Installed) -> UserError:
             f"--num-experts {args.num_experts} with linear biases needs Transformer Engine: "
             f"{why}. Add --disable-bias-linear (as MoE models usually do), or install "
             "Transformer Engine (pip install 'megagpt[te]') and add --moe-grouped-gemm.")
-    from megagpt.fast_spec.layer_path import megatron_local_spec_asked
+    from megagpt.flags import megatron_local_spec_asked
 
     asked_local = ("--spec local" if megatron_local_spec_asked(args)
                    else "--transformer-impl local")
@@ -221,18 +221,24 @@ def check_required_packages(args, installed: Installed) -> None:
         if importlib.util.find_spec(module) is None:
             raise MissingDependencyError(f"{flag} needs the {module} package, which is not "
                                          f"installed ({how})")
-    if (args.sequence_parallel and (args.tensor_model_parallel_size or 1) > 1
-            and not installed.transformer_engine and not installed.apex):
-        from megagpt.fast_spec.layer_path import fast_path_selected
 
-        if not fast_path_selected(args):
-            # megatron's torch norm asserts on it while the model is built
-            raise MissingDependencyError(
-                "--sequence-parallel without Transformer Engine or apex needs the fast "
-                "spec's norms (megatron's torch LayerNorm refuses sequence parallelism), and "
-                "the fast spec is not used in this run (--no-fast-spec, --spec, MoE or "
-                "another reason the log gives). Use the fast spec, install Transformer "
-                "Engine (pip install 'megagpt[te]'), or drop --sequence-parallel.")
+
+def sequence_parallel_norms_missing(args, installed: Installed, fast_spec_used: bool
+                                    ) -> UserError | None:
+    """The refusal of ``--sequence-parallel`` where no norm of this launch serves it (None:
+    one does): megatron's torch norm asserts on it while the model is built; the fast spec's,
+    TE's and apex's norms take it. ``fast_spec_used``: whether the launch's layers are the
+    fast spec's (its layer choice)."""
+    if not (getattr(args, "sequence_parallel", False)
+            and (getattr(args, "tensor_model_parallel_size", 1) or 1) > 1
+            and not installed.transformer_engine and not installed.apex and not fast_spec_used):
+        return None
+    return MissingDependencyError(
+        "--sequence-parallel without Transformer Engine or apex needs the fast "
+        "spec's norms (megatron's torch LayerNorm refuses sequence parallelism), and "
+        "the fast spec is not used in this run (--no-fast-spec, --spec, MoE or "
+        "another reason the log gives). Use the fast spec, install Transformer "
+        "Engine (pip install 'megagpt[te]'), or drop --sequence-parallel.")
 
 
 def adapt_args_to_installed(args, argv: Iterable[str], installed: Installed,

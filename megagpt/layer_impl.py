@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from megagpt.errors import UserError
-from megagpt.fast_spec.layer_path import megatron_local_spec_asked
+from megagpt.flags import megatron_local_spec_asked
 
 TRANSFORMER_ENGINE = "transformer_engine"
 LOCAL = "local"

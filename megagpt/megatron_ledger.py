@@ -43,7 +43,7 @@ WRAPS, REPLACES, STANDS_IN, COVERS, RELIES_ON = (
     "wraps", "replaces", "stands in for", "covers", "relies on")
 
 # When each change is in place.
-FAST_LAUNCH = ("at launch (pretrain_gpt.run -> fast_spec.settings.install_fast_path_patches), "
+FAST_LAUNCH = ("at launch (pretrain_gpt.run -> launch.fast_path_reasons.install_fast_path_patches), "
                "for the rest of the process")
 PRETRAIN = "around megatron.training.pretrain (resilience.active), undone after"
 CPU_PRETRAIN = "with --cpu, around megatron.training.pretrain (cpu_mode.active), undone after"
@@ -343,7 +343,7 @@ LEDGER: tuple[Change, ...] = (
            "forward signature (torch's SDPA kernels: no [b, heads, s, s] scores)", MODEL,
            "ec3200d0b962"),
     Change("megatron.core.models.common.language_module.language_module.LanguageModule."
-           "_set_attention_backend", RELIES_ON, "megagpt.fast_spec.attention_backend",
+           "_set_attention_backend", RELIES_ON, "megagpt.launch.attention_backend",
            "every GPT model's constructor sets TE's NVTE_*_ATTN switches from "
            "--attention-backend and asserts on other values already in the environment; "
            "TE_SWITCHES holds the same values, so the plan refuses such an environment in one "

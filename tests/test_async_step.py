@@ -250,8 +250,8 @@ def test_reading_a_device_norm_waits_for_its_step_only():
     ],
 )
 def test_bf16_grad_buffer_only_where_values_are_unchanged(attrs, argv, needle):
-    from megagpt.fast_spec.plan import apply_fast_path_defaults
-    from megagpt.fast_spec.settings import bf16_grad_buffer_unsupported_reason
+    from megagpt.launch.fast_path import apply_fast_path_defaults
+    from megagpt.launch.fast_path_reasons import bf16_grad_buffer_unsupported_reason
 
     args = fast_path_namespace(argv, **attrs)
     reason = bf16_grad_buffer_unsupported_reason(args)
@@ -263,7 +263,7 @@ def test_bf16_grad_buffer_only_where_values_are_unchanged(attrs, argv, needle):
 
 
 def test_bf16_grad_buffer_switch_wins():
-    from megagpt.fast_spec.plan import apply_fast_path_defaults
+    from megagpt.launch.fast_path import apply_fast_path_defaults
 
     args = fast_path_namespace(["--fast-disable", "bf16-grad-buffer"])
     apply_fast_path_defaults(args, lambda s: None)
@@ -280,7 +280,7 @@ def test_bf16_grad_buffer_switch_wins():
     ({"transformer_impl": "transformer_engine"}, True),  # not the fast spec
 ])
 def test_no_attention_mask_from_the_loader_where_the_fast_spec_ignores_it(attrs, kept):
-    from megagpt.fast_spec.plan import apply_fast_path_defaults
+    from megagpt.launch.fast_path import apply_fast_path_defaults
 
     args = fast_path_namespace(create_attention_mask_in_dataloader=True, **attrs)
     lines = []

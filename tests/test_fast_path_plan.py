@@ -1,4 +1,4 @@
-"""The fast path's plan (megagpt.fast_spec.plan): a launch's layout and flags → each choice
+"""The fast path's plan (megagpt.launch.fast_path): a launch's layout and flags → each choice
 and its reason; planning changes nothing; applying writes exactly what the plan says."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from megatron_parts import fast_path_namespace
 
 from megagpt.compat import Installed
 from megagpt.errors import UserError
-from megagpt.fast_spec.plan import apply_plan, plan_fast_path
+from megagpt.launch.fast_path import apply_plan, plan_fast_path
 
 NO_TE = Installed(transformer_engine=False, apex=False, fused_layer_norm=False,
                   masked_softmax_kernels=False, gradient_accumulation_kernels=False)
@@ -253,7 +253,7 @@ def test_the_users_nccl_setting_is_kept():
 
 
 def test_apply_fast_path_defaults_is_the_plan_applied():
-    from megagpt.fast_spec.plan import apply_fast_path_defaults
+    from megagpt.launch.fast_path import apply_fast_path_defaults
 
     args, lines = launch(world_size=8), []
     plan = plan_fast_path(copy.deepcopy(args), NO_TE, {})
@@ -303,7 +303,7 @@ def test_the_switches_are_the_ones_megatron_sets(monkeypatch, backend):
     from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.transformer.enums import AttnBackend
 
-    from megagpt.fast_spec.attention_backend import TE_SWITCH_NAMES, TE_SWITCHES
+    from megagpt.launch.attention_backend import TE_SWITCH_NAMES, TE_SWITCHES
 
     for name in TE_SWITCH_NAMES:
         monkeypatch.delenv(name, raising=False)

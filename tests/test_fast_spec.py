@@ -594,7 +594,7 @@ def test_torch_fused_adam_takes_megatrons_arguments_and_matches_foreach_adamw():
 # switches and when the fast path applies
 # ---------------------------------------------------------------------------------------
 def _parse(argv):
-    from megagpt.fast_spec.settings import add_fast_path_arguments
+    from megagpt.fast_path_flags import add_fast_path_arguments
 
     p = argparse.ArgumentParser()
     add_fast_path_arguments(p)
@@ -602,7 +602,7 @@ def _parse(argv):
 
 
 def _resolved(argv=(), **attrs):
-    from megagpt.fast_spec.plan import apply_fast_path_defaults
+    from megagpt.launch.fast_path import apply_fast_path_defaults
 
     args = _parse(list(argv))
     base = dict(transformer_impl="local", spec=None, num_experts=None, world_size=1,
@@ -636,7 +636,7 @@ def restore_optimizer():
 
 
 def test_flags_parse_on_a_parser_and_on_a_group():
-    from megagpt.fast_spec.settings import add_fast_path_arguments
+    from megagpt.fast_path_flags import add_fast_path_arguments
 
     a = _parse([])
     assert a.fast_spec and a.fast_spec_fused_layer and a.fast_optimizer and a.fast_lm_loss
@@ -799,7 +799,7 @@ def test_parsing_patches_nothing_launching_does(restore_optimizer):
     import megatron.training.training as mtraining
 
     from megagpt.train_step import optimizer as optim
-    from megagpt.fast_spec.settings import install_fast_path_patches
+    from megagpt.launch.fast_path_reasons import install_fast_path_patches
 
     if not optim.megatron_uses_local_fallbacks():
         pytest.skip("TE or apex installed: megatron has its fused kernels")
@@ -825,7 +825,7 @@ def test_parsing_patches_nothing_launching_does(restore_optimizer):
 def test_no_fast_flat_adam_keeps_megatrons_step(restore_optimizer):
     from megagpt import megatron_wrappers
     from megagpt.train_step import flat_adam, optimizer as optim
-    from megagpt.fast_spec.settings import install_fast_path_patches
+    from megagpt.launch.fast_path_reasons import install_fast_path_patches
 
     if not optim.megatron_uses_local_fallbacks():
         pytest.skip("TE or apex installed: megatron has its fused kernels")

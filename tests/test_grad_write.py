@@ -207,8 +207,8 @@ def test_off_is_megatrons_zeroing_and_adding(writing):
 ])
 def test_on_by_default_where_nothing_is_accumulated(attrs, needle):
     from megagpt.train_step import grad_write
-    from megagpt.fast_spec.plan import apply_fast_path_defaults
-    from megagpt.fast_spec.settings import grad_write_unsupported_reason
+    from megagpt.launch.fast_path import apply_fast_path_defaults
+    from megagpt.launch.fast_path_reasons import grad_write_unsupported_reason
 
     args = fast_path_namespace(**attrs)
     reason = grad_write_unsupported_reason(args)
@@ -221,7 +221,7 @@ def test_on_by_default_where_nothing_is_accumulated(attrs, needle):
 def test_switch_off_and_refused_where_gradients_are_summed():
     from megagpt.errors import UserError
     from megagpt.train_step import grad_write
-    from megagpt.fast_spec.plan import apply_fast_path_defaults
+    from megagpt.launch.fast_path import apply_fast_path_defaults
 
     args = fast_path_namespace(["--fast-disable", "grad-write"])
     apply_fast_path_defaults(args, lambda s: None)

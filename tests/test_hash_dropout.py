@@ -122,7 +122,7 @@ def test_fused_layer_takes_its_residual_masks_from_the_seeds():
 def test_the_switch_reaches_the_layers():
     import argparse
 
-    from megagpt.fast_spec.settings import add_fast_path_arguments
+    from megagpt.fast_path_flags import add_fast_path_arguments
     from megagpt.fast_spec.spec import fused_layer_options
 
     parser = argparse.ArgumentParser()

@@ -13,7 +13,7 @@ from megatron_parts import fast_path_namespace
 
 
 def _resolved(argv=(), **attrs):
-    from megagpt.fast_spec.plan import apply_fast_path_defaults
+    from megagpt.launch.fast_path import apply_fast_path_defaults
 
     args = fast_path_namespace(argv, **attrs)
     lines: list[str] = []
@@ -103,7 +103,7 @@ def test_written_gradients_are_refused_under_layer_graphs():
     """megatron's captured backward adds each gradient into main_grad itself: a buffer left
     unzeroed would then sum two steps."""
     from megagpt.errors import UserError
-    from megagpt.fast_spec.settings import grad_write_unsupported_reason
+    from megagpt.launch.fast_path_reasons import grad_write_unsupported_reason
 
     args, _ = _resolved(["--fast-cuda-graphs", "layers"])
     assert args.fast_layer_graphs and not args.fast_grad_write

@@ -29,8 +29,9 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megagpt.flags import megatron_local_spec_asked
+
 from .attention import SDPADotProductAttention
-from .layer_path import megatron_local_spec_asked
 from .layer import FastTransformerLayer, FusedLayerOptions
 from .lm_loss import lm_grad_in_forward_unsupported_reason
 from .norm import TorchNorm

@@ -28,7 +28,7 @@ import io
 
 from megagpt import vocab_padding
 from megagpt.errors import UserError
-from megagpt.fast_spec.settings import REPLACED_FLAGS
+from megagpt.fast_path_flags import REPLACED_FLAGS
 from megagpt.inference.checkpoint import SavedConfig
 
 # Argument destinations (megatron's names) that describe how a run was launched, not the

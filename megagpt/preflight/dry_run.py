@@ -223,7 +223,7 @@ def make_plan(args) -> Plan:
 def run_dry_run(args, fast_path_plan=None) -> int:
     """Check the launch at its intended size and print the plan; 0 when it can run.
     ``fast_path_plan``: the fast path's choices applied at parse time, printed after the
-    layout (``megagpt.fast_spec.plan``).
+    layout (``megagpt.launch.fast_path``).
 
     The plan comes alone (a few dozen lines); the resolved configuration (every megatron
     argument, ~800 lines at 345M) only where ``--dry-run-yaml`` asks for it: written to the

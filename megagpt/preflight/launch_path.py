@@ -14,7 +14,7 @@ def launch_path(args) -> str:
         return planned
     if getattr(args, "transformer_impl", "local") == "transformer_engine":
         return "te"
-    from megagpt.fast_spec.layer_path import fast_path_selected
+    from megagpt.launch.layer_path import fast_path_selected
 
     return "fast" if fast_path_selected(args) else "local"
 

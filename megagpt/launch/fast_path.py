@@ -27,7 +27,9 @@ from typing import Callable, Mapping, MutableMapping, Optional
 
 from megagpt.errors import UserError
 
-from . import settings as s
+from megagpt.fast_path_flags import SWITCH_DEFAULTS
+
+from . import fast_path_reasons as s
 from .layer_path import fast_path_selected, layer_path, te_layers_selected
 
 NCCL_CONNECT = "NCCL_RUNTIME_CONNECT"
@@ -129,20 +131,27 @@ class _Planner:
 # --- the steps, in the order each reads the ones before -----------------------------------
 
 def _switch_defaults(p: _Planner) -> None:
-    for name, default in s.SWITCH_DEFAULTS:
+    for name, default in SWITCH_DEFAULTS:
         if not hasattr(p.args, name):
             p.set(name, default)
 
 
 def _layers(p: _Planner) -> None:
     p.choose("layers", *layer_path(p.v))
+    from megagpt.compat import sequence_parallel_norms_missing
+
+    refusal = sequence_parallel_norms_missing(p.v, p.installed, p.fast())
+    if refusal is not None:
+        raise refusal
 
 
 def _attention_kernels(p: _Planner) -> None:
     """megatron's --attention-backend on this launch's layers (``attention_backend``)."""
     from megatron.core.transformer.enums import AttnBackend
 
-    from .attention_backend import attention_plan, backend_name
+    from megagpt.fast_spec.sdpa_kernels import backend_name
+
+    from .attention_backend import attention_plan
 
     planned = attention_plan(p.v, layer_path(p.v)[0], p.environ)
     if planned.backend != backend_name(p.get("attention_backend")):
@@ -421,7 +430,7 @@ def _lm_loss(p: _Planner) -> None:
     elif (p.get("tensor_model_parallel_size", 1) or 1) != 1:
         p.choose("LM loss", "megatron's", "tensor-parallel output layer")
     else:
-        from .lm_loss import lm_grad_in_forward_unsupported_reason
+        from megagpt.fast_spec.lm_loss import lm_grad_in_forward_unsupported_reason
 
         off = lm_grad_in_forward_unsupported_reason(p.v)
         p.choose("LM loss", "chunked", "LM head gradients formed in forward" if off is None

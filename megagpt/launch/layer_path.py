@@ -7,22 +7,15 @@ the dry run's estimate ask it.
 
 from __future__ import annotations
 
+from megagpt.fast_spec.spec import fast_spec_unsupported_reason
+from megagpt.flags import megatron_local_spec_asked
+
 # layer paths (gpt_builders builds each)
 TRANSFORMER_ENGINE = "transformer_engine"
 MOE_BLOCK = "moe_block"
 FAST = "fast"
 LOCAL = "local"
 USER_SPEC = "user_spec"
-
-
-# megatron's ``--spec`` help: "To use local spec specify local as the argument"; its
-# validate_args asks for it with --attention-backend local
-LOCAL_SPEC_ARGUMENT = ["local"]
-
-
-def megatron_local_spec_asked(args) -> bool:
-    """Whether ``--spec local`` asks for megatron's local spec (not a module to import)."""
-    return list(getattr(args, "spec", None) or []) == LOCAL_SPEC_ARGUMENT
 
 
 def layer_path(args) -> tuple[str, str]:
@@ -42,8 +35,6 @@ def layer_path(args) -> tuple[str, str]:
     if use_te:
         return TRANSFORMER_ENGINE, getattr(args, "transformer_impl_reason",
                                            "--transformer-impl transformer_engine")
-    from .spec import fast_spec_unsupported_reason
-
     reason = fast_spec_unsupported_reason(args)
     if reason is None:
         why = getattr(args, "transformer_impl_reason", "Transformer Engine is not installed")
