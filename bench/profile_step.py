@@ -27,6 +27,7 @@ where time goes without the data loader and logging. Run on a GPU:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -98,17 +99,15 @@ def _parts(variant):
 def _spec(variant):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from megagpt.fast_spec.layer import FusedLayerOptions
     from megagpt.fast_spec.spec import get_fast_gpt_layer_spec
 
     variant, _ = _parts(variant)
     if variant == "local":
         return get_gpt_layer_local_spec()
-    ns = argparse.Namespace(
-        fast_spec=True,
-        fast_spec_fused_layer=variant.startswith("fused"),
-        fast_spec_compile=not variant.startswith("fused-eager"),
-    )
-    return get_fast_gpt_layer_spec(ns)
+    fused = (FusedLayerOptions.make(compile=not variant.startswith("fused-eager"))
+             if variant.startswith("fused") else None)
+    return get_fast_gpt_layer_spec(argparse.Namespace(fast_spec=True), fused)
 
 
 def build(shape, variant, dropout):
@@ -118,13 +117,7 @@ def build(shape, variant, dropout):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
-    from megagpt import megatron_wrappers
-    from megagpt.train_step import optimizer as optim
-
-    megatron_wrappers.remove_all(optim.__name__)
     _, flags = _parts(variant)
-    if "opt" in flags:
-        optim.install_fast_optimizer()
     config = _config(shape, dropout)
     L, h, heads, seq, mb = SHAPES[shape]
     torch.manual_seed(1234)
@@ -210,6 +203,17 @@ def _iterator(batch):
 
 
 def run_variant(shape, variant, iters, warmup, dropout, profile_dir=None, log=print):
+    """One variant built and timed; with +opt megatron's optimizer modules hold the fast
+    path's kernels while it is built and steps."""
+    from megagpt.train_step import optimizer as fast_optimizer
+
+    _, flags = _parts(variant)
+    kernels = fast_optimizer.fast_kernels() if "opt" in flags else contextlib.nullcontext()
+    with kernels:
+        return _timed(shape, variant, iters, warmup, dropout, profile_dir, log)
+
+
+def _timed(shape, variant, iters, warmup, dropout, profile_dir, log):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     gc.collect()

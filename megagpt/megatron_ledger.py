@@ -14,9 +14,10 @@ How (``how``):
 
 ``wraps``
     the module attribute becomes a function that calls megatron's. Where several owners
-    wrap one function, ``megagpt.megatron_wrappers`` composes them in the order of their
-    entries here, the first innermost (next to megatron's function), whatever the order in
-    which they are installed.
+    wrap one function, ``megagpt.megatron_wrappers`` composes them in the order they are
+    installed, the first innermost (next to megatron's function); the launch's one context
+    states that order (``megagpt.launch.megatron_changes``). The order of the entries here
+    means nothing.
 ``replaces``
     the attribute is set to the project's own object; megatron's is not called.
 ``stands in for``
@@ -42,24 +43,25 @@ CHECKED_AGAINST = "0.19.2"
 WRAPS, REPLACES, STANDS_IN, COVERS, RELIES_ON = (
     "wraps", "replaces", "stands in for", "covers", "relies on")
 
-# When each change is in place.
-FAST_LAUNCH = ("at launch (pretrain_gpt.run -> launch.fast_path_reasons.install_fast_path_patches), "
-               "for the rest of the process")
-PRETRAIN = "around megatron.training.pretrain (resilience.active), undone after"
-CPU_PRETRAIN = "with --cpu, around megatron.training.pretrain (cpu_mode.active), undone after"
+# When each change is in place. The launch's changes are all entered by one context around
+# megatron.training.pretrain and undone after it (launch.megatron_changes.launched).
+LAUNCHED = "around megatron.training.pretrain (launch.megatron_changes), undone after"
+FAST_LAUNCH = LAUNCHED + ": the fast path's step, as the launch chose it (train_step)"
+PRETRAIN = LAUNCHED + ": resilience.active"
+CPU_PRETRAIN = LAUNCHED + ", with --cpu: cpu_mode.active"
 CPU_TE_KERNELS = CPU_PRETRAIN + ", where megatron bound TE's or apex's kernels"
 CPU_GENERATING = ("with --cpu, around megatron.core.inference's generation in the tools "
                   "(cpu_mode.generating), undone after")
 VALIDATION = ("around megatron's validate_args where no GPU answers "
               "(arguments.validate_arguments), undone after")
-MODEL = "when the fast spec builds the model (gpt_builders -> fast_spec.spec)"
-LAUNCH = "at launch, before pretrain (pretrain_gpt.run)"
+MODEL = "when the fast spec builds the model (gpt_model -> fast_spec.spec)"
+LAUNCH = LAUNCHED + ": the wheel's needs (compat)"
 GLOBALS = "at launch, after megatron's globals are set (arguments.set_megatron_globals)"
 TOKENIZER = "whenever a tokenizer is built (data.tokenizers.build_tokenizer)"
 PREFLIGHT = ("around the preflight's schedule and sample-count checks "
              "(preflight.schedule_check.global_args), undone after")
 PARSE = "at parse time (data.tokenizers, megagpt.data.preprocess's parser)"
-ADAPT = "at parse time (megagpt.compat's adaptations, the fast path's plan)"
+ADAPT = "while a launch is resolved (megagpt.compat's steps, the fast path's)"
 
 
 @dataclass(frozen=True)
@@ -305,7 +307,7 @@ LEDGER: tuple[Change, ...] = (
            "it fills the whole gradient buffer with zeros every step (2.6 GB at 1.3B); where "
            "gradients are written it resets megatron's bookkeeping only (gradients are written "
            "while grad_write's wrappers are installed, process-wide as megatron's DDP methods "
-           "are; install puts them in place at launch)",
+           "are)",
            FAST_LAUNCH + ", with gradients written", "3e76d9a34a92"),
     Change(DDP + "finish_grad_sync", WRAPS, "megagpt.train_step.grad_write",
            "before any reduction, parameters that got no gradient this step are zeroed and "
@@ -476,21 +478,12 @@ LEDGER: tuple[Change, ...] = (
     Change("megatron.training.arguments._add_tokenizer_args", RELIES_ON,
            "megagpt.data.tokenizers", "the preprocessing tool takes megatron's own tokenizer "
            "flags", PARSE, "f63941a6c5da"),
-    Change("megatron.training.global_vars._set_signal_handler", RELIES_ON,
-           "megagpt.resilience.preemption",
-           "installs the exit-signal handler megatron would have installed, when --save turns "
-           "--exit-signal-handler on after megatron's globals are set", LAUNCH, "96f1b2f597c3"),
 )
 
 
 def entries_for(target: str) -> list[Change]:
     """The ledger's entries for ``target``, in ledger order."""
     return [c for c in LEDGER if c.target == target]
-
-
-def wrap_order(target: str) -> list[str]:
-    """The owners that may wrap ``target``, innermost first (see ``megatron_wrappers``)."""
-    return [c.owner for c in entries_for(target) if c.how == WRAPS]
 
 
 def state(change: Change) -> str:

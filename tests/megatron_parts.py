@@ -16,20 +16,12 @@ TINY_VOCAB, TINY_SEQ = 64, 16
 def fast_optimizer_kernels(tensor_clip: bool = True):
     """megatron's optimizer modules with the fast optimizer's kernels (this process), put
     back as they were afterwards. Skips where TE or apex provide megatron's kernels."""
-    from megagpt import megatron_wrappers
-    from megagpt.train_step import optimizer as optim
+    from megagpt.train_step import optimizer
 
-    if not optim.megatron_uses_local_fallbacks():
+    if not optimizer.megatron_uses_local_fallbacks():
         pytest.skip("TE or apex installed: megatron's optimizer takes their kernels")
-    was_installed = bool(megatron_wrappers.installed_by(optim.__name__))
-    megatron_wrappers.remove_all(optim.__name__)
-    optim.install_fast_optimizer(tensor_clip=tensor_clip)
-    try:
+    with optimizer.fast_kernels(tensor_clip=tensor_clip):
         yield
-    finally:
-        megatron_wrappers.remove_all(optim.__name__)
-        if was_installed:
-            optim.install_fast_optimizer()
 
 
 def tiny_ddp_gpt(spec=None, grad_dtype=torch.bfloat16, device="cpu", overlap_grad_reduce=False):

@@ -127,32 +127,23 @@ def test_scalar_tensors_are_built_without_blocking(cpu_megatron):
     assert u.tolist() == [1, 2] and v.item() == 2.5
 
 
-def test_install_wraps_and_removal_restores():
+def test_the_wrappers_are_in_place_inside_the_block_only():
     import megatron.training.dist_signal_handler as msignal
     import megatron.training.training as mtraining
 
     from megagpt.train_step import async_step
 
-    from megagpt import megatron_wrappers
-
-    was = megatron_wrappers.installed_by(async_step.__name__)
-    megatron_wrappers.remove_all(async_step.__name__)
     names = ["reduce_max_stat_across_model_parallel_group",
              "logical_and_across_model_parallel_group", "training_log",
              "setup_model_and_optimizer"]
     before = {n: getattr(mtraining, n) for n in names}
     gather = msignal.all_gather_item
-    try:
-        assert set(async_step.install()) == set(names) | {"all_gather_item"}
-        assert async_step.install() == []  # idempotent
+    with async_step.without_host_waits():
         assert all(getattr(mtraining, n) is not before[n] for n in names)
+        assert msignal.all_gather_item is not gather
         assert msignal.all_gather_item([1], torch.int32) == [[1]]  # no process group here
-    finally:
-        megatron_wrappers.remove_all(async_step.__name__)
     assert {n: getattr(mtraining, n) for n in names} == before
     assert msignal.all_gather_item is gather
-    if was:
-        async_step.install()
 
 
 # ---------------------------------------------------------------------------------------
@@ -244,7 +235,7 @@ def test_reading_a_device_norm_waits_for_its_step_only():
         ({"world_size": 2}, (), "data-parallel"),
         ({"world_size": 2, "tensor_model_parallel_size": 2}, (), None),
         ({"dry_run": True, "dry_run_world_size": 8}, (), "data-parallel"),  # the planned size
-        ({"entry_argv": ["--accumulate-allreduce-grads-in-fp32"]}, (), "--accumulate-allreduce"),
+        ({"given": ["--accumulate-allreduce-grads-in-fp32"]}, (), "--accumulate-allreduce"),
         ({"cpu": True}, (), "CPU"),
         ({"transformer_impl": "transformer_engine"}, (), "fast spec"),
     ],
@@ -253,11 +244,13 @@ def test_bf16_grad_buffer_only_where_values_are_unchanged(attrs, argv, needle):
     from megagpt.launch.fast_path import apply_fast_path_defaults
     from megagpt.launch.fast_path_reasons import bf16_grad_buffer_unsupported_reason
 
+    attrs = dict(attrs)
+    given = frozenset(attrs.pop("given", ()))
     args = fast_path_namespace(argv, **attrs)
-    reason = bf16_grad_buffer_unsupported_reason(args)
+    reason = bf16_grad_buffer_unsupported_reason(args, given)
     assert (reason is None) if needle is None else (needle in reason)
     lines = []
-    apply_fast_path_defaults(args, lines.append)
+    apply_fast_path_defaults(args, lines.append, given=given)
     assert args.grad_reduce_in_bf16 is (needle is None)
     assert any("bf16 buffer" in line for line in lines) is (needle is None)
 
@@ -404,12 +397,22 @@ def test_async_step_trains_like_megatrons_synchronous_step(tmp_path):
 
 
 def test_the_log_line_names_the_pieces_that_are_on():
-    from megagpt.fast_spec.spec import describe_fast_spec
+    from megagpt.compat import Installed
+    from megagpt.gpt_model import describe
+    from megagpt.launch.fast_path import plan_fast_path
 
-    on = describe_fast_spec(argparse.Namespace(fast_async_step=True, fast_bf16_grad_buffer=True))
+    no_te = Installed(transformer_engine=False, apex=False, fused_layer_norm=False,
+                      masked_softmax_kernels=False, gradient_accumulation_kernels=False)
+
+    def described(argv=(), **attrs):
+        return describe(plan_fast_path(fast_path_namespace(argv, fast_optimizer=True, **attrs),
+                                       no_te, {}))
+
+    on = described()
     assert "no host sync inside the step" in on and "bf16 gradient buffer" in on
-    off = describe_fast_spec(argparse.Namespace(fast_async_step=False, fast_bf16_grad_buffer=False))
+    off = described(["--fast-disable", "async-step,bf16-grad-buffer"])
     assert "no host sync" not in off and "bf16 gradient buffer" not in off
     assert "gradients formed in forward" in on
-    for kept in ({"fast_lm_grad_in_forward": False}, {"pipeline_model_parallel_size": 2}):
-        assert "gradients formed in forward" not in describe_fast_spec(argparse.Namespace(**kept))
+    for argv, attrs in ((["--fast-disable", "lm-grad-in-forward"], {}),
+                        ([], {"pipeline_model_parallel_size": 2, "world_size": 2})):
+        assert "gradients formed in forward" not in described(argv, **attrs)

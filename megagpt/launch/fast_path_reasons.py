@@ -152,23 +152,22 @@ def layer_graphs_default_off_reason(args) -> Optional[str]:
     return None
 
 
-def bf16_grad_buffer_unsupported_reason(args) -> Optional[str]:
+def bf16_grad_buffer_unsupported_reason(args, given: frozenset[str] = frozenset()
+                                        ) -> Optional[str]:
     """Why a bf16 gradient buffer would not equal the fp32 one here (None: it would).
 
     With bf16 parameters every gradient autograd delivers is a bf16 tensor (a parameter used
     twice, like tied embeddings, gets the bf16 sum of its uses). An fp32 buffer that is
     zeroed each step and receives one such gradient — one micro-batch, no data-parallel
     sum — holds exactly the bf16 value widened, so a bf16 buffer holds the same numbers.
+    ``given``: the launch's explicit flags (a precision of the gradients asked for stays).
     """
-    from megagpt.flags import explicit_flags
-
     if not getattr(args, "bf16", False):
         return "not bf16"
     if getattr(args, "cpu", False):
         return "CPU mode"
     if not fast_path_selected(args):
         return "the fast spec is not used"
-    given = explicit_flags(getattr(args, "entry_argv", None) or [])
     for flag in ("--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32",
                  "--main-grads-dtype"):
         if flag in given:
@@ -219,67 +218,3 @@ def fused_adam_left_out_reason(args, local_fallbacks: Callable[[], bool]) -> Opt
         return ("the distributed optimizer keeps TE's/apex's FusedAdam (its checkpoints "
                 "follow that optimizer's layout)")
     return None
-
-
-def install_fast_path_patches(args, log: Optional[Callable[[str], None]] = None) -> None:
-    """Install the fast path's replacements inside megatron's modules (this process).
-
-    Called by ``pretrain_gpt.run`` before ``megatron.training.pretrain`` builds the optimizer,
-    not at parse time, so that ``--help`` and ``--dry-run`` leave megatron untouched:
-
-    - the full-iteration graph's capture under a deadline (``capture_watchdog``): a capture
-      that does not finish stops the run naming its rank, rather than hang;
-
-    - gradients written (``fast_grad_write``): megatron's DDP hook copies, its buffer is not
-      zeroed, parameters without a gradient are zeroed at ``finish_grad_sync``
-      (``megagpt.train_step.grad_write``);
-    - optimizer: if ``fast_optimizer``, torch's fused AdamW as megatron's Adam class and,
-      where megatron is on its no-TE/no-apex fallbacks, torch._foreach_* versions of the
-      gradient-norm / scale / param-copy kernels
-      (``megagpt.train_step.optimizer.install_fast_optimizer``). Fused AdamW is left out, with a
-      logged reason, for ``--use-precision-aware-optimizer``, ``--optimizer-cpu-offload``,
-      optimizers other than adam, and the distributed optimizer where TE or apex is
-      installed (megatron's checkpoints of it then follow their FusedAdam);
-    - flat AdamW step (``fast_flat_adam``, with fused AdamW): where megatron's optimizer is
-      its bf16 ``Float16OptimizerWithFloat16Params`` over one gradient buffer, one pass over
-      flat buffers replaces its five (``megagpt.train_step.flat_adam``; decided, and logged,
-      once the optimizer exists);
-    - asynchronous step (``fast_async_step``, with the fast optimizer): the gradient norm
-      stays on the GPU and megatron's per-step waits for the host are skipped where they are
-      identities (``megagpt.train_step.async_step``).
-    """
-    log = log or (lambda s: None)
-    if getattr(args, "cuda_graph_impl", "none") == "full_iteration" and not getattr(
-            args, "cpu", False):
-        from megagpt.train_step import capture_watchdog
-
-        capture_watchdog.install(float(getattr(args, "fast_cuda_graph_capture_timeout", 300)),
-                                 log)
-    if getattr(args, "fast_grad_write", False):
-        from megagpt.train_step import grad_write
-
-        grad_write.install(log)
-    if not getattr(args, "fast_optimizer", True):
-        log("fast optimizer: off (--fast-disable optimizer)")
-        return
-    from megagpt.train_step.optimizer import install_fast_optimizer, megatron_uses_local_fallbacks
-
-    left_out = fused_adam_left_out_reason(args, megatron_uses_local_fallbacks)
-    fused_adam = left_out is None
-    if left_out is not None:
-        log(f"fast optimizer: {left_out}")
-    async_step = bool(getattr(args, "fast_async_step", True))
-    install_fast_optimizer(fused_adam=fused_adam, multi_tensor=True, tensor_clip=async_step,
-                           log=log)
-    if fused_adam and getattr(args, "fast_flat_adam", True):
-        from megagpt.train_step import flat_adam
-
-        flat_adam.install(log)
-    elif fused_adam:
-        log("fast optimizer: megatron's five-pass bf16 step kept (--fast-disable flat-adam)")
-    if async_step:
-        from megagpt.train_step import async_step as async_step_module
-
-        async_step_module.install(log)
-    else:
-        log("fast path: host synchronisations inside the step kept (--fast-disable async-step)")
