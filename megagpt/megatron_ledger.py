@@ -336,7 +336,8 @@ LEDGER: tuple[Change, ...] = (
            RELIES_ON, "megagpt.fast_spec.layer",
            "its captured backward adds each weight gradient into main_grad itself (decided at "
            "capture), so under per-layer graphs the fused layer's GEMMs hand their gradients "
-           "to autograd and gradients are not written (settings.grad_write_unsupported_reason)",
+           "to autograd and gradients are not written "
+           "(launch.fast_path_reasons.grad_write_unsupported_reason)",
            MODEL + ", with per-layer graphs (--fast-cuda-graphs layers)",
            "ff66d92c732c", needle="param.main_grad.add_(wgrad)"),
     Change("megatron.core.transformer.dot_product_attention.DotProductAttention", STANDS_IN,

@@ -7,7 +7,6 @@ CUDA tensors to the CPU); only the pinned-memory copy needs a GPU to differ from
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import pytest

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megagpt import arguments, config_file, launch
+from megagpt import config_file, launch
 
 TINY = ["--cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "64",
         "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings", "64",
