@@ -164,3 +164,13 @@ def cpu_megatron(seed: int = 0):
     with single_gloo_rank(), cpu_mode.generating():
         model_parallel_cuda_manual_seed(seed)
         yield
+
+
+def megatron_changes_in_place() -> list[str]:
+    """The megatron attributes a change of the project is over now, megatron's own global
+    tokenizer aside (megatron sets and clears it itself: ``megatron_wrappers.replace``'s
+    ``megatron_sets``; an earlier test of this process may have left megatron's globals set)."""
+    from megagpt import megatron_wrappers
+
+    return sorted(target for target, chain in megatron_wrappers._CHAINS.items()
+                  if not chain.megatron_sets)

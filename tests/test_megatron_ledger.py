@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from helpers import REPO
+from megatron_parts import megatron_changes_in_place
 from megagpt import megatron_ledger, megatron_source, megatron_wrappers
 from megagpt.megatron_ledger import LEDGER, REPLACES, WRAPS
 
@@ -170,7 +171,7 @@ def test_the_launchs_context_composes_in_its_stated_order_and_undoes_it(
         assert megatron_wrappers.installed(mopt, "Adam") == [
             "megagpt.train_step.optimizer", "megagpt.cpu_mode"]
         assert mopt.Adam is __import__("torch").optim.AdamW  # CPU mode's, outermost
-    assert megatron_wrappers._CHAINS == {}
+    assert megatron_changes_in_place() == []
     assert mtraining.setup_model_and_optimizer is original
 
 

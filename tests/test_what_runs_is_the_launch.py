@@ -11,6 +11,7 @@ import pytest
 
 import flag_matrix
 from gloo_ranks import single_gloo_rank
+from megatron_parts import megatron_changes_in_place
 
 # the rows the matrix trains on a plain install (a refused row never builds anything)
 ROWS = [row for row in flag_matrix.ROWS if row.expected_refusal(te_installed=False) is None]
@@ -136,4 +137,4 @@ def test_what_is_built_and_installed_is_what_the_launch_says(row, one_rank, monk
             if loss is not None:  # the chunked loss takes this output layer, not megatron's
                 assert fused_lm_head_unsupported_reason(model.output_layer,
                                                         model_config.transformer) is None
-    assert megatron_wrappers._CHAINS == {}  # and all of it undone
+    assert megatron_changes_in_place() == []  # and all of it undone
