@@ -3,25 +3,17 @@
 ``megatron.training.pretrain`` builds the model itself from the container's
 ``GPTModelConfig`` through ``GPTModelBuilder``; this function is the same build for
 callers that want a stage by hand (the minimal training loop in examples/, tests,
-tools) or megatron's ``model_provider_func`` route.
+tools) or megatron's ``model_provider_func`` route. The build is ``megagpt.gpt_model``'s.
 """
 
 from __future__ import annotations
 
-from megatron.core.models.gpt import GPTModel
-from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig
+from megagpt.gpt_model import build_stage
 
 
-def model_provider(
-    model_config: GPTModelConfig,
-    pre_process: bool = True,
-    post_process: bool = True,
-    vp_stage: int | None = None,
-    config=None,
-    pg_collection: ProcessGroupCollection | None = None,
-    record_memory_history: bool = False,
-) -> GPTModel:
+def model_provider(model_config, pre_process: bool = True, post_process: bool = True,
+                   vp_stage: int | None = None, config=None, pg_collection=None,
+                   record_memory_history: bool = False):
     """One stage of the GPT model described by ``model_config``.
 
     ``config`` (a TransformerConfig) overrides ``model_config.transformer`` when megatron
@@ -35,7 +27,4 @@ def model_provider(
             torch.cuda.memory._record_memory_history(max_entries=100_000)
     if config is not None:
         model_config.transformer = config
-    if pg_collection is None:
-        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    return GPTModelBuilder(model_config).build_model(
-        pg_collection, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+    return build_stage(model_config, pre_process, post_process, vp_stage, pg_collection)

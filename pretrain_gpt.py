@@ -8,8 +8,10 @@ The hooks megatron's training loop calls:
   ``get_batch``                           one micro-batch on this rank (TP broadcast, CP slice)
   ``forward_step``                        model output and the loss closure for the schedule
   ``loss_func``                           masked next-token loss, its token count, the report
-``main`` parses and validates the flags (``megagpt.arguments``), builds a ``GPTModelConfig``
-and a ``PretrainConfigContainer``, and hands everything to ``megatron.training.pretrain``.
+``main`` resolves the launch once (``megagpt.launch``: every choice with its reason), writes
+megatron's arguments from it, validates them, builds a ``GPTModelConfig`` and a
+``PretrainConfigContainer`` from them and the launch, and hands everything to
+``megatron.training.pretrain`` inside the launch's one context of megatron changes.
 """
 
 import sys
@@ -25,7 +27,6 @@ if __name__ == "__main__":
 
     check_early(sys.argv[1:])  # a misspelled option is named in a fraction of a second
 
-import contextlib
 import copy
 from dataclasses import dataclass
 from functools import partial
@@ -45,11 +46,10 @@ from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_
 
 import gpt_builders
 from megagpt import arguments as entry_arguments
-from megagpt import apex_parts, compat, cpu_mode
-from megagpt import resilience, run_log
-from megagpt.fast_spec.lm_loss import get_output_processor
-from megagpt.fast_spec.settings import install_fast_path_patches
-from megagpt.fast_spec.spec import describe_fast_spec
+from megagpt.gpt_model import describe as describe_model
+from megagpt.launch import after_validation, resolve, write
+from megagpt.launch.megatron_changes import launched
+from megagpt import run_log
 from megagpt.log import log
 from megagpt.megatron_errors import INPUT_ERRORS
 from megagpt.resilience.divergence import EVALUATION_FAULT
@@ -311,34 +311,28 @@ def get_embedding_ranks(pp_ranks: list[int]) -> list[int]:
 # Main
 # ---------------------------------------------------------------------------
 
-def build_configs(args):
-    """(GPTModelConfig, PretrainConfigContainer, LayerSpecChoice) from validated args."""
+def build_configs(args, launch):
+    """(GPTModelConfig, PretrainConfigContainer, LayerSpecChoice) from validated args and the
+    launch's choices."""
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
-    model_config, choice = gpt_builders.gpt_model_config(args)
+    model_config, choice = gpt_builders.gpt_model_config(args, launch)
     container = pretrain_cfg_container_from_args(args, model_config)
     return model_config, container, choice
 
 
-def run(args, store=None) -> None:
-    """Train with validated, global args (see main); ``store``: the rendezvous of a
-    launcher-free single process (rendezvous.default_single_process_env)."""
+def run(args, launch, store=None) -> None:
+    """Train with validated, global args as ``launch`` decided them (see main); ``store``:
+    the rendezvous of a launcher-free single process
+    (rendezvous.default_single_process_env)."""
     from megatron.training import get_tokenizer, pretrain, set_startup_timestamps
 
     set_startup_timestamps(program_start=_PROGRAM_START, main_entry=time.time())
-    compat.skip_dataset_helper_compilation()
-    compat.distributed_optimizer_resumes_without_apex(log)
-    compat.megatron_linears_without_wgrad_fusion(args, compat.Installed.detect())
-    # before pretrain builds the optimizer; not at parse time, so a dry run patches nothing
-    install_fast_path_patches(args, log)
-    apex_parts.log_launch_line(args, log)  # after the patches, which replace some of it
     try:
-        model_config, container, choice = build_configs(args)
+        model_config, container, choice = build_configs(args, launch)
     except INPUT_ERRORS as exc:  # megatron's config dataclasses check here
         raise entry_arguments.argument_error(exc, args, within=False) from None
-    log(choice.describe())
-    if choice.path == gpt_builders.FAST:
-        log(describe_fast_spec(args))
+    log(describe_model(launch))
     dataset_config = dataset_config_from_args(args, get_tokenizer())
     datasets_provider = partial(train_valid_test_datasets_provider,
                                 dataset_config=dataset_config, mock_data=args.mock_data)
@@ -347,9 +341,9 @@ def run(args, store=None) -> None:
     datasets_provider.is_distributed = True
     step = partial(forward_step, layout=BatchLayout.from_args(args),
                    checks=LossChecks.from_args(args),
-                   output_processor=get_output_processor(args))
-    device_context = cpu_mode.active() if args.cpu else contextlib.nullcontext()
-    with device_context, resilience.active(args, container), run_log.active(args, log):
+                   output_processor=gpt_builders.output_processor(launch))
+    # every change this launch makes inside megatron and torch, undone when pretrain returns
+    with launched(launch, args, container, log):
         pretrain(container, datasets_provider, ModelType.encoder_or_decoder, step,
                  get_embedding_ranks=get_embedding_ranks, store=store)
 
@@ -361,17 +355,18 @@ def stopped_before_training(args, tensorboard) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse and check the launch, then train (or, with --dry-run, print the plan)."""
+    """Resolve and check the launch, then train (or, with --dry-run, print the plan)."""
     from megagpt.errors import UserError
     from megagpt.resilience import interrupt
 
     args = tensorboard = None
     try:
-        args, plan = entry_arguments.parse_arguments_and_plan(argv)
+        launch = resolve(argv)  # what the command line comes to here; changes nothing
+        args = write(launch, log=log)  # megatron's arguments and the environment
         store = default_single_process_env()
         if args.dry_run:
             from megagpt.preflight import run_dry_run
-            return run_dry_run(args, plan)
+            return run_dry_run(args, launch)
         from megagpt import preflight
 
         # the dry run's checks, with their numbers, then megatron's; all before any model
@@ -379,14 +374,13 @@ def main(argv: list[str] | None = None) -> int:
         preflight.check_outputs(args)
         with run_log.argument_table_kept():  # for the run folder, not the log
             entry_arguments.validate_arguments(args, device_arch=0 if args.cpu else None)
-        vars(args).update(run_log.quiet.argument_changes(args))
         tensorboard = run_log.run_folder.tensorboard_before(args)
-        entry_arguments.set_megatron_globals(args)
+        entry_arguments.set_megatron_globals(args)  # megatron pads the vocabulary here
         from megatron.training import get_tokenizer
 
         preflight.check_inputs(args, get_tokenizer().vocab_size, log)
-        resilience.prepare(args)  # preemption defaults, --load checks (one-line errors)
-        run(args, store)
+        after_validation(launch, args, log)  # the checkpoint to resume (one-line errors)
+        run(args, launch, store)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         stopped_before_training(args, tensorboard)

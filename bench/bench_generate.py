@@ -51,16 +51,16 @@ GOALS = {1: 10.0, 16: 5.0}
 
 
 def build_model(shape: str, dtype: str, seed: int, cpu: bool):
-    """(args, tokenizer) for the shape's megatron GPT with random weights, GPT-2's vocabulary
-    (NullTokenizer: ids only, end-of-document 50256)."""
+    """(args, launch, tokenizer) for the shape's megatron GPT with random weights, GPT-2's
+    vocabulary (NullTokenizer: ids only, end-of-document 50256)."""
     from megagpt.inference import model_flags
 
     argv = [*SHAPES[shape], "--tokenizer-type", "NullTokenizer", "--vocab-size",
             str(GPT2_VOCAB), "--seed", str(seed),
             *model_flags.device_flags(cpu=cpu, bf16=dtype == "bf16")]
-    args = model_flags.parse_model_args(argv, cpu=cpu)
+    args, launch = model_flags.parse_model_args(argv, cpu=cpu)
     args.perform_initialization = True  # random weights: the arithmetic is what is timed
-    return args, model_flags.build_tokenizer(args)
+    return args, launch, model_flags.build_tokenizer(args)
 
 
 def exported_transformers_model(model, vocab: int, eod: int, dtype: torch.dtype, device):
@@ -152,14 +152,14 @@ def main(argv=None) -> int:
         kv_decoder.GEMV_MAX_ROWS = a.gemv_max_rows
     engines = (a.engines or ("transformers,megatron,kv" if a.cpu else
                              "transformers,megatron,kv,kv-compiled")).split(",")
-    args, tokenizer = build_model(a.shape, a.dtype, a.seed, a.cpu)
+    args, launch, tokenizer = build_model(a.shape, a.dtype, a.seed, a.cpu)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     eod, greedy = int(tokenizer.eod), Sampling(greedy=True)
     prompts = torch.randint(0, GPT2_VOCAB, (max(a.batch_sizes), a.prompt_tokens),
                             generator=torch.Generator().manual_seed(a.seed)).tolist()
     rows, outputs = [], {}
     with megatron_world(args, seed=a.seed) as device:
-        model = loading.build_model(args).eval()
+        model = loading.build_model(args, launch).eval()
         for param in model.parameters():
             param.requires_grad_(False)
         hf = exported_transformers_model(model, GPT2_VOCAB, eod, dtype, device) \

@@ -411,7 +411,7 @@ def main(argv=None) -> int:
     flops = megatron_flops(layers, hidden, heads, seq, gbs, pad_vocab(VOCAB))
     try:  # cross-check the written-out count against megatron's own function
         sys.path.insert(0, str(ROOT))
-        from megagpt.fast_spec.flops import megatron_flops as mflops
+        from megatron_flops import megatron_flops as mflops
 
         m = mflops(layers, hidden, heads, seq, gbs, pad_vocab(VOCAB))
         if abs(m - flops) > 1e-6 * flops:

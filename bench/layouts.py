@@ -220,7 +220,7 @@ def run_layout(a, name: str, out_dir: Path, extra: list[str], tag: str = "") -> 
 def estimate_layout(a, name: str) -> dict:
     """The dry run's step-time estimate of the launch ``run_layout`` made for ``name``, as on
     ``a.estimate`` GPUs in bf16 (``estimated_ms``), or why there is none."""
-    from megagpt.arguments import parse_arguments
+    from megagpt.launch import parse_arguments
     from megagpt.errors import UserError
     from megagpt.preflight import make_plan
 

@@ -423,6 +423,23 @@ TABLES = (
             for path in ("default", "several-GPU")),
     ),
     Table(
+        "dry-run-estimate", "Several GPUs: what the dry run predicts (estimates, not measured)",
+        "No GPU ran for these rows: they are the dry run's step-time model (docs/cost.md) for "
+        "the launch as the entry resolves it at that GPU count (`python pretrain_gpt.py "
+        "--config configs/gpt2_345m.yaml --dry-run --dry-run-world-size N --gpu-type H200`; "
+        "on several GPUs the fast path takes per-layer CUDA graphs in place of one GPU's "
+        "full-iteration graph). Throughput on several GPUs has not been measured with this "
+        "code; the one-GPU figures measured are in the first table. \"vs 1 GPU\" divides "
+        "the estimated TFLOP/s per GPU by the one-GPU estimate.",
+        columns=(("shape", rowval("shape")), ("GPUs", rowval("gpus")),
+                 ("layout", rowval("layout")), ("ms/iter (estimate)", fig("ms_per_iter")),
+                 ("TFLOP/s/GPU (estimate)", fig("tflops_per_gpu")),
+                 ("vs 1 GPU", fig("vs_one_gpu", 3))),
+        sort=lambda r: (SHAPE_ORDER.get(r["shape"], 9), r["gpus"]),
+        summary=lambda r: (f"{r['row']['shape']} on {r['row']['gpus']} GPUs (estimate): "
+                           f"{number(r['figures'].get('tflops_per_gpu'))} TFLOP/s/GPU"),
+    ),
+    Table(
         "generation", "Generation, one GPU",
         "`bench/bench_generate.py`: one megatron GPT of GPT-2 medium's shape (24 × 1024 × 16 "
         "heads, vocabulary 50257 padded to 50304, random weights, bf16), exported as "
@@ -528,6 +545,3 @@ TABLES = (
     ),
 )
 
-
-LAYOUT_NAMES = {"dp2": "DP=2", "tp2": "TP=2", "tp2sp": "TP=2 with sequence parallelism",
-                "pp2": "PP=2", "vpp2": "interleaved PP=2"}

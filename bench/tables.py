@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from records import RUNS, load, when  # noqa: E402
-from table_specs import (LAYOUT_NAMES, PATHS, SHAPE_ORDER, TABLES, Table, code, fig, number,  # noqa: E402
+from table_specs import (PATHS, SHAPE_ORDER, TABLES, Table, code, fig, number,  # noqa: E402
                          peak_memory, rowval)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -166,7 +166,8 @@ def benchmarks_text(records: list[dict]) -> str:
 
 def readme_block(records: list[dict]) -> str:
     """The README's short table: TFLOP/s per GPU and peak memory of each path on one GPU,
-    and a line each for two GPUs and preprocessing."""
+    a line for the several-GPU path on one GPU, one for what the dry run predicts on several
+    GPUs (not measured) and one for preprocessing."""
     newest, _ = current_and_earlier(records)
     train = {(r["row"]["shape"], r["row"]["path"], float(r["row"]["dropout"])): r
              for r in newest.values() if r["table"] == "train-1gpu"}
@@ -186,26 +187,30 @@ def readme_block(records: list[dict]) -> str:
                              f"({peak_memory(r['figures'])} MiB)" if r else "—")
             if any(c != "—" for c in cells):
                 out.append(f"| {shape} | {dropout:g} | " + " | ".join(cells) + " |")
-    layouts = {r["row"]["layout"]: r for r in newest.values() if r["table"] == "layouts"}
-    parts = [f"{name} {layouts[key]['figures']['per_gpu_vs_one']:.2f}"
-             for key, name in LAYOUT_NAMES.items()
-             if layouts.get(key, {}).get("figures", {}).get("per_gpu_vs_one")]
     several = {(r["row"]["shape"], r["row"]["micro_batches"], r["row"]["micro_batch"]): r
                for r in newest.values()
                if r["table"] == "multi-gpu-path" and r["row"]["path"] == "several-GPU"}
     if several:
         out += ["", textwrap.fill(
-            "The path of every several-GPU launch (per-layer CUDA graphs holding the compiled "
-            "layer), timed on one GPU against the single-GPU default in the same invocation: "
+            "Measured on one GPU: the path of every several-GPU launch (per-layer CUDA graphs "
+            "holding the compiled layer), against the single-GPU default in the same "
+            "invocation: "
             + ", ".join(f"{shape} {n} × {mb} {r['figures']['vs_default']:.3f}"
                         for (shape, n, mb), r in sorted(
                             several.items(), key=lambda kv: (SHAPE_ORDER.get(kv[0][0], 9),
                                                              -kv[0][2]))) + ".", 100)]
-    if parts:
+    estimates = sorted((r for r in newest.values() if r["table"] == "dry-run-estimate"
+                        and r["row"]["shape"] == "345M"), key=lambda r: r["row"]["gpus"])
+    if estimates:
         out += ["", textwrap.fill(
-            "On two GPUs, throughput per GPU against one GPU's (345M, measured before "
-            "per-layer graphs, when the step was bound by the host): " + ", ".join(parts)
-            + ".", 100)]
+            "Throughput on several GPUs is not yet measured with this code. What the dry run "
+            "predicts for 345M on H200 (its step-time model, docs/cost.md: an estimate, not a "
+            "measurement), in TFLOP/s per GPU: " + ", ".join(
+                f"{r['row']['gpus']} GPU{'s' if r['row']['gpus'] > 1 else ''} "
+                f"({r['row']['layout']}) {r['figures']['tflops_per_gpu']:.1f}"
+                + (f" ({r['figures']['vs_one_gpu']:.3f} × one GPU's)"
+                   if r['row']['gpus'] > 1 else "")
+                for r in estimates) + ".", 100)]
     prep = {r["row"]["tool"]: r for r in newest.values() if r["table"] == "preprocess"}
     if {"baseline", "megagpt"} <= set(prep):
         a, b = prep["baseline"]["figures"], prep["megagpt"]["figures"]

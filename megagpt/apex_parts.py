@@ -179,8 +179,8 @@ TE, FAST, LOCAL, SPEC = "te", "fast", "local", "spec"
 
 def layer_modules(path: str, args) -> str:
     """TE, FAST, LOCAL (megatron's local modules: its norms, linears, attention) or SPEC (a
-    user's spec) for the layer path ``path`` (``fast_spec.layer_path``)."""
-    from megagpt.fast_spec import layer_path as lp
+    user's spec) for the layer path ``path`` (``launch.layer_path``)."""
+    from megagpt.launch import layer_path as lp
 
     if path == lp.FAST:
         return FAST
@@ -204,9 +204,10 @@ def _wgrad_scope(modules: str, args) -> str:
 
 
 def launch_uses(modules: str, args, found: frozenset[str], bound: Mapping[str, object],
-                te_installed: bool) -> list[Use]:
+                te_installed: bool, chunked_loss: bool = False) -> list[Use]:
     """For each part found, whether this launch takes it. ``modules``: ``layer_modules``;
-    ``bound``: ``megatron_bindings()``."""
+    ``bound``: ``megatron_bindings()``; ``chunked_loss``: the launch's LM loss is the fast
+    spec's chunked one (megatron's output layer runs no backward of its own)."""
     uses: list[Use] = []
     cpu = bool(_get(args, "cpu", False))
 
@@ -243,9 +244,9 @@ def launch_uses(modules: str, args, found: frozenset[str], bound: Mapping[str, o
             + (": megatron takes Transformer Engine's first" if te_installed else ""))
     # gradient-accumulation fusion
     if "wgrad" in found:
-        from megagpt.fast_spec.settings import wgrad_fusion_unused_reason
+        from megagpt.launch.fast_path_reasons import wgrad_fusion_unused_reason
 
-        unused = wgrad_fusion_unused_reason(args) if modules == FAST else None
+        unused = wgrad_fusion_unused_reason(args, chunked_loss) if modules == FAST else None
         if unused is not None:
             uses.append(Use(BY_KEY["wgrad"].label, False, unused))
         elif not _get(args, "gradient_accumulation_fusion", False):
@@ -280,7 +281,7 @@ def _norm_uses(modules: str, args, found: frozenset[str], bound: Mapping[str, ob
         return []
     layer_norm = _get(args, "normalization", "LayerNorm") == "LayerNorm"
     if _get(args, "cpu", False):
-        # gpt_builders.with_torch_norms: apex's kernels take CUDA tensors only
+        # gpt_model.with_torch_norms: apex's kernels take CUDA tensors only
         return [Use(BY_KEY[k].label, False, "CPU mode builds torch's norms") for k in keys]
     if modules == FAST:
         if (_get(args, "qk_layernorm", False) and layer_norm and "layer_norm" in found
@@ -324,16 +325,18 @@ def launch_line(uses: Iterable[Use]) -> str:
         f". Installed, not taken: {left}" if left else "")
 
 
-def log_launch_line(args, log: Callable[[str], None]) -> Optional[str]:
-    """Log what this launch takes from apex (nothing where apex is not importable): after
-    the fast path's patches are installed, before the model is built."""
+def log_launch_line(launch, args, log: Callable[[str], None]) -> Optional[str]:
+    """Log what ``launch`` takes from apex (nothing where apex is not importable): once the
+    launch's megatron changes are in place (they replace some of it), before the model is
+    built."""
     found = found_parts()
     if not found:
         return None
-    from megagpt.fast_spec.layer_path import layer_path
+    from megagpt.launch import fast_path as chosen
 
     te = importlib.util.find_spec("transformer_engine") is not None
-    modules = layer_modules(layer_path(args)[0], args)
-    line = launch_line(launch_uses(modules, args, found, megatron_bindings(), te))
+    modules = layer_modules(launch.value(chosen.LAYERS), args)
+    chunked = launch.value(chosen.LM_LOSS) == chosen.CHUNKED
+    line = launch_line(launch_uses(modules, args, found, megatron_bindings(), te, chunked))
     log(line)
     return line

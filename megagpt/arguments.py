@@ -1,13 +1,10 @@
-"""From a command line to validated megatron arguments.
+"""The command line: megatron's parser with this entry's options, and megatron's validation.
 
-Order, each step one function:
-  1. ``--config FILE.yaml`` is expanded into argv (the command line after it wins);
-  2. megatron's own parser reads it, plus this entry's options (``add_entry_arguments``);
-  3. settings that need missing packages are adapted (``megagpt.compat``), and in
-     ``--cpu`` mode the CPU settings are applied (``megagpt.cpu_mode``); then the fast
-     path's plan is made and applied (``megagpt.fast_spec.plan``);
-  4. megatron's ``validate_args`` runs (without touching CUDA when none is present);
-  5. megatron's global state is set and the tokenizer installed.
+``parse_command_line(argv)``: ``--config FILE.yaml`` expanded into argv (the command line after
+it wins), then megatron's own parser with this entry's options (``add_entry_arguments``).
+What the arguments come to on this machine is the launch's resolution (``megagpt.launch``);
+``validate_arguments`` is megatron's ``validate_args`` (without touching CUDA when none is
+present), and ``set_megatron_globals`` sets megatron's global state and the tokenizer.
 
 Upstream Megatron-LM command lines work unchanged: every flag is megatron's.
 """
@@ -16,20 +13,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 from typing import Callable
 
-from megagpt import compat, cpu_mode, megatron_wrappers
+from megagpt import compat, megatron_wrappers
 from megagpt.config_file import (ConfigFileError, expand_config_file, flag_name,
                                  load_config_mapping, split_config_option)
 from megagpt.errors import UserError
 from megagpt.gpus import gpu_type_names
-from megagpt.log import log
-
-# A vocabulary for --mock-data runs that name no tokenizer: GPT-2's size.
-MOCK_DATA_VOCAB_SIZE = 50257
-
 
 class ArgumentError(UserError, ValueError):
     """The arguments cannot describe a run; the message says which and why."""
@@ -49,7 +40,7 @@ def add_entry_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--allow-data-tokenizer-mismatch", action="store_true",
                        help="Train on data whose tokenizer record names another tokenizer "
                             "than this run's (ids must still fit the vocabulary).")
-    from megagpt.fast_spec.settings import add_fast_path_arguments
+    from megagpt.fast_path_flags import add_fast_path_arguments
     from megagpt.resilience import checkpoint_integrity
     from megagpt.run_log import run_folder
 
@@ -131,15 +122,11 @@ def _check_config_keys(path: str, extra_args_provider) -> None:
             for flag in unknown))
 
 
-def parse_arguments(argv: list[str] | None = None,
-                    extra_args_provider: Callable | None = None) -> argparse.Namespace:
-    """Parse, adapt and validate; returns megatron's args namespace (not yet global)."""
-    return parse_arguments_and_plan(argv, extra_args_provider)[0]
-
-
-def parse_arguments_and_plan(argv: list[str] | None = None,
-                             extra_args_provider: Callable | None = None):
-    """``parse_arguments``, with the fast path's plan it applied (``--dry-run`` prints it)."""
+def parse_command_line(argv: list[str] | None = None,
+                       extra_args_provider: Callable | None = None) -> argparse.Namespace:
+    """megatron's and this entry's arguments as the command line gives them (``--config``
+    expanded; ``args.entry_argv`` holds the expanded command line): parsed, neither adapted
+    nor validated. The launch's resolution (``megagpt.launch``) decides the rest."""
     from megatron.training.arguments import parse_args
 
     compat.quiet_fallback_warnings()
@@ -147,7 +134,7 @@ def parse_arguments_and_plan(argv: list[str] | None = None,
     command_line = split_config_option(argv)[1]
     argv, config_path = expand_config_file(argv)
     file_argv = argv[:len(argv) - len(command_line)]  # the --config file's, first
-    from megagpt.fast_spec.settings import check_replaced_flags
+    from megagpt.fast_path_flags import check_replaced_flags
 
     check_replaced_flags(argv)
     if config_path is not None:
@@ -173,28 +160,7 @@ def parse_arguments_and_plan(argv: list[str] | None = None,
         raise argument_error(exc) from None
     args.config = config_path
     args.entry_argv = argv
-
-    installed = compat.Installed.detect()
-    log(f"installed: {installed.summary()}")
-    compat.adapt_args_to_installed(args, argv, installed, log)
-    compat.check_required_packages(args, installed)
-    if args.cpu:
-        cpu_mode.adapt_args(args, log)
-    compat.adapt_megatron_quirks(args, log)
-    from megagpt.resilience import async_save
-
-    async_save.adapt_args(args, compat.explicit_flags(argv), log)
-    _default_tokenizer(args, argv)
-    check_entry_limits(args)
-    if args.eval_interval is None:
-        # megatron 0.19 has no default and fails deep in training; upstream's was 1000.
-        args.eval_interval = 1000
-    from megagpt.fast_spec.plan import apply_plan, plan_fast_path
-
-    # last: the plan reads what the steps above adapted
-    plan = plan_fast_path(args, installed)
-    apply_plan(plan, args, log=log)
-    return args, plan
+    return args
 
 
 def check_entry_limits(args) -> None:
@@ -231,7 +197,7 @@ def _check_user_spec(spec: list[str]) -> None:
     local spec."""
     import importlib
 
-    from megagpt.fast_spec.layer_path import LOCAL_SPEC_ARGUMENT
+    from megagpt.flags import LOCAL_SPEC_ARGUMENT
 
     if list(spec) == LOCAL_SPEC_ARGUMENT:
         return  # megatron's local spec, built by gpt_builders
@@ -248,19 +214,6 @@ def _check_user_spec(spec: list[str]) -> None:
         raise ArgumentError(f"--spec {module} {name}: cannot import {module}: {exc}") from None
     if not hasattr(found, name):
         raise ArgumentError(f"--spec {module} {name}: {module} has no {name}")
-
-
-def _default_tokenizer(args, argv: list[str]) -> None:
-    if args.tokenizer_type is not None:
-        return
-    if not (args.mock_data or args.dry_run):
-        raise ArgumentError("--tokenizer-type is required with real data (--data-path ...); "
-                            "e.g. --tokenizer-type GPT2BPETokenizer --vocab-file V --merge-file M")
-    args.tokenizer_type = "NullTokenizer"
-    if args.vocab_size is None:
-        args.vocab_size = MOCK_DATA_VOCAB_SIZE
-    why = "mock data" if args.mock_data else "dry run without a tokenizer"
-    log(f"{why}: --tokenizer-type NullTokenizer --vocab-size {args.vocab_size}")
 
 
 @contextlib.contextmanager
@@ -288,12 +241,6 @@ def validate_arguments(args, device_arch: int | None = None) -> None:
     if args.lr is None and not getattr(args, "skip_train", False):
         # megatron has no default learning rate and fails deep inside the optimizer.
         raise ArgumentError("--lr is required (the peak learning rate, e.g. --lr 3e-4)")
-    needs_connections = args.tensor_model_parallel_size > 1 or args.context_parallel_size > 1
-    if needs_connections and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
-        # Megatron orders TP/CP communication on one hardware queue; it must be set
-        # before CUDA starts, which has not happened yet.
-        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
-        log("CUDA_DEVICE_MAX_CONNECTIONS=1 (tensor/context parallelism)")
     from megagpt.megatron_errors import INPUT_ERRORS
 
     try:

@@ -22,14 +22,14 @@ changed silently: if it needs something missing, ``MissingDependencyError`` says
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterator
 
 from megagpt.errors import UserError
-from megagpt.flags import explicit_flags
 
 
 class MissingDependencyError(UserError, RuntimeError):
@@ -54,9 +54,21 @@ class Installed:
     # apex's fused_weight_gradient_mlp_cuda: what megatron's own linear layers need for
     # gradient-accumulation fusion (TE's layers fuse it with their own kernels)
     gradient_accumulation_kernels: bool
+    # whether megatron's optimizer modules bound TE's or apex's FusedAdam and multi-tensor
+    # kernels when they were imported (False: megatron's torch fallbacks); None: as TE or
+    # apex being installed says. Where TE is installed but cannot load (no CUDA), megatron
+    # took its fallbacks: detect() asks megatron.
+    megatron_fused_optimizer: bool | None = None
+
+    def __post_init__(self):
+        if self.megatron_fused_optimizer is None:
+            object.__setattr__(self, "megatron_fused_optimizer",
+                               self.transformer_engine or self.apex)
 
     @classmethod
     def detect(cls) -> "Installed":
+        from megagpt.train_step.optimizer import megatron_uses_local_fallbacks
+
         te = _importable("transformer_engine") and _importable("transformer_engine.pytorch")
         apex = _importable("apex") and _importable("apex.normalization")
         return cls(
@@ -65,6 +77,7 @@ class Installed:
             fused_layer_norm=apex and _importable("fast_layer_norm"),
             masked_softmax_kernels=_importable("scaled_masked_softmax_cuda"),
             gradient_accumulation_kernels=_importable("fused_weight_gradient_mlp_cuda"),
+            megatron_fused_optimizer=not megatron_uses_local_fallbacks(),
         )
 
     def summary(self) -> str:
@@ -164,7 +177,7 @@ def experts_bias_refusal(args, installed: Installed) -> UserError:
             f"--num-experts {args.num_experts} with linear biases needs Transformer Engine: "
             f"{why}. Add --disable-bias-linear (as MoE models usually do), or install "
             "Transformer Engine (pip install 'megagpt[te]') and add --moe-grouped-gemm.")
-    from megagpt.fast_spec.layer_path import megatron_local_spec_asked
+    from megagpt.flags import megatron_local_spec_asked
 
     asked_local = ("--spec local" if megatron_local_spec_asked(args)
                    else "--transformer-impl local")
@@ -219,18 +232,6 @@ def check_required_packages(args, installed: Installed) -> None:
         if importlib.util.find_spec(module) is None:
             raise MissingDependencyError(f"{flag} needs the {module} package, which is not "
                                          f"installed ({how})")
-    if (args.sequence_parallel and (args.tensor_model_parallel_size or 1) > 1
-            and not installed.transformer_engine and not installed.apex):
-        from megagpt.fast_spec.layer_path import fast_path_selected
-
-        if not fast_path_selected(args):
-            # megatron's torch norm asserts on it while the model is built
-            raise MissingDependencyError(
-                "--sequence-parallel without Transformer Engine or apex needs the fast "
-                "spec's norms (megatron's torch LayerNorm refuses sequence parallelism), and "
-                "the fast spec is not used in this run (--no-fast-spec, --spec, MoE or "
-                "another reason the log gives). Use the fast spec, install Transformer "
-                "Engine (pip install 'megagpt[te]'), or drop --sequence-parallel.")
 
 
 def _check_fp8(args, installed: Installed) -> None:
@@ -255,42 +256,64 @@ def _check_fp8(args, installed: Installed) -> None:
             "Transformer Engine's FP8 layers can (pip install 'megagpt[te]')")
 
 
-def adapt_args_to_installed(args, argv: Iterable[str], installed: Installed,
-                            log: Callable[[str], None]) -> list[str]:
-    """Make ``args`` run with what is installed; return the log lines it wrote.
+def sequence_parallel_norms_missing(args, installed: Installed, fast_spec_used: bool
+                                    ) -> UserError | None:
+    """The refusal of ``--sequence-parallel`` where no norm of this launch serves it (None:
+    one does): megatron's torch norm asserts on it while the model is built; the fast spec's,
+    TE's and apex's norms take it. ``fast_spec_used``: whether the launch's layers are the
+    fast spec's (its layer choice)."""
+    if not (getattr(args, "sequence_parallel", False)
+            and (getattr(args, "tensor_model_parallel_size", 1) or 1) > 1
+            and not installed.transformer_engine and not installed.apex and not fast_spec_used):
+        return None
+    return MissingDependencyError(
+        "--sequence-parallel without Transformer Engine or apex needs the fast "
+        "spec's norms (megatron's torch LayerNorm refuses sequence parallelism), and "
+        "the fast spec is not used in this run (--no-fast-spec, --spec, MoE or "
+        "another reason the log gives). Use the fast spec, install Transformer "
+        "Engine (pip install 'megagpt[te]'), or drop --sequence-parallel.")
 
-    ``argv`` is the full option list (config file expanded) so that an explicit request
-    can be told from a megatron default.
-    """
+
+def adapt_to_installed(p) -> None:
+    """The launch's layers and the settings that need what is missing (a step of the launch's
+    resolution, over its planner ``p``: ``megagpt.launch.planner``). An explicit request that
+    cannot be honoured is refused (``MissingDependencyError``), never changed."""
     from megagpt.layer_impl import choose_transformer_impl
 
-    given = explicit_flags(argv)
-    lines = []
-
-    def say(line: str) -> None:
-        log(line)
-        lines.append(line)
-
-    if ("--transformer-impl" in given and args.transformer_impl == "transformer_engine"
+    installed = p.installed
+    if ("--transformer-impl" in p.given and p.v.transformer_impl == "transformer_engine"
             and not installed.transformer_engine):
         raise MissingDependencyError(
             "--transformer-impl transformer_engine was given, but Transformer Engine is "
             "not installed. Install it (pip install 'megagpt[te]') or drop the flag: "
             "without it the entry uses its own fast path.")
-    choice = choose_transformer_impl(args, given, installed)
-    args.transformer_impl = choice.impl
-    args.transformer_impl_reason = choice.reason
-    say(f"compat: {choice.describe()}")
+    choice = choose_transformer_impl(p.v, p.given, installed)
+    p.set("transformer_impl", choice.impl)
+    p.choose("transformer impl", choice.impl, choice.reason)
+    p.log(f"compat: {choice.describe()}")
     for adaptation in ADAPTATIONS:
-        if not adaptation.unusable(args, installed):
+        if not adaptation.unusable(p.v, installed):
             continue
-        setattr(args, adaptation.attr, adaptation.safe_value)
-        say(f"compat: {adaptation.message}")
-    if te_layers_fuse_wgrad_alone(args, installed):
-        say("compat: gradient-accumulation fusion in Transformer Engine's layers; megatron's "
-            "own linear layers (the output layer) accumulate through autograd: apex's "
-            "fused_weight_gradient_mlp_cuda is not installed")
-    return lines
+        p.set(adaptation.attr, adaptation.safe_value)
+        p.choose(adaptation.flags[0], True, adaptation.message.rsplit("; --", 1)[0])
+        p.log(f"compat: {adaptation.message}")
+    if te_layers_fuse_wgrad_alone(p.v, installed):
+        p.choose(MEGATRON_LINEARS_WGRAD, "through autograd",
+                 "apex's fused_weight_gradient_mlp_cuda is not installed; Transformer Engine's "
+                 "layers fuse the accumulation themselves")
+        p.log("compat: gradient-accumulation fusion in Transformer Engine's layers; megatron's "
+              "own linear layers (the output layer) accumulate through autograd: apex's "
+              "fused_weight_gradient_mlp_cuda is not installed")
+
+
+# the choice under which megatron's own linear layers are built without gradient-accumulation
+# fusion (megatron_linears_without_wgrad_fusion)
+MEGATRON_LINEARS_WGRAD = "megatron's linears' wgrad"
+
+
+def refuse_what_is_missing(p) -> None:
+    """``check_required_packages`` as a step of the launch's resolution."""
+    check_required_packages(p.v, p.installed)
 
 
 # megatron 0.19's parser offers --rerun-mode report_stats (RerunStateMachineConfig), but its
@@ -318,35 +341,44 @@ def bias_activation_fusion_conflict(args) -> str | None:
     return None
 
 
-def adapt_megatron_quirks(args, log: Callable[[str], None]) -> None:
-    """Settings megatron's parser accepts that its own code then rejects."""
+def adapt_megatron_quirks(p) -> None:
+    """Settings megatron's parser accepts that its own code then rejects (a step of the
+    launch's resolution, over its planner ``p``)."""
+    args = p.v
     mode = getattr(args, "rerun_mode", None)
     if mode in RERUN_MODE_SPELLINGS:
-        args.rerun_mode = RERUN_MODE_SPELLINGS[mode]
-        log(f"compat: --rerun-mode {mode} is megatron's RerunMode {args.rerun_mode!r} (its "
-            "parser and its enum spell it differently)")
+        p.set("rerun_mode", RERUN_MODE_SPELLINGS[mode])
+        p.choose("--rerun-mode", args.rerun_mode, "megatron's parser and its RerunMode enum "
+                 "spell it differently")
+        p.log(f"compat: --rerun-mode {mode} is megatron's RerunMode {args.rerun_mode!r} (its "
+              "parser and its enum spell it differently)")
     conflict = bias_activation_fusion_conflict(args)
     if conflict:
-        args.bias_gelu_fusion = False
-        log(f"compat: --no-bias-gelu-fusion: {conflict}")
+        p.set("bias_gelu_fusion", False)
+        p.choose("--no-bias-gelu-fusion", True, conflict)
+        p.log(f"compat: --no-bias-gelu-fusion: {conflict}")
     if (args.num_experts and getattr(args, "moe_grouped_gemm", False)
             and args.transformer_impl != "transformer_engine"):
         # megatron's local backend (LocalSpecProvider.grouped_mlp_modules) builds its
         # sequential experts whatever the flag says
-        log("compat: --moe-grouped-gemm under megatron's local modules: megatron runs the "
-            "experts one after another (SequentialMLP, a GEMM per expert); only Transformer "
-            "Engine's layers group them")
+        p.log("compat: --moe-grouped-gemm under megatron's local modules: megatron runs the "
+              "experts one after another (SequentialMLP, a GEMM per expert); only Transformer "
+              "Engine's layers group them")
     if (args.num_experts and args.add_bias_linear and args.bias_dropout_fusion
             and experts_add_bias_out_of_place(args)):
         # megatron's TEGroupedMLP asserts on it while the model is built
-        args.bias_dropout_fusion = False
-        log("compat: --no-bias-dropout-fusion: Transformer Engine's grouped experts with "
-            "linear biases add the bias themselves, and megatron builds them only without "
-            "its bias-dropout fusion")
+        p.set("bias_dropout_fusion", False)
+        p.choose("--no-bias-dropout-fusion", True, "Transformer Engine's grouped experts with "
+                 "linear biases add the bias themselves")
+        p.log("compat: --no-bias-dropout-fusion: Transformer Engine's grouped experts with "
+              "linear biases add the bias themselves, and megatron builds them only without "
+              "its bias-dropout fusion")
 
 
-def skip_dataset_helper_compilation() -> None:
-    """Make ``initialize_megatron``'s ``make -C megatron/core/datasets`` a no-op.
+@contextlib.contextmanager
+def dataset_helpers_prebuilt() -> Iterator[None]:
+    """``initialize_megatron``'s ``make -C megatron/core/datasets`` a no-op for the duration
+    of the block.
 
     The wheel ships ``helpers_cpp`` prebuilt and no Makefile; upstream's compile step
     then fails and calls ``sys.exit(1)``. Only skipped when the extension imports, so a
@@ -356,11 +388,10 @@ def skip_dataset_helper_compilation() -> None:
 
     from megagpt import megatron_wrappers
 
-    if __name__ in megatron_wrappers.installed(dataset_utils, "compile_helpers"):
-        return
     try:
         from megatron.core.datasets import helpers_cpp  # noqa: F401
     except ImportError:
+        yield
         return
 
     def already_built(_):
@@ -368,12 +399,15 @@ def skip_dataset_helper_compilation() -> None:
             """helpers_cpp is already built (megatron-core wheel); nothing to compile."""
         return compile_helpers
 
-    megatron_wrappers.install(dataset_utils, "compile_helpers", __name__, already_built)
+    with megatron_wrappers.wrapped(dataset_utils, [("compile_helpers", __name__, already_built)]):
+        yield
 
 
-def distributed_optimizer_resumes_without_apex(log: Callable[[str], None] = lambda s: None
-                                               ) -> None:
-    """Let megatron's distributed optimizer load a checkpoint without TE or apex.
+@contextlib.contextmanager
+def distributed_optimizer_resuming(log: Callable[[str], None] = lambda s: None
+                                   ) -> Iterator[None]:
+    """Let megatron's distributed optimizer load a checkpoint without TE or apex, for the
+    duration of the block.
 
     Building the state dict it loads into, ``DistributedOptimizer.sharded_state_dict`` asks
     ``state_dict()`` for the optimizer's step; without TE/apex that reads the step of each
@@ -398,15 +432,15 @@ def distributed_optimizer_resumes_without_apex(log: Callable[[str], None] = lamb
 
     from megagpt import megatron_wrappers
 
-    cls = distrib_optimizer.DistributedOptimizer
-    if (__name__ in megatron_wrappers.installed(cls, "load_state_dict")
-            or distrib_optimizer.HAVE_APEX_OR_TE):
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        yield
         return
-    megatron_wrappers.install(cls, "sharded_state_dict", __name__,
-                              lambda original: _loading_into_dummy_states(original, log))
-    megatron_wrappers.install(cls, "_set_main_param_and_optimizer_states", __name__,
-                              _keeping_the_restored_step)
-    megatron_wrappers.install(cls, "load_state_dict", __name__, _a_step_per_state)
+    with megatron_wrappers.wrapped(distrib_optimizer.DistributedOptimizer, [
+            ("sharded_state_dict", __name__,
+             lambda original: _loading_into_dummy_states(original, log)),
+            ("_set_main_param_and_optimizer_states", __name__, _keeping_the_restored_step),
+            ("load_state_dict", __name__, _a_step_per_state)]):
+        yield
 
 
 def _loading_into_dummy_states(original: Callable, log: Callable[[str], None]) -> Callable:
@@ -489,22 +523,22 @@ def _built_without_wgrad_fusion(init: Callable) -> Callable:
     return __init__
 
 
-def megatron_linears_without_wgrad_fusion(args, installed: Installed) -> bool:
-    """Under TE's layers without apex, build megatron's own parallel linear layers without
-    gradient-accumulation fusion, which they would refuse to be built with ("the custom
-    CUDA extension fused_weight_gradient_mlp_cuda module is not found"): their weight
-    gradients reach megatron's gradient buffer through autograd and its DDP hook, while TE's
-    layers keep accumulating theirs in their GEMMs. Returns whether it is installed."""
-    if not te_layers_fuse_wgrad_alone(args, installed):
-        return False
+@contextlib.contextmanager
+def megatron_linears_without_wgrad_fusion() -> Iterator[None]:
+    """For the duration of the block, build megatron's own parallel linear layers without
+    gradient-accumulation fusion, which they would refuse to be built with under TE's layers
+    without apex ("the custom CUDA extension fused_weight_gradient_mlp_cuda module is not
+    found"): their weight gradients reach megatron's gradient buffer through autograd and its
+    DDP hook, while TE's layers keep accumulating theirs in their GEMMs. Where it is needed
+    is the launch's ``MEGATRON_LINEARS_WGRAD`` choice (``te_layers_fuse_wgrad_alone``)."""
     from megatron.core.tensor_parallel import layers
 
     from megagpt import megatron_wrappers
 
-    for cls in (layers.ColumnParallelLinear, layers.RowParallelLinear):
-        if __name__ not in megatron_wrappers.installed(cls, "__init__"):
-            megatron_wrappers.install(cls, "__init__", __name__, _built_without_wgrad_fusion)
-    return True
+    with megatron_wrappers.wrapped_all([(cls, "__init__", __name__, _built_without_wgrad_fusion)
+                                        for cls in (layers.ColumnParallelLinear,
+                                                    layers.RowParallelLinear)]):
+        yield
 
 
 def quiet_fallback_warnings() -> None:

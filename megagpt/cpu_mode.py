@@ -282,33 +282,51 @@ class CpuModeError(UserError, ValueError):
     """A setting that cannot run on a CPU was asked for."""
 
 
-def adapt_args(args, log: Callable[[str], None]) -> None:
-    """Adjust parsed megatron arguments for a CPU run; raise CpuModeError on impossible ones."""
+# the choice of megatron's optimizer kernels in a CPU run (``active``'s optimizer_fallbacks)
+CPU_OPTIMIZER = "CPU optimizer"
+MEGATRONS_FALLBACKS = "megatron's torch fallbacks"
+
+# megatron's arguments of a CPU run
+CPU_SETTINGS = {
+    "distributed_backend": "gloo",
+    "use_cpu_initialization": True,
+    # Kernels that exist only on GPUs.
+    "gradient_accumulation_fusion": False,
+    "masked_softmax_fusion": False,
+    # bias_gelu_fusion stays as given: megatron's fused bias-GeLU is the tanh
+    # approximation of GeLU, part of the function the model computes (a GPU run's
+    # default, GPT-2's activation); in CPU mode it runs eagerly.
+    "bias_swiglu_fusion": False,
+    "bias_dropout_fusion": False,
+    "apply_rope_fusion": False,
+    "no_persist_layer_norm": True,
+    "cross_entropy_loss_fusion": False,
+}
+
+
+def adapt(p) -> None:
+    """The settings of a ``--cpu`` run (a step of the launch's resolution, over its planner
+    ``p``: ``megagpt.launch.planner``); CpuModeError names the impossible ones."""
+    args = p.v
+    if not getattr(args, "cpu", False):
+        return
     problems = [msg for attr, msg in _UNSUPPORTED if getattr(args, attr, None)]
     if problems:
         raise CpuModeError("CPU mode (--cpu) cannot run with: " + "; ".join(problems))
-    settings = {
-        "distributed_backend": "gloo",
-        "use_cpu_initialization": True,
-        # Kernels that exist only on GPUs.
-        "gradient_accumulation_fusion": False,
-        "masked_softmax_fusion": False,
-        # bias_gelu_fusion stays as given: megatron's fused bias-GeLU is the tanh
-        # approximation of GeLU, part of the function the model computes (a GPU run's
-        # default, GPT-2's activation); in CPU mode it runs eagerly.
-        "bias_swiglu_fusion": False,
-        "bias_dropout_fusion": False,
-        "apply_rope_fusion": False,
-        "no_persist_layer_norm": True,
-        "cross_entropy_loss_fusion": False,
-    }
-    for name, value in settings.items():
+    for name, value in CPU_SETTINGS.items():
         if hasattr(args, name) and getattr(args, name) != value:
-            setattr(args, name, value)
+            p.set(name, value)
     if getattr(args, "transformer_impl", "local") != "local":
-        log("cpu mode: --transformer-impl local (Transformer Engine kernels need a GPU)")
-        args.transformer_impl = "local"
-    log("cpu mode: gloo, fp32, CPU initialisation, GPU-only fusions off")
+        p.log("cpu mode: --transformer-impl local (Transformer Engine kernels need a GPU)")
+        p.set("transformer_impl", "local")
+    p.choose("device", "CPU", "--cpu: gloo, fp32, CPU initialisation, GPU-only fusions off")
+    if p.installed.megatron_fused_optimizer:
+        p.choose(CPU_OPTIMIZER, MEGATRONS_FALLBACKS, "megatron's optimizer bound "
+                 "Transformer Engine's (or apex's) kernels, which step CUDA memory only")
+    else:
+        p.choose(CPU_OPTIMIZER, "as megatron bound it", "megatron's optimizer took its torch "
+                 "fallbacks itself (no Transformer Engine or apex)")
+    p.log("cpu mode: gloo, fp32, CPU initialisation, GPU-only fusions off")
 
 
 @contextlib.contextmanager
@@ -341,22 +359,20 @@ def _loading_onto_the_cpu(load: Callable) -> Callable:
     return load_onto_the_cpu
 
 
-def _torch_optimizer_kernels() -> list[tuple[object, list]]:
+def _torch_optimizer_kernels(restore: bool) -> list[tuple[object, list]]:
     """megatron's own torch fallbacks in place of the Transformer Engine (or apex) kernels its
     optimizer modules bind at import when TE imports: FusedAdam and the multi-tensor norm,
     scale and copy kernels run on CUDA memory only, and given the CPU tensors of a CPU run
-    they read host addresses on the GPU (an illegal memory access). Nothing to do where
-    megatron took the fallbacks itself. ``(module, [(name, owner, wrapper), ...])`` for
-    ``megatron_wrappers.wrapped``."""
+    they read host addresses on the GPU (an illegal memory access). ``restore``: whether
+    megatron bound those kernels (nothing to do where it took the fallbacks itself).
+    ``(module, [(name, owner, wrapper), ...])`` for ``megatron_wrappers.wrapped``."""
     import megatron.core.optimizer as mopt
     import megatron.core.optimizer.clip_grads as mclip
     import megatron.core.optimizer.optimizer as moo
     import megatron.training.utils.common_utils as mcommon
     from megatron.core import utils as mutils
 
-    from megagpt.fast_spec.optim import megatron_uses_local_fallbacks
-
-    if megatron_uses_local_fallbacks():
+    if not restore:
         return []
     applier = mutils.local_multi_tensor_applier
     l2norm, scale = mutils.local_multi_tensor_l2_norm, mutils.local_multi_tensor_scale
@@ -374,16 +390,16 @@ def _torch_optimizer_kernels() -> list[tuple[object, list]]:
 
 
 @contextlib.contextmanager
-def active():
-    """Run the enclosed megatron code on the CPU (see the module docstring)."""
+def active(optimizer_fallbacks: bool | None = None):
+    """Run the enclosed megatron code on the CPU (see the module docstring), these changes
+    in this order: megatron's CUDA RNG tracker, its start-up and jit warm-up, the checkpoint
+    writer's start, megatron's torch fallbacks in its optimizer modules (``optimizer_fallbacks``:
+    where megatron bound TE's or apex's CUDA-only kernels; None: asked of megatron; the launch
+    passes its ``CPU optimizer`` choice), then torch's: ``torch.cuda``'s stand-ins,
+    ``torch.load`` onto the CPU, torch.compile off and the device rewriting of every torch
+    call (``CudaToCpu``)."""
     import megatron.training.training as mtraining
     from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
-
-    import torch._dynamo
-
-    saved_cuda = {name: getattr(torch.cuda, name) for name in _cuda_stand_ins()}
-    saved_load = torch.load
-    saved_dynamo_disable = torch._dynamo.config.disable
 
     def allowing_no_cuda(initialize_megatron):
         def initialize_megatron_without_cuda(*args, **kwargs):
@@ -396,6 +412,31 @@ def active():
         ("set_jit_fusion_options", __name__,
          megatron_wrappers.replacing(lambda *a, **k: None)),
     ]
+    if optimizer_fallbacks is None:
+        from megagpt.train_step.optimizer import megatron_uses_local_fallbacks
+
+        optimizer_fallbacks = not megatron_uses_local_fallbacks()
+    with contextlib.ExitStack() as changes:
+        changes.enter_context(_cpu_rng_tracker())
+        changes.enter_context(megatron_wrappers.wrapped(mtraining, megatron_changes))
+        changes.enter_context(megatron_wrappers.wrapped(
+            PersistentAsyncCaller, [("_get_process", __name__, _forking)]))
+        for module, swaps in _torch_optimizer_kernels(optimizer_fallbacks):
+            changes.enter_context(megatron_wrappers.wrapped(module, swaps))
+        changes.enter_context(_torch_on_the_cpu())
+        changes.enter_context(CudaToCpu())
+        yield
+
+
+@contextlib.contextmanager
+def _torch_on_the_cpu():
+    """``torch.cuda``'s stand-ins, ``torch.load`` onto the CPU and torch.compile off, for the
+    duration of the block."""
+    import torch._dynamo
+
+    saved_cuda = {name: getattr(torch.cuda, name) for name in _cuda_stand_ins()}
+    saved_load = torch.load
+    saved_dynamo_disable = torch._dynamo.config.disable
     try:
         for name, stand_in in _cuda_stand_ins().items():
             setattr(torch.cuda, name, stand_in)
@@ -403,15 +444,7 @@ def active():
         # torch.compile on a CPU needs a C++ toolchain and minutes of compiling, for no gain
         # in a development run; megatron's jit_fuser and the fast spec then run eagerly.
         torch._dynamo.config.disable = True
-        with contextlib.ExitStack() as changes:
-            changes.enter_context(_cpu_rng_tracker())
-            changes.enter_context(megatron_wrappers.wrapped(mtraining, megatron_changes))
-            changes.enter_context(megatron_wrappers.wrapped(
-                PersistentAsyncCaller, [("_get_process", __name__, _forking)]))
-            for module, swaps in _torch_optimizer_kernels():
-                changes.enter_context(megatron_wrappers.wrapped(module, swaps))
-            changes.enter_context(CudaToCpu())
-            yield
+        yield
     finally:
         for name, original in saved_cuda.items():
             setattr(torch.cuda, name, original)

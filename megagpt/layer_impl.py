@@ -19,17 +19,17 @@ the flag is not given, the entry picks instead, by what ran faster for the layou
   (docs/speed.md, "FP8"); under tensor or pipeline parallelism in TE's;
 - ``--spec local`` (megatron's spelling of its local spec) gets megatron's local modules.
 
-``choose_transformer_impl`` decides from the parsed arguments and what is installed, without
-touching megatron; ``megagpt.compat`` applies the choice and logs it with its reason.
+``choose_transformer_impl`` decides from the arguments and what is installed, without touching
+megatron; ``megagpt.compat``'s step of the launch's resolution records the choice with its
+reason.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 from megagpt.errors import UserError
-from megagpt.fast_spec.layer_path import megatron_local_spec_asked
+from megagpt.flags import megatron_local_spec_asked
 
 TRANSFORMER_ENGINE = "transformer_engine"
 LOCAL = "local"
@@ -54,7 +54,7 @@ def _size(args, name: str) -> int:
 def needs_transformer_engine(args, installed) -> str | None:
     """What in this launch only Transformer Engine's layers run (None: the fast spec runs
     it as well)."""
-    from megagpt.fast_spec.spec import fast_spec_unsupported_reason
+    from megagpt.fast_spec.spec import fast_spec_uncovered_reason
 
     if getattr(args, "fp4", None):
         return "FP4 training runs in TE's linears"
@@ -70,8 +70,8 @@ def needs_transformer_engine(args, installed) -> str | None:
         return "MoE: megatron's MoE block is built from TE's modules where TE is installed"
     if getattr(args, "layernorm_zero_centered_gamma", False) and not installed.apex:
         return "--apply-layernorm-1p needs TE's (or apex's) norms"
-    # what the fast spec could cover, as if --no-fast-spec were not given
-    reason = fast_spec_unsupported_reason(SimpleNamespace(**{**vars(args), "fast_spec": True}))
+    # what the fast spec could cover, whether or not --no-fast-spec is given
+    reason = fast_spec_uncovered_reason(args)
     if reason is not None:
         return f"the fast spec does not cover it: {reason}"
     return None

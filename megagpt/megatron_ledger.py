@@ -14,9 +14,10 @@ How (``how``):
 
 ``wraps``
     the module attribute becomes a function that calls megatron's. Where several owners
-    wrap one function, ``megagpt.megatron_wrappers`` composes them in the order of their
-    entries here, the first innermost (next to megatron's function), whatever the order in
-    which they are installed.
+    wrap one function, ``megagpt.megatron_wrappers`` composes them in the order they are
+    installed, the first innermost (next to megatron's function); the launch's one context
+    states that order (``megagpt.launch.megatron_changes``). The order of the entries here
+    means nothing.
 ``replaces``
     the attribute is set to the project's own object; megatron's is not called.
 ``stands in for``
@@ -42,24 +43,25 @@ CHECKED_AGAINST = "0.19.2"
 WRAPS, REPLACES, STANDS_IN, COVERS, RELIES_ON = (
     "wraps", "replaces", "stands in for", "covers", "relies on")
 
-# When each change is in place.
-FAST_LAUNCH = ("at launch (pretrain_gpt.run -> fast_spec.settings.install_fast_path_patches), "
-               "for the rest of the process")
-PRETRAIN = "around megatron.training.pretrain (resilience.active), undone after"
-CPU_PRETRAIN = "with --cpu, around megatron.training.pretrain (cpu_mode.active), undone after"
+# When each change is in place. The launch's changes are all entered by one context around
+# megatron.training.pretrain and undone after it (launch.megatron_changes.launched).
+LAUNCHED = "around megatron.training.pretrain (launch.megatron_changes), undone after"
+FAST_LAUNCH = LAUNCHED + ": the fast path's step, as the launch chose it (train_step)"
+PRETRAIN = LAUNCHED + ": resilience.active"
+CPU_PRETRAIN = LAUNCHED + ", with --cpu: cpu_mode.active"
 CPU_TE_KERNELS = CPU_PRETRAIN + ", where megatron bound TE's or apex's kernels"
 CPU_GENERATING = ("with --cpu, around megatron.core.inference's generation in the tools "
                   "(cpu_mode.generating), undone after")
 VALIDATION = ("around megatron's validate_args where no GPU answers "
               "(arguments.validate_arguments), undone after")
-MODEL = "when the fast spec builds the model (gpt_builders -> fast_spec.spec)"
-LAUNCH = "at launch, before pretrain (pretrain_gpt.run)"
+MODEL = "when the fast spec builds the model (gpt_model -> fast_spec.spec)"
+LAUNCH = LAUNCHED + ": the wheel's needs (compat)"
 GLOBALS = "at launch, after megatron's globals are set (arguments.set_megatron_globals)"
 TOKENIZER = "whenever a tokenizer is built (data.tokenizers.build_tokenizer)"
 PREFLIGHT = ("around the preflight's schedule and sample-count checks "
              "(preflight.schedule_check.global_args), undone after")
 PARSE = "at parse time (data.tokenizers, megagpt.data.preprocess's parser)"
-ADAPT = "at parse time (megagpt.compat's adaptations, the fast path's plan)"
+ADAPT = "while a launch is resolved (megagpt.compat's steps, the fast path's)"
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ DDP = "megatron.core.distributed.distributed_data_parallel.DistributedDataParall
 
 LEDGER: tuple[Change, ...] = (
     # --- megatron's training loop (module-level functions of megatron.training.training) ------
-    Change(T + "training_log", WRAPS, "megagpt.fast_spec.async_step",
+    Change(T + "training_log", WRAPS, "megagpt.train_step.async_step",
            "it builds torch.tensor([0.0], device='cuda') per loss key each iteration, a copy "
            "from pageable memory that waits for the GPU; built in pinned memory it does not",
            FAST_LAUNCH + ", with the asynchronous step", "7e7ebec01bcf",
@@ -92,25 +94,25 @@ LEDGER: tuple[Change, ...] = (
            "(upstream Megatron-LM#6237); outside the asynchronous step's wrapper, so that it "
            "rebinds the arguments megatron's function receives", PRETRAIN, "7e7ebec01bcf",
            needle="should_reset = not is_first_iteration"),
-    Change(T + "setup_model_and_optimizer", WRAPS, "megagpt.fast_spec.flat_adam",
+    Change(T + "setup_model_and_optimizer", WRAPS, "megagpt.train_step.flat_adam",
            "the optimizer it returns gets the flat AdamW step where it applies (one pass over "
            "flat buffers instead of megatron's five)", FAST_LAUNCH + ", with fused AdamW",
            "e564c0eccd76"),
-    Change(T + "setup_model_and_optimizer", WRAPS, "megagpt.fast_spec.async_step",
+    Change(T + "setup_model_and_optimizer", WRAPS, "megagpt.train_step.async_step",
            "a bf16 optimizer's constant loss scale of one becomes a host tensor, so the "
            "loop's optimizer.get_loss_scale().item() does not wait for the GPU; outside the "
            "flat step's wrapper (it reads the optimizer that one has finished)",
            FAST_LAUNCH + ", with the asynchronous step", "e564c0eccd76"),
     Change(T + "reduce_max_stat_across_model_parallel_group", WRAPS,
-           "megagpt.fast_spec.async_step",
+           "megagpt.train_step.async_step",
            "an all-reduce followed by .item() each iteration; over a model-parallel group of "
            "one rank it is the identity, and the gradient norm stays on the GPU",
            FAST_LAUNCH + ", with the asynchronous step", "7189f9a94723"),
-    Change(T + "logical_and_across_model_parallel_group", WRAPS, "megagpt.fast_spec.async_step",
+    Change(T + "logical_and_across_model_parallel_group", WRAPS, "megagpt.train_step.async_step",
            "an all-reduce followed by .item() after every step; the identity over one rank",
            FAST_LAUNCH + ", with the asynchronous step", "aaa17a1cbd04"),
     Change("megatron.training.dist_signal_handler.all_gather_item", WRAPS,
-           "megagpt.fast_spec.async_step",
+           "megagpt.train_step.async_step",
            "with --exit-signal-handler it all-gathers a flag every iteration; over one "
            "process that is the local flag", FAST_LAUNCH + ", with the asynchronous step",
            "6554fa85bd11"),
@@ -231,37 +233,37 @@ LEDGER: tuple[Change, ...] = (
     Change("megatron.training.arguments.get_device_arch_version", REPLACES, "megagpt.arguments",
            "validate_args asks the GPU for its architecture when TP or CP > 1; a dry run or a "
            "CPU run answers with the planned GPU's (or 0)", VALIDATION, "076b134d5b1f"),
-    # --- the optimizer without TE or apex (megagpt.fast_spec.optim) ----------------------------
-    Change("megatron.core.optimizer.Adam", REPLACES, "megagpt.fast_spec.optim",
+    # --- the optimizer without TE or apex (megagpt.train_step.optimizer) ----------------------------
+    Change("megatron.core.optimizer.Adam", REPLACES, "megagpt.train_step.optimizer",
            "without TE/apex megatron takes torch's AdamW in its multi-pass foreach form; "
            "torch's fused=True AdamW is one kernel", FAST_LAUNCH + ", with the fast optimizer",
            "8a40ef85203f"),
-    Change("megatron.core.optimizer.USING_PYTORCH_OPTIMIZER", REPLACES, "megagpt.fast_spec.optim",
+    Change("megatron.core.optimizer.USING_PYTORCH_OPTIMIZER", REPLACES, "megagpt.train_step.optimizer",
            "set False with fused AdamW, so megatron passes it the fused optimizer's arguments",
            FAST_LAUNCH + ", with the fast optimizer", "e901a03a490f"),
-    Change("megatron.core.optimizer.clip_grads.l2_norm_impl", REPLACES, "megagpt.fast_spec.optim",
+    Change("megatron.core.optimizer.clip_grads.l2_norm_impl", REPLACES, "megagpt.train_step.optimizer",
            "megatron's local fallback reads one norm per tensor back to the host (hundreds of "
            "waits a step); torch._foreach_norm needs one",
            FAST_LAUNCH + ", with the fast optimizer", "27093e9af287"),
     Change("megatron.core.optimizer.clip_grads.multi_tensor_scale_impl", REPLACES,
-           "megagpt.fast_spec.optim", "the local fallback scales tensor by tensor; "
+           "megagpt.train_step.optimizer", "the local fallback scales tensor by tensor; "
            "torch._foreach_mul_ in a few kernels", FAST_LAUNCH + ", with the fast optimizer",
            "19c4e8618112"),
     Change("megatron.core.optimizer.clip_grads.multi_tensor_scale_tensor_impl", REPLACES,
-           "megagpt.fast_spec.optim",
+           "megagpt.train_step.optimizer",
            "None without TE, so megatron brings the norm to the host to clip; TE's "
            "tensor-scale kernel in torch._foreach form keeps it on the GPU",
            FAST_LAUNCH + ", with the asynchronous step", "f2ef0c158231"),
     Change("megatron.core.optimizer.optimizer.multi_tensor_scale_impl", REPLACES,
-           "megagpt.fast_spec.optim", "as clip_grads' (the optimizer module's own binding)",
+           "megagpt.train_step.optimizer", "as clip_grads' (the optimizer module's own binding)",
            FAST_LAUNCH + ", with the fast optimizer", "19c4e8618112"),
     Change("megatron.core.optimizer.optimizer._multi_tensor_copy_this_to_that", REPLACES,
-           "megagpt.fast_spec.optim",
+           "megagpt.train_step.optimizer",
            "for bf16 a Python loop of per-tensor copies of the master weights into the model "
            "weights; torch._foreach_copy_", FAST_LAUNCH + ", with the fast optimizer",
            "1c15b8061ac0"),
     Change("megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params."
-           "_copy_model_grads_to_main_grads", REPLACES, "megagpt.fast_spec.optim",
+           "_copy_model_grads_to_main_grads", REPLACES, "megagpt.train_step.optimizer",
            "one fp32 cast per parameter tensor (~300 kernels); one cast per gradient buffer",
            FAST_LAUNCH + ", with the fast optimizer", "fe8017bd890f"),
     # --- CPU mode where TE or apex is installed: megatron's own torch fallbacks (cpu_mode) -------
@@ -317,26 +319,26 @@ LEDGER: tuple[Change, ...] = (
            "TE's multi-tensor kernel reads CUDA memory only (a CPU tensor is an illegal "
            "memory access on the GPU); megatron's local fallback",
            CPU_TE_KERNELS, "900df480fbd2"),
-    # --- the full-iteration CUDA graph (megagpt.fast_spec.capture_watchdog) ---------------------
+    # --- the full-iteration CUDA graph (megagpt.train_step.capture_watchdog) ---------------------
     Change("megatron.core.full_cuda_graph.FullCudaGraphWrapper.__call__", WRAPS,
-           "megagpt.fast_spec.capture_watchdog",
+           "megagpt.train_step.capture_watchdog",
            "a capture whose collectives wait for a peer that never joins blocks its process "
            "for good; the capturing iteration runs under a deadline that stops the run with "
            "one line naming the rank", FAST_LAUNCH + ", with the full-iteration graph",
            "53c96c89e211", needle="curr_iteration == self.cuda_graph_warmup_steps"),
-    # --- megatron's DDP (megagpt.fast_spec.grad_write) -----------------------------------------
-    Change(DDP + "_make_backward_post_hook", WRAPS, "megagpt.fast_spec.grad_write",
+    # --- megatron's DDP (megagpt.train_step.grad_write) -----------------------------------------
+    Change(DDP + "_make_backward_post_hook", WRAPS, "megagpt.train_step.grad_write",
            "its hook adds each gradient into the buffer megatron zeroed; with one micro-batch "
            "per step and one data-parallel rank the hook copies instead",
            FAST_LAUNCH + ", with gradients written (the default where it applies)",
            "01aa652d523b"),
-    Change(DDP + "zero_grad_buffer", WRAPS, "megagpt.fast_spec.grad_write",
+    Change(DDP + "zero_grad_buffer", WRAPS, "megagpt.train_step.grad_write",
            "it fills the whole gradient buffer with zeros every step (2.6 GB at 1.3B); where "
            "gradients are written it resets megatron's bookkeeping only (gradients are written "
            "while grad_write's wrappers are installed, process-wide as megatron's DDP methods "
-           "are; install puts them in place at launch)",
+           "are)",
            FAST_LAUNCH + ", with gradients written", "3e76d9a34a92"),
-    Change(DDP + "finish_grad_sync", WRAPS, "megagpt.fast_spec.grad_write",
+    Change(DDP + "finish_grad_sync", WRAPS, "megagpt.train_step.grad_write",
            "before any reduction, parameters that got no gradient this step are zeroed and "
            "the small gradients held back are copied together",
            FAST_LAUNCH + ", with gradients written", "2081a02efcfb"),
@@ -363,7 +365,8 @@ LEDGER: tuple[Change, ...] = (
            RELIES_ON, "megagpt.fast_spec.layer",
            "its captured backward adds each weight gradient into main_grad itself (decided at "
            "capture), so under per-layer graphs the fused layer's GEMMs hand their gradients "
-           "to autograd and gradients are not written (settings.grad_write_unsupported_reason)",
+           "to autograd and gradients are not written "
+           "(launch.fast_path_reasons.grad_write_unsupported_reason)",
            MODEL + ", with per-layer graphs (--fast-cuda-graphs layers)",
            "ff66d92c732c", needle="param.main_grad.add_(wgrad)"),
     Change("megatron.core.transformer.dot_product_attention.DotProductAttention", STANDS_IN,
@@ -372,7 +375,7 @@ LEDGER: tuple[Change, ...] = (
            "forward signature (torch's SDPA kernels: no [b, heads, s, s] scores)", MODEL,
            "ec3200d0b962"),
     Change("megatron.core.models.common.language_module.language_module.LanguageModule."
-           "_set_attention_backend", RELIES_ON, "megagpt.fast_spec.attention_backend",
+           "_set_attention_backend", RELIES_ON, "megagpt.launch.attention_backend",
            "every GPT model's constructor sets TE's NVTE_*_ATTN switches from "
            "--attention-backend and asserts on other values already in the environment; "
            "TE_SWITCHES holds the same values, so the plan refuses such an environment in one "
@@ -510,21 +513,12 @@ LEDGER: tuple[Change, ...] = (
            "Ctrl-C sets the handler's _signal_received, as its own SIGTERM handler does, so that "
            "megatron's loop saves and exits after the iteration", LAUNCH, "bd8e98c3239d",
            needle="self._signal_received = True"),
-    Change("megatron.training.global_vars._set_signal_handler", RELIES_ON,
-           "megagpt.resilience.preemption",
-           "installs the exit-signal handler megatron would have installed, when --save turns "
-           "--exit-signal-handler on after megatron's globals are set", LAUNCH, "96f1b2f597c3"),
 )
 
 
 def entries_for(target: str) -> list[Change]:
     """The ledger's entries for ``target``, in ledger order."""
     return [c for c in LEDGER if c.target == target]
-
-
-def wrap_order(target: str) -> list[str]:
-    """The owners that may wrap ``target``, innermost first (see ``megatron_wrappers``)."""
-    return [c.owner for c in entries_for(target) if c.how == WRAPS]
 
 
 def state(change: Change) -> str:

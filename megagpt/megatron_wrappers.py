@@ -1,19 +1,21 @@
 """Every wrapper or replacement of a megatron attribute (a module's, or a class's), installed
-in one place and composed in one stated order.
+in one place, composed in the order it is installed and taken off by its owner.
 
 Several concerns wrap the same megatron function: ``training_log`` (the asynchronous step,
 resume fidelity), ``setup_model_and_optimizer`` (the flat AdamW step, the asynchronous
 step), ``save_checkpoint`` (the configuration snapshot, the divergence guard). Each installs
 its wrapper here under its own module's name, and the function megatron calls is rebuilt as
-megatron's original with the installed wrappers applied in the order of their entries in
-``megagpt.megatron_ledger``, the first innermost. So the composition does not depend on which
-concern is installed first, and removing one wrapper keeps the others (restoring a saved
-attribute instead would also drop every wrapper installed after it).
+megatron's original with the installed wrappers applied in the order they were installed, the
+first innermost. Which order that is, is stated where a launch's changes are decided
+(``megagpt.launch.megatron_changes``), not in the ledger's listing. Removing one wrapper keeps
+the others in their order (restoring a saved attribute instead would also drop every wrapper
+installed after it).
 
 A replacement (``replace``: a value, a class, a function that does not call megatron's) is a
 layer that ignores what is under it. Every change the project makes to a megatron attribute
-goes through here, so each can be taken off again by its owner (``remove``, ``remove_all``)
-without a copy of megatron's value kept anywhere else.
+goes through here, so each can be taken off again by its owner (``remove``, ``remove_all``;
+``wrapped`` and ``wrapped_all`` for the duration of a block) without a copy of megatron's
+value kept anywhere else.
 
 Only what the ledger lists can be installed (``wraps`` or ``replaces`` entries of that
 owner): a change to megatron that is not in the ledger is an error here.
@@ -81,12 +83,11 @@ def _own(module, name: str) -> bool:
     return not isinstance(module, type) or name in vars(module)
 
 
-def _order(target: str, owner: str) -> list[str]:
+def _check_listed(target: str, owner: str) -> None:
     owners = [c.owner for c in entries_for(target) if c.how in (WRAPS, REPLACES)]
     if owner not in owners:
         raise LookupError(f"{target} wrapped by {owner}: not in megagpt.megatron_ledger; "
                           "list the change there (why, when, fingerprint) first")
-    return owners
 
 
 def _chain(module, name: str) -> _Chain | None:
@@ -102,10 +103,10 @@ def _chain(module, name: str) -> _Chain | None:
 
 def install(module, name: str, owner: str, wrapper: Wrapper, megatron_sets: bool = False
             ) -> None:
-    """Put ``wrapper`` (original -> wrapped function) over ``module.name`` at ``owner``'s
-    place in the ledger's order; an owner's second install replaces its first."""
+    """Put ``wrapper`` (original -> wrapped function) over ``module.name``, outside the
+    wrappers installed before it; an owner's second install replaces its first in place."""
     target = _target(module, name)
-    order = _order(target, owner)
+    _check_listed(target, owner)
     chain = _chain(module, name)
     if chain is None:
         chain = _CHAINS[target] = _Chain(module, name, _read(module, name),
@@ -115,8 +116,8 @@ def install(module, name: str, owner: str, wrapper: Wrapper, megatron_sets: bool
         index = owners.index(owner)
         chain.layers[index] = (owner, wrapper, None)
     else:
-        index = sum(order.index(o) < order.index(owner) for o in owners)
-        chain.layers.insert(index, (owner, wrapper, None))
+        index = len(owners)
+        chain.layers.append((owner, wrapper, None))
     chain.rebuild_from(index)
 
 
@@ -180,14 +181,22 @@ def installed(module, name: str) -> list[str]:
 
 @contextlib.contextmanager
 def wrapped(module, wrappers: list[tuple[str, str, Wrapper]]) -> Iterator[None]:
-    """``install`` each ``(name, owner, wrapper)`` for the duration of the block, then
-    ``remove`` them."""
+    """``install`` each ``(name, owner, wrapper)`` of ``module`` for the duration of the
+    block, in that order, then ``remove`` them."""
+    with wrapped_all([(module, name, owner, wrapper) for name, owner, wrapper in wrappers]):
+        yield
+
+
+@contextlib.contextmanager
+def wrapped_all(changes: list[tuple[object, str, str, Wrapper]]) -> Iterator[None]:
+    """``install`` each ``(module, name, owner, wrapper)`` for the duration of the block, in
+    that order, then ``remove`` them."""
     done = []
     try:
-        for name, owner, wrapper in wrappers:
+        for module, name, owner, wrapper in changes:
             install(module, name, owner, wrapper)
-            done.append((name, owner))
+            done.append((module, name, owner))
         yield
     finally:
-        for name, owner in reversed(done):
+        for module, name, owner in reversed(done):
             remove(module, name, owner)

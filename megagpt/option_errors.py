@@ -331,7 +331,7 @@ def check_early(argv: list[str]) -> None:
     """Print one ``error:`` line and exit 2 for a bad option the cached option list shows
     (before torch and megatron are imported); otherwise return and let the parse run."""
     from megagpt.config_file import expand_config_file, load_config_mapping, mapping_to_argv
-    from megagpt.fast_spec.settings import check_replaced_flags
+    from megagpt.fast_path_flags import check_replaced_flags
 
     options = OptionCache().read()
     if options is None:

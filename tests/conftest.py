@@ -52,18 +52,6 @@ def gpt2():
 
 
 @pytest.fixture(autouse=True)
-def _grad_write_off_afterwards():
-    """Writing gradients is process-wide (on while ``grad_write.install``'s wrappers of
-    megatron's DDP methods are in place); a test that installed them (an in-process launch)
-    must not leave them on for the next one's models: they come off through the registry."""
-    yield
-    from megagpt import megatron_wrappers
-    from megagpt.fast_spec import grad_write
-
-    megatron_wrappers.remove_all(grad_write.__name__)
-
-
-@pytest.fixture(autouse=True)
 def _environment_as_before():
     """The fast path's plan, applied in-process, sets variables such as NCCL_RUNTIME_CONNECT in
     os.environ (as the entry does for its NCCL); the next test must not plan with them."""

@@ -190,10 +190,11 @@ def first_training_samples(argv: list[str], count: int) -> list[dict]:
     import pretrain_gpt
     from gloo_ranks import single_gloo_rank
     from megagpt import arguments as entry_arguments
+    from megagpt import launch
     from megagpt.data.tokenizers import build_tokenizer
 
     with contextlib.redirect_stdout(io.StringIO()):
-        args = entry_arguments.parse_arguments(argv)
+        args = launch.parse_arguments(argv)
         entry_arguments.validate_arguments(args, device_arch=0)
     assert args.eval_iters == 0
     config = pretrain_gpt.dataset_config_from_args(args, build_tokenizer(args))

@@ -3,12 +3,13 @@ attributes each step changed (tests/test_megatron_ledger.py holds them against t
 
     python tests/megatron_changes_probe.py
 
-Prints ``{"launch": [...], "pretrain": [...], "validation": [...], "preflight": [...],
-"left": [...]}``: the dotted names changed by the fast path's launch-time installers and
-compat, inside ``resilience.active`` + ``cpu_mode.active``, inside the validation without a
-GPU, inside the preflight's ``schedule_check.global_args``, and still
-changed after the context managers exit (the launch-time changes only); and under
-``"registered"`` the same steps' names that ``megagpt.megatron_wrappers`` holds installed.
+Prints ``{"launch": [...], "launch on the CPU": [...], "validation": [...], "preflight": [...],
+"left": [...]}``: the dotted names changed inside the launch's one context of megatron changes
+(``megagpt.launch.megatron_changes.launched``, with every choice that turns a change on; once
+as on a GPU, once with ``--cpu``), inside the validation without a GPU, inside the preflight's
+``schedule_check.global_args``, and still changed after the contexts exit (nothing should
+be); and under ``"registered"`` the same steps' names that ``megagpt.megatron_wrappers`` holds
+installed.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-from types import SimpleNamespace
 import sys
 import types
 from pathlib import Path
@@ -54,9 +54,14 @@ def main() -> int:
 
     for change in LEDGER:  # every module the installers reach is loaded before the snapshot
         importlib.import_module(split_target(change.target)[0])
-    from megagpt import arguments, compat, cpu_mode, resilience, run_log
+    import copy
+    import dataclasses
+
+    from megagpt import arguments, compat, launch, run_log
+    from megagpt.launch import fast_path as chosen
+    from megagpt.launch.megatron_changes import launched
+    from megagpt.launch.planner import Choice
     from megagpt.preflight import schedule_check
-    from megagpt.fast_spec import async_step, capture_watchdog, flat_adam, grad_write, optim
 
     from megagpt import megatron_wrappers
 
@@ -65,40 +70,33 @@ def main() -> int:
 
     report = {"registered": {}}
     before = megatron_attributes()
-    optim.install_fast_optimizer(tensor_clip=True)
-    flat_adam.install()
-    async_step.install()
-    grad_write.install()
-    capture_watchdog.install(300.0)
-    compat.skip_dataset_helper_compilation()
-    compat.distributed_optimizer_resumes_without_apex()
-    # as under TE's layers without apex (no TE here: the decision is given its inputs)
-    te_without_apex = compat.Installed(transformer_engine=True, apex=False,
-                                       fused_layer_norm=False, masked_softmax_kernels=False,
-                                       gradient_accumulation_kernels=False)
-    assert compat.megatron_linears_without_wgrad_fusion(
-        SimpleNamespace(transformer_impl="transformer_engine", gradient_accumulation_fusion=True),
-        te_without_apex)
-    launched = megatron_attributes()
-    report["launch"] = changed(before, launched)
-    report["registered"]["launch"] = registered()
-
-    args = arguments.parse_arguments(
+    resolved = launch.resolve(
         ["--cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "64",
          "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings", "64",
          "--micro-batch-size", "2", "--lr", "1e-3", "--train-iters", "2", "--vocab-size", "512",
-         "--no-check-for-nan-in-loss-and-grad", "--save", "/nonexistent", "--save-interval",
-         "1"])
-    args.check_for_nan_in_loss_and_grad = False  # as the CUDA graph leaves it: the guard on
-    args.entry_argv = []
-    with cpu_mode.active(), resilience.active(args), run_log.active(args, lambda line: None):
-        report["pretrain"] = changed(launched, megatron_attributes())
-        report["registered"]["pretrain"] = registered()
+         "--save", "/nonexistent", "--save-interval", "1"])
+    args = launch.write(resolved, environ={})
+    # every change a launch can make: the choices that turn each on
+    every = {chosen.CUDA_GRAPH: chosen.FULL_ITERATION, chosen.GRAD_WRITE: True,
+             chosen.OPTIMIZER: chosen.FLAT_ADAMW, chosen.ASYNC_STEP: True,
+             chosen.NAN_CHECK: chosen.GRADIENT_NORM}
+    choices = [dataclasses.replace(c, value=every.get(c.name, c.value))
+               for c in resolved.choices]
+    # as under TE's layers without apex (no TE here: the choice is given)
+    choices.append(Choice("compat", compat.MEGATRON_LINEARS_WGRAD, "through autograd", "probe"))
+    everything = dataclasses.replace(resolved, choices=tuple(choices))
+    on_a_gpu = copy.copy(args)
+    on_a_gpu.cpu = False  # the capture deadline, which CPU mode leaves out
+    for step, launch_args in (("launch", on_a_gpu), ("launch on the CPU", args)):
+        with launched(everything, launch_args):
+            report[step] = changed(before, megatron_attributes())
+            report["registered"][step] = registered()
+    launched_attributes = megatron_attributes()
     with arguments._device_arch_for_validation(9), run_log.argument_table_kept():
-        report["validation"] = changed(launched, megatron_attributes())
+        report["validation"] = changed(launched_attributes, megatron_attributes())
         report["registered"]["validation"] = registered()
     with schedule_check.global_args(args):
-        report["preflight"] = changed(launched, megatron_attributes())
+        report["preflight"] = changed(launched_attributes, megatron_attributes())
         report["registered"]["preflight"] = registered()
     report["left"] = changed(before, megatron_attributes())
     report["registered"]["left"] = registered()

@@ -16,20 +16,12 @@ TINY_VOCAB, TINY_SEQ = 64, 16
 def fast_optimizer_kernels(tensor_clip: bool = True):
     """megatron's optimizer modules with the fast optimizer's kernels (this process), put
     back as they were afterwards. Skips where TE or apex provide megatron's kernels."""
-    from megagpt import megatron_wrappers
-    from megagpt.fast_spec import optim
+    from megagpt.train_step import optimizer
 
-    if not optim.megatron_uses_local_fallbacks():
+    if not optimizer.megatron_uses_local_fallbacks():
         pytest.skip("TE or apex installed: megatron's optimizer takes their kernels")
-    was_installed = bool(megatron_wrappers.installed_by(optim.__name__))
-    megatron_wrappers.remove_all(optim.__name__)
-    optim.install_fast_optimizer(tensor_clip=tensor_clip)
-    try:
+    with optimizer.fast_kernels(tensor_clip=tensor_clip):
         yield
-    finally:
-        megatron_wrappers.remove_all(optim.__name__)
-        if was_installed:
-            optim.install_fast_optimizer()
 
 
 def tiny_ddp_gpt(spec=None, grad_dtype=torch.bfloat16, device="cpu", overlap_grad_reduce=False):
@@ -63,7 +55,7 @@ def fast_path_namespace(argv=(), **attrs) -> argparse.Namespace:
     """The fast-path switches parsed from ``argv``, on a namespace of the megatron arguments
     their defaults look at (one GPU, bf16, one micro-batch of 8, the local spec's settings),
     ``attrs`` overriding them: what ``apply_fast_path_defaults`` sees after parsing."""
-    from megagpt.fast_spec.settings import add_fast_path_arguments
+    from megagpt.fast_path_flags import add_fast_path_arguments
 
     p = argparse.ArgumentParser()
     add_fast_path_arguments(p)
@@ -172,3 +164,13 @@ def cpu_megatron(seed: int = 0):
     with single_gloo_rank(), cpu_mode.generating():
         model_parallel_cuda_manual_seed(seed)
         yield
+
+
+def megatron_changes_in_place() -> list[str]:
+    """The megatron attributes a change of the project is over now, megatron's own global
+    tokenizer aside (megatron sets and clears it itself: ``megatron_wrappers.replace``'s
+    ``megatron_sets``; an earlier test of this process may have left megatron's globals set)."""
+    from megagpt import megatron_wrappers
+
+    return sorted(target for target, chain in megatron_wrappers._CHAINS.items()
+                  if not chain.megatron_sets)

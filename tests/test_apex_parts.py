@@ -80,7 +80,7 @@ def on_path(monkeypatch, tmp_path):
 def test_nothing_is_found_where_apex_is_not_installed():
     assert apex_parts.found_parts() == frozenset()
     said = []
-    assert apex_parts.log_launch_line(SimpleNamespace(), said.append) is None
+    assert apex_parts.log_launch_line(None, SimpleNamespace(), said.append) is None
     assert said == []
 
 
@@ -144,7 +144,8 @@ def launch(**settings) -> SimpleNamespace:
 
 def line(modules, args, found=ALL, bound=None, te=False) -> str:
     return apex_parts.launch_line(apex_parts.launch_uses(
-        modules, args, found, APEX_BOUND if bound is None else bound, te))
+        modules, args, found, APEX_BOUND if bound is None else bound, te,
+        chunked_loss=args.fast_lm_loss))
 
 
 def taken(text: str) -> str:
@@ -267,14 +268,14 @@ def test_a_cpu_model_of_megatrons_local_spec_has_torch_norms():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    import gpt_builders
+    from megagpt import gpt_model
 
     spec = get_gpt_layer_local_spec(qk_layernorm=True)
     attention = spec.submodules.self_attention.submodules
     # megatron's spec as it is where apex imports (gpt_layer_specs.LNImpl)
     spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = FusedLayerNorm
     attention.q_layernorm = attention.k_layernorm = FusedLayerNorm
-    gpt_builders.with_torch_norms(spec)
+    gpt_model.with_torch_norms(spec)
     assert {spec.submodules.input_layernorm, spec.submodules.pre_mlp_layernorm,
             attention.q_layernorm, attention.k_layernorm} == {WrappedTorchNorm}
 

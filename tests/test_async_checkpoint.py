@@ -20,12 +20,20 @@ def megatron_args(argv=()):
     return args
 
 
+def chosen(args, given, nvrx_installed: bool):
+    """(``args`` as the launch's async-save step decides them, its log lines)."""
+    from megagpt.launch.planner import Planner
+
+    p = Planner(args, frozenset(given), None)
+    async_save.choose_writer(p, nvrx_installed=nvrx_installed)
+    return p.v, p.lines
+
+
 def test_megatrons_defaults_need_both_changes_on_a_plain_install():
     # what megatron 0.19 would do with --async-save alone: nvrx's writer, and no worker
     args = megatron_args(["--async-save"])
     assert args.async_strategy == "nvrx" and not args.use_persistent_ckpt_worker
-    lines = []
-    async_save.adapt_args(args, {"--async-save"}, lines.append, nvrx_installed=False)
+    args, lines = chosen(args, {"--async-save"}, nvrx_installed=False)
     assert args.async_strategy == "mcore" and args.use_persistent_ckpt_worker
     assert lines == ["async save: megatron's own writer (--async-strategy mcore) in a persistent "
                      "writer process (--use-persistent-ckpt-worker; without it megatron 0.19 "
@@ -34,9 +42,8 @@ def test_megatrons_defaults_need_both_changes_on_a_plain_install():
 
 
 def test_nvidia_resiliency_ext_is_used_when_installed():
-    args, lines = megatron_args(["--async-save", "--use-persistent-ckpt-worker"]), []
-    async_save.adapt_args(args, {"--async-save", "--use-persistent-ckpt-worker"}, lines.append,
-                          nvrx_installed=True)
+    args, lines = chosen(megatron_args(["--async-save", "--use-persistent-ckpt-worker"]),
+                         {"--async-save", "--use-persistent-ckpt-worker"}, nvrx_installed=True)
     assert args.async_strategy == "nvrx" and lines == []
 
 
@@ -44,29 +51,29 @@ def test_explicit_nvrx_without_the_package_is_one_line():
     args = megatron_args(["--async-save", "--async-strategy", "nvrx"])
     with pytest.raises(async_save.AsyncSaveError, match=r"needs nvidia-resiliency-ext.*"
                                                         r"--async-strategy mcore"):
-        async_save.adapt_args(args, {"--async-save", "--async-strategy"}, print,
-                              nvrx_installed=False)
+        chosen(args, {"--async-save", "--async-strategy"}, nvrx_installed=False)
 
 
 def test_cpu_mode_uses_megatrons_writer_even_with_the_package():
-    args, lines = megatron_args(["--async-save"]), []
+    args = megatron_args(["--async-save"])
     args.cpu = True
-    async_save.adapt_args(args, {"--async-save"}, lines.append, nvrx_installed=True)
+    args, lines = chosen(args, {"--async-save"}, nvrx_installed=True)
     assert args.async_strategy == "mcore" and "CPU mode" in lines[0]
 
 
 def test_nothing_changes_without_async_save_or_for_the_legacy_format():
     for argv in ([], ["--async-save", "--ckpt-format", "torch"]):
-        args, lines = megatron_args(argv), []
-        before = vars(args).copy()
-        async_save.adapt_args(args, set(argv), lines.append, nvrx_installed=False)
-        assert vars(args) == before and lines == []
+        from megagpt.launch.planner import Planner
+
+        p = Planner(megatron_args(argv), frozenset(argv), None)
+        async_save.choose_writer(p, nvrx_installed=False)
+        assert p.decided == {} and p.lines == [] and p.choices == []
 
 
 def test_the_entry_makes_the_choice_while_parsing():
-    from megagpt import arguments
+    from megagpt import arguments, launch
 
-    args = arguments.parse_arguments([
+    args = launch.parse_arguments([
         "--cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "64",
         "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
         "--micro-batch-size", "2", "--lr", "1e-3", "--train-iters", "4", "--save", "ckpt",

@@ -1,4 +1,4 @@
-"""The fast path's step without host waits (megagpt.fast_spec.async_step), the gradient norm
+"""The fast path's step without host waits (megagpt.train_step.async_step), the gradient norm
 kept on the device, the divergence guard that reads it late, and the bf16 gradient buffer.
 
 Megatron's own clipping, reductions and logging code runs here on the CPU (cpu_mode maps its
@@ -7,7 +7,6 @@ CUDA tensors to the CPU); only the pinned-memory copy needs a GPU to differ from
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import pytest
@@ -33,7 +32,7 @@ def tensor_clip():
 
 
 def test_tensor_scale_kernel_in_place_and_copy():
-    from megagpt.fast_spec.optim import foreach_multi_tensor_scale_tensor
+    from megagpt.train_step.optimizer import foreach_multi_tensor_scale_tensor
 
     ts = [torch.randn(5), torch.randn(3, 4), torch.randn(7).double()]
     before = [t.clone() for t in ts]
@@ -74,7 +73,7 @@ def test_megatron_clips_by_a_norm_that_stays_a_tensor(cpu_megatron, tensor_clip,
 def test_single_rank_reductions_are_identities(cpu_megatron):
     import megatron.training.utils as mutils
 
-    from megagpt.fast_spec import async_step
+    from megagpt.train_step import async_step
 
     reduce_max = async_step.single_rank_reduce_max_stat(mutils.reduce_max_stat_across_model_parallel_group)
     logical_and = async_step.single_rank_logical_and(mutils.logical_and_across_model_parallel_group)
@@ -94,7 +93,7 @@ def _reductions_over_two_ranks(rank, world_size):
 
     import megatron.training.utils as mutils
     from megagpt import cpu_mode
-    from megagpt.fast_spec import async_step
+    from megagpt.train_step import async_step
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     try:
@@ -117,7 +116,7 @@ def test_reductions_over_two_ranks_still_reduce():
 
 
 def test_scalar_tensors_are_built_without_blocking(cpu_megatron):
-    from megagpt.fast_spec.async_step import NonBlockingScalarTensors
+    from megagpt.train_step.async_step import NonBlockingScalarTensors
 
     with NonBlockingScalarTensors():
         t = torch.tensor([0.0], dtype=torch.float, device="cuda")  # training_log's default
@@ -127,32 +126,23 @@ def test_scalar_tensors_are_built_without_blocking(cpu_megatron):
     assert u.tolist() == [1, 2] and v.item() == 2.5
 
 
-def test_install_wraps_and_removal_restores():
+def test_the_wrappers_are_in_place_inside_the_block_only():
     import megatron.training.dist_signal_handler as msignal
     import megatron.training.training as mtraining
 
-    from megagpt.fast_spec import async_step
+    from megagpt.train_step import async_step
 
-    from megagpt import megatron_wrappers
-
-    was = megatron_wrappers.installed_by(async_step.__name__)
-    megatron_wrappers.remove_all(async_step.__name__)
     names = ["reduce_max_stat_across_model_parallel_group",
              "logical_and_across_model_parallel_group", "training_log",
              "setup_model_and_optimizer"]
     before = {n: getattr(mtraining, n) for n in names}
     gather = msignal.all_gather_item
-    try:
-        assert set(async_step.install()) == set(names) | {"all_gather_item"}
-        assert async_step.install() == []  # idempotent
+    with async_step.without_host_waits():
         assert all(getattr(mtraining, n) is not before[n] for n in names)
+        assert msignal.all_gather_item is not gather
         assert msignal.all_gather_item([1], torch.int32) == [[1]]  # no process group here
-    finally:
-        megatron_wrappers.remove_all(async_step.__name__)
     assert {n: getattr(mtraining, n) for n in names} == before
     assert msignal.all_gather_item is gather
-    if was:
-        async_step.install()
 
 
 # ---------------------------------------------------------------------------------------
@@ -244,26 +234,28 @@ def test_reading_a_device_norm_waits_for_its_step_only():
         ({"world_size": 2}, (), "data-parallel"),
         ({"world_size": 2, "tensor_model_parallel_size": 2}, (), None),
         ({"dry_run": True, "dry_run_world_size": 8}, (), "data-parallel"),  # the planned size
-        ({"entry_argv": ["--accumulate-allreduce-grads-in-fp32"]}, (), "--accumulate-allreduce"),
+        ({"given": ["--accumulate-allreduce-grads-in-fp32"]}, (), "--accumulate-allreduce"),
         ({"cpu": True}, (), "CPU"),
         ({"transformer_impl": "transformer_engine"}, (), "fast spec"),
     ],
 )
 def test_bf16_grad_buffer_only_where_values_are_unchanged(attrs, argv, needle):
-    from megagpt.fast_spec.plan import apply_fast_path_defaults
-    from megagpt.fast_spec.settings import bf16_grad_buffer_unsupported_reason
+    from megagpt.launch.fast_path import apply_fast_path_defaults
+    from megagpt.launch.fast_path_reasons import bf16_grad_buffer_unsupported_reason
 
+    attrs = dict(attrs)
+    given = frozenset(attrs.pop("given", ()))
     args = fast_path_namespace(argv, **attrs)
-    reason = bf16_grad_buffer_unsupported_reason(args)
+    reason = bf16_grad_buffer_unsupported_reason(args, given)
     assert (reason is None) if needle is None else (needle in reason)
     lines = []
-    apply_fast_path_defaults(args, lines.append)
+    apply_fast_path_defaults(args, lines.append, given=given)
     assert args.grad_reduce_in_bf16 is (needle is None)
     assert any("bf16 buffer" in line for line in lines) is (needle is None)
 
 
 def test_bf16_grad_buffer_switch_wins():
-    from megagpt.fast_spec.plan import apply_fast_path_defaults
+    from megagpt.launch.fast_path import apply_fast_path_defaults
 
     args = fast_path_namespace(["--fast-disable", "bf16-grad-buffer"])
     apply_fast_path_defaults(args, lambda s: None)
@@ -280,7 +272,7 @@ def test_bf16_grad_buffer_switch_wins():
     ({"transformer_impl": "transformer_engine"}, True),  # not the fast spec
 ])
 def test_no_attention_mask_from_the_loader_where_the_fast_spec_ignores_it(attrs, kept):
-    from megagpt.fast_spec.plan import apply_fast_path_defaults
+    from megagpt.launch.fast_path import apply_fast_path_defaults
 
     args = fast_path_namespace(create_attention_mask_in_dataloader=True, **attrs)
     lines = []
@@ -290,7 +282,7 @@ def test_no_attention_mask_from_the_loader_where_the_fast_spec_ignores_it(attrs,
 
 
 def test_constant_loss_scale_is_read_on_the_host():
-    from megagpt.fast_spec.async_step import host_loss_scale_of_one
+    from megagpt.train_step.async_step import host_loss_scale_of_one
 
     class Bf16Optimizer:
         grad_scaler = None
@@ -325,7 +317,7 @@ def test_main_grads_from_one_cast_per_buffer_equal_megatrons(buffer_dtype):
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
     from megagpt import megatron_wrappers
-    from megagpt.fast_spec import optim
+    from megagpt.train_step import optimizer as optim
 
     original = megatron_wrappers.original(Float16OptimizerWithFloat16Params,
                                           "_copy_model_grads_to_main_grads")
@@ -404,12 +396,22 @@ def test_async_step_trains_like_megatrons_synchronous_step(tmp_path):
 
 
 def test_the_log_line_names_the_pieces_that_are_on():
-    from megagpt.fast_spec.spec import describe_fast_spec
+    from megagpt.compat import Installed
+    from megagpt.gpt_model import describe
+    from megagpt.launch.fast_path import plan_fast_path
 
-    on = describe_fast_spec(argparse.Namespace(fast_async_step=True, fast_bf16_grad_buffer=True))
+    no_te = Installed(transformer_engine=False, apex=False, fused_layer_norm=False,
+                      masked_softmax_kernels=False, gradient_accumulation_kernels=False)
+
+    def described(argv=(), **attrs):
+        return describe(plan_fast_path(fast_path_namespace(argv, fast_optimizer=True, **attrs),
+                                       no_te, {}))
+
+    on = described()
     assert "no host sync inside the step" in on and "bf16 gradient buffer" in on
-    off = describe_fast_spec(argparse.Namespace(fast_async_step=False, fast_bf16_grad_buffer=False))
+    off = described(["--fast-disable", "async-step,bf16-grad-buffer"])
     assert "no host sync" not in off and "bf16 gradient buffer" not in off
     assert "gradients formed in forward" in on
-    for kept in ({"fast_lm_grad_in_forward": False}, {"pipeline_model_parallel_size": 2}):
-        assert "gradients formed in forward" not in describe_fast_spec(argparse.Namespace(**kept))
+    for argv, attrs in ((["--fast-disable", "lm-grad-in-forward"], {}),
+                        ([], {"pipeline_model_parallel_size": 2, "world_size": 2})):
+        assert "gradients formed in forward" not in described(argv, **attrs)

@@ -1,4 +1,5 @@
-"""gpt_builders' layer-spec choice and model_provider's build, on real megatron objects."""
+"""The launch's layer-spec choice, built by gpt_builders and model_provider, on real megatron
+objects."""
 
 import pytest
 import torch
@@ -6,7 +7,7 @@ import torch
 import gpt_builders
 import model_provider
 from gloo_ranks import single_gloo_rank
-from megagpt import arguments, cpu_mode
+from megagpt import arguments, cpu_mode, launch
 
 TINY = ["--cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "64",
         "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
@@ -14,8 +15,17 @@ TINY = ["--cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "64",
         "--vocab-size", "128", "--lr", "1e-3"]
 
 
-def choose(*extra):
-    return gpt_builders.choose_layer_spec(arguments.parse_arguments([*TINY, *extra]))
+def choose(*extra, installed=None):
+    return gpt_builders.LayerSpecChoice.of(launch.resolve([*TINY, *extra], installed))
+
+
+def resolved(*extra):
+    """(the launch's written arguments, validated, with megatron's globals set; the launch)."""
+    resolved_launch = launch.resolve([*TINY, *extra])
+    args = launch.write(resolved_launch)
+    arguments.validate_arguments(args, device_arch=0)
+    arguments.set_megatron_globals(args)
+    return args, resolved_launch
 
 
 def test_default_without_transformer_engine_is_the_fast_spec():
@@ -44,9 +54,14 @@ def test_spec_local_is_megatrons_local_spec_not_a_module_to_import():
 
 
 def test_transformer_engine_spec_when_selected():
-    args = arguments.parse_arguments(TINY)
-    args.transformer_impl = "transformer_engine"  # as compat leaves it when TE is installed
-    assert gpt_builders.choose_layer_spec(args).path == gpt_builders.TRANSFORMER_ENGINE
+    from megagpt.compat import Installed
+
+    te = Installed(transformer_engine=True, apex=False, fused_layer_norm=False,
+                   masked_softmax_kernels=False, gradient_accumulation_kernels=False)
+    on_a_gpu = [flag for flag in TINY if flag != "--cpu"]
+    choice = gpt_builders.LayerSpecChoice.of(launch.resolve(
+        [*on_a_gpu, "--transformer-impl", "transformer_engine"], te))
+    assert choice.path == gpt_builders.TRANSFORMER_ENGINE
 
 
 @pytest.fixture()
@@ -66,10 +81,8 @@ def one_rank():
 def test_model_provider_builds_a_stage_that_runs(one_rank, extra):
     import pretrain_gpt
 
-    args = arguments.parse_arguments([*TINY, *extra])
-    arguments.validate_arguments(args, device_arch=0)
-    arguments.set_megatron_globals(args)
-    model_config, _, choice = pretrain_gpt.build_configs(args)
+    args, resolved_launch = resolved(*extra)
+    model_config, _, choice = pretrain_gpt.build_configs(args, resolved_launch)
     model = model_provider.model_provider(model_config)
     tokens = torch.randint(0, 128, (2, 32))
     positions = torch.arange(32).repeat(2, 1)
@@ -94,10 +107,8 @@ def test_the_local_spec_ends_in_its_own_norm_where_megatrons_block_would_take_te
             raise AssertionError("the final norm was megatron's block-level choice")
 
     monkeypatch.setattr(transformer_block, "LayerNormImpl", NormNeedingAGpu)
-    args = arguments.parse_arguments([*TINY, "--no-fast-spec"])
-    arguments.validate_arguments(args, device_arch=0)
-    arguments.set_megatron_globals(args)
-    model_config, _, choice = pretrain_gpt.build_configs(args)
+    args, resolved_launch = resolved("--no-fast-spec")
+    model_config, _, choice = pretrain_gpt.build_configs(args, resolved_launch)
     model = model_provider.model_provider(model_config)
     assert choice.path == gpt_builders.LOCAL
     layer_norm = type(model.decoder.layers[0].input_layernorm)

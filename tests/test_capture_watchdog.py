@@ -1,4 +1,4 @@
-"""The full-iteration CUDA graph's capture under a deadline (megagpt.fast_spec.capture_watchdog):
+"""The full-iteration CUDA graph's capture under a deadline (megagpt.train_step.capture_watchdog):
 a capture that does not finish stops the run with one line naming its rank."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 
 def test_a_call_that_finishes_in_time_returns_its_value():
-    from megagpt.fast_spec.capture_watchdog import run_with_deadline
+    from megagpt.train_step.capture_watchdog import run_with_deadline
 
     exits = []
     assert run_with_deadline(lambda: 42, 5.0, "the capture", 0, exit_fn=exits.append) == 42
@@ -20,7 +20,7 @@ def test_a_call_that_finishes_in_time_returns_its_value():
 
 
 def test_a_call_past_its_deadline_names_the_rank_and_exits():
-    from megagpt.fast_spec.capture_watchdog import EXIT_STATUS, run_with_deadline
+    from megagpt.train_step.capture_watchdog import EXIT_STATUS, run_with_deadline
 
     exited = threading.Event()
     codes, out = [], io.StringIO()
@@ -43,7 +43,7 @@ def test_a_call_past_its_deadline_names_the_rank_and_exits():
 
 
 def test_an_exception_passes_through_and_disarms_the_watch():
-    from megagpt.fast_spec.capture_watchdog import run_with_deadline
+    from megagpt.train_step.capture_watchdog import run_with_deadline
 
     exits = []
 
@@ -56,19 +56,6 @@ def test_an_exception_passes_through_and_disarms_the_watch():
     assert exits == []
 
 
-@pytest.fixture()
-def watchdog_installed():
-    """The watchdog over megatron's ``FullCudaGraphWrapper.__call__`` for the test, taken off
-    through the registry afterwards."""
-    from megagpt import megatron_wrappers
-    from megagpt.fast_spec import capture_watchdog
-
-    megatron_wrappers.remove_all(capture_watchdog.__name__)
-    capture_watchdog.install(0.2)
-    yield capture_watchdog
-    megatron_wrappers.remove_all(capture_watchdog.__name__)
-
-
 def test_only_the_capturing_iteration_is_watched(monkeypatch):
     """megatron's wrapper captures at iteration ``cuda_graph_warmup_steps``: that call runs
     under the deadline, the warm-up and replay calls do not. (megatron's own __call__ needs a
@@ -76,7 +63,7 @@ def test_only_the_capturing_iteration_is_watched(monkeypatch):
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 
     from megagpt import megatron_wrappers
-    from megagpt.fast_spec import capture_watchdog
+    from megagpt.train_step import capture_watchdog
 
     watched = []
 
@@ -85,35 +72,30 @@ def test_only_the_capturing_iteration_is_watched(monkeypatch):
         FullCudaGraphWrapper.curr_iteration["training"] += 1
         return "result"
 
-    megatron_wrappers.remove_all(capture_watchdog.__name__)
     monkeypatch.setattr(FullCudaGraphWrapper, "__call__", inner)  # megatron's, stood in for
     monkeypatch.setattr(FullCudaGraphWrapper, "curr_iteration",
                         {"training": 0, "validation": 0})
-    capture_watchdog.install(0.2)
-    try:
+    with capture_watchdog.deadline(0.2):  # off before monkeypatch puts megatron's back
         wrapper = object.__new__(FullCudaGraphWrapper)
         wrapper.cuda_graph_warmup_steps = 2
         for _ in range(4):
             assert wrapper(forward_only=False) == "result"
-    finally:  # off before monkeypatch puts megatron's back under it
-        megatron_wrappers.remove_all(capture_watchdog.__name__)
+    assert megatron_wrappers.installed(FullCudaGraphWrapper, "__call__") == []
     assert watched == [False, False, True, False]
 
 
-def test_install_is_undone(watchdog_installed):
+def test_the_deadline_is_undone_on_exit():
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 
     from megagpt import megatron_wrappers
+    from megagpt.train_step import capture_watchdog
 
-    patched = FullCudaGraphWrapper.__call__
-    original = megatron_wrappers.original(FullCudaGraphWrapper, "__call__")
-    assert patched is not original
-    assert megatron_wrappers.installed(FullCudaGraphWrapper, "__call__") == [
-        watchdog_installed.__name__]
-    watchdog_installed.install(5.0)  # a new deadline replaces the first, over megatron's
-    assert megatron_wrappers.installed(FullCudaGraphWrapper, "__call__") == [
-        watchdog_installed.__name__]
-    megatron_wrappers.remove_all(watchdog_installed.__name__)
+    original = FullCudaGraphWrapper.__call__
+    with capture_watchdog.deadline(0.2):
+        assert FullCudaGraphWrapper.__call__ is not original
+        assert megatron_wrappers.original(FullCudaGraphWrapper, "__call__") is original
+        assert megatron_wrappers.installed(FullCudaGraphWrapper, "__call__") == [
+            capture_watchdog.__name__]
     assert FullCudaGraphWrapper.__call__ is original
 
 

@@ -93,7 +93,7 @@ def test_untracked_newer_checkpoint_is_set_aside(ckpt):
     guard.write_tracker(ckpt, 4)  # killed after iter_8 was complete, before the tracker moved
     args = _args_like(it_dir(ckpt, 4), load=ckpt, save=ckpt, ckpt_step=None)
     lines = []
-    guard.prepare_load(args, lines.append)
+    assert guard.prepare_load(args, frozenset(), lines.append) == {}  # the tracker's is loaded
     assert guard.saved_iterations(ckpt) == [4]
     assert os.listdir(os.path.join(ckpt, guard.SET_ASIDE))[0].startswith("iter_0000008-")
     assert any("moved iter_0000008" in line for line in lines)
@@ -102,8 +102,7 @@ def test_untracked_newer_checkpoint_is_set_aside(ckpt):
 def test_fallback_points_megatron_at_the_complete_one(ckpt):
     os.remove(os.path.join(it_dir(ckpt, 8), "metadata.json"))
     args = _args_like(it_dir(ckpt, 4), load=ckpt, save=ckpt, ckpt_step=None)
-    guard.prepare_load(args, lambda line: None)
-    assert args.ckpt_step == 4
+    assert guard.prepare_load(args, frozenset(), lambda line: None) == {"ckpt_step": 4}
     assert guard.read_tracker(ckpt) == 4
 
 
@@ -540,17 +539,19 @@ def test_gpt2_sized_vocabulary_moves_between_tp_sizes_when_padded_alike(tmp_path
 def test_divergence_default_and_message():
     from megagpt.resilience import divergence
 
-    args = Namespace(check_for_nan_in_loss_and_grad=True, rerun_mode="validate_results")
-    divergence.apply_defaults(args, ["--cpu"], lambda line: None)
-    assert args.rerun_mode == "disabled"
-    args = Namespace(check_for_nan_in_loss_and_grad=True, rerun_mode="validate_results")
-    divergence.apply_defaults(args, ["--rerun-mode", "validate_results"], lambda line: None)
-    assert args.rerun_mode == "validate_results"  # asked for: kept
+    from megagpt.launch.planner import Planner
+
+    def rerun_mode(check_for_nan, given):
+        p = Planner(Namespace(check_for_nan_in_loss_and_grad=check_for_nan,
+                              rerun_mode="validate_results"), frozenset(given), None)
+        divergence.choose_rerun_mode(p)
+        return p.v.rerun_mode
+
+    assert rerun_mode(True, ["--cpu"]) == "disabled"
+    assert rerun_mode(True, ["--rerun-mode"]) == "validate_results"  # asked for: kept
     # in-step checks off (the fast path's CUDA graph): nothing to validate, and a state
     # machine not disabled would all-reduce a flag before every step
-    args = Namespace(check_for_nan_in_loss_and_grad=False, rerun_mode="validate_results")
-    divergence.apply_defaults(args, ["--bf16"], lambda line: None)
-    assert args.rerun_mode == "disabled"
+    assert rerun_mode(False, ["--bf16"]) == "disabled"
 
     # megatron's text (rerun_state_machine.validate_result, reruns disabled)
     fault = RuntimeError("Rank 0, node vm, device 0, iteration 8: Unexpected result inf "
@@ -590,12 +591,6 @@ def test_grad_norm_guard_stops_a_run_whose_in_step_checks_are_off():
                                  rf"untouched.*--iterations-to-skip {it + 1}"):
             guarded(iteration=it)
 
-    off_by_fast_path = Namespace(check_for_nan_in_loss_and_grad=False)
-    assert divergence.needs_grad_norm_guard(off_by_fast_path, ["--bf16"])
-    assert not divergence.needs_grad_norm_guard(
-        off_by_fast_path, ["--no-check-for-nan-in-loss-and-grad"])  # the user's choice
-    assert not divergence.needs_grad_norm_guard(
-        Namespace(check_for_nan_in_loss_and_grad=True), [])
 
 
 @pytest.mark.slow
@@ -629,14 +624,12 @@ def test_resume_under_te_layers_of_a_checkpoint_saved_without_them(ckpt):
     ckpt_dir = it_dir(ckpt, 8)
     assert guard.saved_without_te_attention(ckpt_dir)
     default = dict(dist_ckpt_strictness="assume_ok_unexpected")
-    args, lines = _args_like(ckpt_dir, transformer_impl="transformer_engine", entry_argv=[],
-                             **default), []
-    guard.load_into_te_layers(ckpt_dir, args, lines.append)
-    assert args.dist_ckpt_strictness == "log_unexpected"
+    args, lines = _args_like(ckpt_dir, transformer_impl="transformer_engine", **default), []
+    assert guard.load_into_te_layers(ckpt_dir, args, frozenset(), lines.append) == {
+        "dist_ckpt_strictness": "log_unexpected"}
     assert len(lines) == 1 and "saved without Transformer Engine's layers" in lines[0]
-    for kept in (dict(transformer_impl="local", entry_argv=[]),
-                 dict(transformer_impl="transformer_engine",
-                      entry_argv=["--dist-ckpt-strictness", "assume_ok_unexpected"])):
-        args = _args_like(ckpt_dir, **kept, **default)
-        guard.load_into_te_layers(ckpt_dir, args, lines.append)
-        assert args.dist_ckpt_strictness == "assume_ok_unexpected" and len(lines) == 1
+    for impl, given in (("local", frozenset()),
+                        ("transformer_engine", frozenset({"--dist-ckpt-strictness"}))):
+        args = _args_like(ckpt_dir, transformer_impl=impl, **default)
+        assert guard.load_into_te_layers(ckpt_dir, args, given, lines.append) == {}
+        assert len(lines) == 1

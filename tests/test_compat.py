@@ -14,6 +14,19 @@ EVERYTHING = compat.Installed(transformer_engine=True, apex=True, fused_layer_no
                               masked_softmax_kernels=True, gradient_accumulation_kernels=True)
 
 
+def stepped(step, args, flags=(), installed=NOTHING, lines=None):
+    """``args`` as one step of the launch's resolution decides them (the planner's view),
+    its log lines appended to ``lines``."""
+    from megagpt.flags import explicit_flags
+    from megagpt.launch.planner import Planner
+
+    p = Planner(args, frozenset(explicit_flags(flags)), installed)
+    step(p)
+    if lines is not None:
+        lines.extend(p.lines)
+    return p.v
+
+
 def megatron_defaults(argv=()):
     from megatron.training.arguments import add_megatron_arguments
 
@@ -24,7 +37,7 @@ def megatron_defaults(argv=()):
 
 def test_plain_install_adapts_the_five_settings_with_one_line_each():
     args, lines = megatron_defaults(), []
-    compat.adapt_args_to_installed(args, [], NOTHING, lines.append)
+    args = stepped(compat.adapt_to_installed, args, [], NOTHING, lines)
     assert args.transformer_impl == "local"
     assert args.no_persist_layer_norm is True
     assert args.masked_softmax_fusion is False
@@ -39,7 +52,7 @@ TE_WITHOUT_APEX = compat.Installed(transformer_engine=True, apex=False, fused_la
 
 def test_with_everything_installed_only_the_layers_are_chosen():
     args, lines = megatron_defaults(), []
-    compat.adapt_args_to_installed(args, [], EVERYTHING, lines.append)
+    args = stepped(compat.adapt_to_installed, args, [], EVERYTHING, lines)
     assert args.transformer_impl == "local"  # the fast spec: no model parallelism
     assert args.gradient_accumulation_fusion and args.masked_softmax_fusion
     assert len(lines) == 1 and "fast spec measured faster" in lines[0]
@@ -78,7 +91,7 @@ LAYER_CHOICES = [
 @pytest.mark.parametrize("flags,installed,impl,why", LAYER_CHOICES,
                          ids=[" ".join(f) or "defaults" for f, *_ in LAYER_CHOICES])
 def test_layers_are_chosen_by_what_is_installed_and_the_layout(flags, installed, impl, why):
-    from megagpt.fast_spec.settings import add_fast_path_arguments
+    from megagpt.fast_path_flags import add_fast_path_arguments
 
     from megatron.training.arguments import add_megatron_arguments
 
@@ -87,13 +100,13 @@ def test_layers_are_chosen_by_what_is_installed_and_the_layout(flags, installed,
     parser.add_argument("--cpu", action="store_true")
     add_fast_path_arguments(parser)
     args, lines = parser.parse_args(flags), []
-    compat.adapt_args_to_installed(args, flags, installed, lines.append)
+    args = stepped(compat.adapt_to_installed, args, flags, installed, lines)
     assert args.transformer_impl == impl
-    assert why in lines[0] and why in args.transformer_impl_reason, lines[0]
+    assert why in lines[0], lines[0]
 
 
 def test_no_fast_spec_with_te_installed_keeps_megatrons_default_layers():
-    from megagpt.fast_spec.settings import add_fast_path_arguments
+    from megagpt.fast_path_flags import add_fast_path_arguments
 
     parser = argparse.ArgumentParser(allow_abbrev=False)
     from megatron.training.arguments import add_megatron_arguments
@@ -101,7 +114,7 @@ def test_no_fast_spec_with_te_installed_keeps_megatrons_default_layers():
     add_megatron_arguments(parser)
     add_fast_path_arguments(parser)
     args = parser.parse_args(["--no-fast-spec"])
-    compat.adapt_args_to_installed(args, ["--no-fast-spec"], TE_WITHOUT_APEX, lambda line: None)
+    args = stepped(compat.adapt_to_installed, args, ["--no-fast-spec"], TE_WITHOUT_APEX, None)
     assert args.transformer_impl == "transformer_engine"
 
 
@@ -110,7 +123,7 @@ def test_gradient_accumulation_fusion_follows_the_kernels_really_there():
     fused_weight_gradient_mlp_cuda, which TE does not provide."""
     def adapted(flags, installed):
         args, lines = megatron_defaults(flags), []
-        compat.adapt_args_to_installed(args, flags, installed, lines.append)
+        args = stepped(compat.adapt_to_installed, args, flags, installed, lines)
         return args, lines
 
     te_layers, lines = adapted(["--transformer-impl", "transformer_engine"], TE_WITHOUT_APEX)
@@ -131,8 +144,6 @@ def test_megatrons_linears_build_without_the_missing_wgrad_kernel():
     """Under TE's layers without apex, a model's megatron ColumnParallelLinear (the output
     layer) is built with gradient-accumulation fusion off; megatron's own __init__ refuses
     it otherwise. The model's config keeps the setting for TE's layers."""
-    from types import SimpleNamespace
-
     from megatron.core.tensor_parallel import layers
 
     from megatron.core.transformer import TransformerConfig
@@ -141,8 +152,6 @@ def test_megatrons_linears_build_without_the_missing_wgrad_kernel():
     from megagpt import megatron_wrappers
 
     assert not layers._grad_accum_fusion_available  # no apex here
-    args = SimpleNamespace(transformer_impl="transformer_engine",
-                           gradient_accumulation_fusion=True)
     with single_gloo_rank():
         config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
                                    use_cpu_initialization=True,
@@ -150,26 +159,35 @@ def test_megatrons_linears_build_without_the_missing_wgrad_kernel():
         build = dict(config=config, init_method=lambda w: None, bias=False)
         with pytest.raises(RuntimeError, match="fused_weight_gradient_mlp_cuda"):
             layers.ColumnParallelLinear(8, 16, **build)
-        try:
-            assert compat.megatron_linears_without_wgrad_fusion(args, TE_WITHOUT_APEX)
+        with compat.megatron_linears_without_wgrad_fusion():
             column = layers.ColumnParallelLinear(8, 16, **build)
             row = layers.RowParallelLinear(16, 8, input_is_parallel=True, skip_bias_add=False,
                                            **build)
-        finally:
-            for cls in (layers.ColumnParallelLinear, layers.RowParallelLinear):
-                megatron_wrappers.remove(cls, "__init__", "megagpt.compat")
+        for cls in (layers.ColumnParallelLinear, layers.RowParallelLinear):
+            assert megatron_wrappers.installed(cls, "__init__") == []  # undone on exit
     assert not column.gradient_accumulation_fusion and not row.gradient_accumulation_fusion
     assert config.gradient_accumulation_fusion  # TE's layers still read it
     assert column.config is config
-    assert not compat.megatron_linears_without_wgrad_fusion(
-        SimpleNamespace(transformer_impl="local", gradient_accumulation_fusion=False),
-        TE_WITHOUT_APEX)
+
+
+def test_the_launch_builds_megatrons_linears_without_wgrad_fusion_only_under_te_without_apex():
+    from megagpt.flags import explicit_flags
+    from megagpt.launch.planner import Planner
+
+    def chosen(flags, installed):
+        p = Planner(megatron_defaults(flags), frozenset(explicit_flags(flags)), installed)
+        compat.adapt_to_installed(p)
+        return p.chosen(compat.MEGATRON_LINEARS_WGRAD) is not None
+
+    assert chosen(["--transformer-impl", "transformer_engine"], TE_WITHOUT_APEX)
+    assert not chosen([], TE_WITHOUT_APEX)  # the fast spec: megatron's linears, fusion off
+    assert not chosen(["--transformer-impl", "transformer_engine"], EVERYTHING)
 
 
 def test_explicit_transformer_engine_request_without_te_is_a_clear_error():
     argv = ["--transformer-impl", "transformer_engine"]
     with pytest.raises(compat.MissingDependencyError, match="Transformer Engine is not installed"):
-        compat.adapt_args_to_installed(megatron_defaults(argv), argv, NOTHING, print)
+        stepped(compat.adapt_to_installed, megatron_defaults(argv), argv, NOTHING, None)
 
 
 def test_detect_reports_this_environment():
@@ -183,10 +201,11 @@ def test_dataset_helper_compilation_is_skipped_when_the_extension_is_prebuilt():
 
     from megagpt import megatron_wrappers
 
-    compat.skip_dataset_helper_compilation()
-    compat.skip_dataset_helper_compilation()  # once is enough: the second changes nothing
-    dataset_utils.compile_helpers()  # would run `make` and sys.exit(1) without the skip
-    assert megatron_wrappers.installed(dataset_utils, "compile_helpers") == ["megagpt.compat"]
+    megatrons = dataset_utils.compile_helpers
+    with compat.dataset_helpers_prebuilt():
+        dataset_utils.compile_helpers()  # would run `make` and sys.exit(1) without the skip
+        assert megatron_wrappers.installed(dataset_utils, "compile_helpers") == ["megagpt.compat"]
+    assert dataset_utils.compile_helpers is megatrons
 
 
 def test_sequence_parallelism_without_te_or_apex_needs_the_fast_spec():
@@ -196,17 +215,20 @@ def test_sequence_parallelism_without_te_or_apex_needs_the_fast_spec():
 
     def plain_install(extra=(), **attrs):
         args = megatron_defaults(flags + list(extra))
-        compat.adapt_args_to_installed(args, flags, NOTHING, lambda line: None)
         for name, value in attrs.items():
             setattr(args, name, value)
-        return args
+        return stepped(compat.adapt_to_installed, args, flags, NOTHING)
 
-    compat.check_required_packages(plain_install(), NOTHING)  # the fast spec serves it
+    from megagpt.launch.layer_path import fast_path_selected
+
+    def refusal(args, installed):
+        return compat.sequence_parallel_norms_missing(args, installed, fast_path_selected(args))
+
+    assert refusal(plain_install(), NOTHING) is None  # the fast spec serves it
     moe = plain_install(["--num-experts", "4", "--disable-bias-linear"])
     for args in (plain_install(fast_spec=False), moe):
-        with pytest.raises(compat.MissingDependencyError, match="--sequence-parallel without"):
-            compat.check_required_packages(args, NOTHING)
-        compat.check_required_packages(args, EVERYTHING)  # TE's or apex's norms serve it
+        assert "--sequence-parallel without" in str(refusal(args, NOTHING))
+        assert refusal(args, EVERYTHING) is None  # TE's or apex's norms serve it
 
 
 def test_settings_megatrons_torch_norm_and_local_experts_cannot_run_are_refused_early():
@@ -279,7 +301,8 @@ def test_moe_experts_with_linear_biases_are_refused_unless_te_groups_them():
     import torch
 
     biased = megatron_defaults(["--num-experts", "4"])  # megatron's default: linear biases on
-    compat.adapt_megatron_quirks(biased, lambda line: None)  # the GeLU fusion off, as launched
+    # the GeLU fusion off, as launched
+    biased = stepped(compat.adapt_megatron_quirks, biased)
     with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
         _sequential_experts_step(biased)
     assert torch.isfinite(_sequential_experts_step(
@@ -314,7 +337,7 @@ def test_te_grouped_experts_with_biases_run_without_megatrons_bias_dropout_fusio
     from megatron.core.transformer.moe import experts
 
     args, lines = megatron_defaults(["--num-experts", "4", "--moe-grouped-gemm"]), []
-    compat.adapt_megatron_quirks(args, lines.append)
+    args = stepped(compat.adapt_megatron_quirks, args, lines=lines)
     assert args.bias_dropout_fusion is False and args.bias_gelu_fusion is False
     assert lines[-1].startswith("compat: --no-bias-dropout-fusion: Transformer Engine's grouped")
     assert "bias_dropout_fusion is not supported in TEGroupedMLP" in inspect.getsource(
@@ -323,7 +346,7 @@ def test_te_grouped_experts_with_biases_run_without_megatrons_bias_dropout_fusio
                                           "--disable-bias-linear"],
                  ["--num-experts", "4", "--moe-grouped-gemm", "--transformer-impl", "local"]):
         args = megatron_defaults(argv)
-        compat.adapt_megatron_quirks(args, lambda line: None)
+        args = stepped(compat.adapt_megatron_quirks, args, lines=None)
         assert args.bias_dropout_fusion is True, argv
 
 
@@ -336,11 +359,13 @@ def test_grouped_gemm_under_megatrons_local_modules_is_said_to_run_sequential_ex
     assert spec.keywords["submodules"].experts.func is SequentialMLP
     args, lines = megatron_defaults(["--num-experts", "4", "--moe-grouped-gemm",
                                      "--disable-bias-linear", "--transformer-impl", "local"]), []
-    compat.adapt_megatron_quirks(args, lines.append)
+    args = stepped(compat.adapt_megatron_quirks, args, lines=lines)
     assert any("--moe-grouped-gemm under megatron's local modules" in line and
                "SequentialMLP" in line for line in lines)
-    args.transformer_impl, lines = "transformer_engine", []
-    compat.adapt_megatron_quirks(args, lines.append)
+    args, lines = megatron_defaults(["--num-experts", "4", "--moe-grouped-gemm",
+                                     "--disable-bias-linear", "--transformer-impl",
+                                     "transformer_engine"]), []
+    args = stepped(compat.adapt_megatron_quirks, args, lines=lines)
     assert not any("--moe-grouped-gemm" in line for line in lines)
 
 
@@ -348,7 +373,7 @@ def test_rerun_mode_spelling_of_megatrons_parser_reaches_its_enum():
     from megatron.core.rerun_state_machine import RerunMode
 
     args, lines = megatron_defaults(["--rerun-mode", "report_stats"]), []
-    compat.adapt_megatron_quirks(args, lines.append)
+    args = stepped(compat.adapt_megatron_quirks, args, lines=lines)
     assert RerunMode(args.rerun_mode) is RerunMode.REPORT_DETERMINISM_STATS and len(lines) == 1
 
 
@@ -373,7 +398,7 @@ def test_squared_relu_runs_without_the_bias_gelu_fusion_megatron_refuses_with_it
     with pytest.raises(ValueError, match="bias_activation_fusion"):
         _megatron_mlp_config(args)  # megatron's own check, as launched before
     lines = []
-    compat.adapt_megatron_quirks(args, lines.append)
+    args = stepped(compat.adapt_megatron_quirks, args, lines=lines)
     assert args.bias_gelu_fusion is False and lines == [
         "compat: --no-bias-gelu-fusion: megatron fuses a bias only into GeLU, SwiGLU and "
         "quick-GeGLU (--squared-relu)"]
@@ -402,7 +427,7 @@ def test_moe_experts_with_biases_run_without_the_fusion_megatron_stops_at_the_fi
         with pytest.raises(ValueError, match="per_token_scale"):
             expert_forward(args)
         lines = []
-        compat.adapt_megatron_quirks(args, lines.append)
+        args = stepped(compat.adapt_megatron_quirks, args, lines=lines)
         assert args.bias_gelu_fusion is False and len(lines) == 1
         # past the activation now; in training megatron's MLP then adds the expert's bias in
         # place to its row-parallel linear's output, a view, which autograd refuses (these
@@ -416,7 +441,7 @@ def test_moe_experts_with_biases_run_without_the_fusion_megatron_stops_at_the_fi
     for argv in ([], ["--num-experts", "4", "--swiglu"],
                  ["--num-experts", "4", "--disable-bias-linear"]):
         args, lines = megatron_defaults(argv), []
-        compat.adapt_megatron_quirks(args, lines.append)
+        args = stepped(compat.adapt_megatron_quirks, args, lines=lines)
         assert args.bias_gelu_fusion is True and lines == [], argv
 
 

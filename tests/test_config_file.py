@@ -2,7 +2,7 @@
 
 import pytest
 
-from megagpt import arguments, config_file
+from megagpt import config_file, launch
 
 TINY = ["--cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "64",
         "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings", "64",
@@ -29,10 +29,10 @@ def test_upstream_model_args_file_loads_as_it_is(tmp_path):
 def test_command_line_overrides_the_file(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("num-layers: 12\nhidden-size: 128\nnum-attention-heads: 4\n")
-    args = arguments.parse_arguments(["--config", str(path), *TINY])
+    args = launch.parse_arguments(["--config", str(path), *TINY])
     assert args.num_layers == 2  # from the command line, after the file
     assert args.hidden_size == 64
-    args = arguments.parse_arguments([*TINY[:2], "--config", str(path), *TINY[6:]])
+    args = launch.parse_arguments([*TINY[:2], "--config", str(path), *TINY[6:]])
     assert args.num_layers == 12 and args.hidden_size == 128  # from the file
 
 
@@ -45,10 +45,10 @@ def test_bad_config_files_name_the_file_and_the_problem(tmp_path, text, message)
     path = tmp_path / "bad.yaml"
     path.write_text(text)
     with pytest.raises(config_file.ConfigFileError, match=message) as info:
-        arguments.parse_arguments(["--config", str(path), *TINY])
+        launch.parse_arguments(["--config", str(path), *TINY])
     assert str(path) in str(info.value)
 
 
 def test_missing_config_file(tmp_path):
     with pytest.raises(config_file.ConfigFileError, match="no such file"):
-        arguments.parse_arguments(["--config", str(tmp_path / "nope.yaml"), *TINY])
+        launch.parse_arguments(["--config", str(tmp_path / "nope.yaml"), *TINY])

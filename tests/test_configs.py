@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megagpt.arguments import parse_arguments
+from megagpt.launch import parse_arguments
 from megagpt.preflight import LayoutError, make_plan
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))

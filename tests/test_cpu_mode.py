@@ -88,6 +88,7 @@ def test_cpu_rng_tracker_forks_and_restores_generator_states():
 
 
 class _Args:
+    cpu = True
     bf16 = fp16 = use_distributed_optimizer = False
     fp8 = None
     transformer_impl = "local"
@@ -95,21 +96,31 @@ class _Args:
     gradient_accumulation_fusion = masked_softmax_fusion = True
 
 
-def test_adapt_args_sets_gloo_and_rejects_gpu_only_settings():
-    args, lines = _Args(), []
-    cpu_mode.adapt_args(args, lines.append)
-    assert args.distributed_backend == "gloo"
-    assert not args.gradient_accumulation_fusion and not args.masked_softmax_fusion
-    assert lines
+def test_adapt_sets_gloo_and_rejects_gpu_only_settings():
+    from megagpt.compat import Installed
+    from megagpt.launch.planner import Planner
+
+    no_te = Installed(transformer_engine=False, apex=False, fused_layer_norm=False,
+                      masked_softmax_kernels=False, gradient_accumulation_kernels=False)
+
+    def adapted(args):
+        p = Planner(args, frozenset(), no_te)
+        cpu_mode.adapt(p)
+        return p
+
+    p = adapted(_Args())
+    assert p.v.distributed_backend == "gloo"
+    assert not p.v.gradient_accumulation_fusion and not p.v.masked_softmax_fusion
+    assert p.lines and p.chosen(cpu_mode.CPU_OPTIMIZER).value == "as megatron bound it"
 
     bad = _Args()
     bad.bf16, bad.fp16 = True, True
     with pytest.raises(cpu_mode.CpuModeError, match="--bf16.*--fp16"):
-        cpu_mode.adapt_args(bad, lines.append)
+        adapted(bad)
     # megatron's distributed optimizer runs in fp32 on the CPU (the flag matrix trains it)
     fine = _Args()
     fine.use_distributed_optimizer = True
-    cpu_mode.adapt_args(fine, lines.append)
+    adapted(fine)
 
 
 def test_backward_functions_allocate_on_the_cpu_too():
@@ -148,9 +159,6 @@ def test_te_bound_optimizer_kernels_give_way_to_megatrons_torch_fallbacks(monkey
     import megatron.training.utils.common_utils as mcommon
     from megatron.core import utils as mutils
 
-    from megagpt import megatron_wrappers
-    from megagpt.fast_spec import optim
-
     def cuda_only(*args, **kwargs):
         raise AssertionError("a CUDA-only kernel ran in CPU mode")
 
@@ -165,9 +173,6 @@ def test_te_bound_optimizer_kernels_give_way_to_megatrons_torch_fallbacks(monkey
                           (moo, ("multi_tensor_applier", "multi_tensor_scale_impl")),
                           (mcommon, ("multi_tensor_applier", "multi_tensor_l2norm"))):
         te_bindings.update({(module, name): cuda_only for name in names})
-    # a fast optimizer installed by an earlier test of this process sits over some of them
-    had_fast_optimizer = bool(megatron_wrappers.installed_by(optim.__name__))
-    megatron_wrappers.remove_all(optim.__name__)
     try:
         for (module, name), value in te_bindings.items():
             monkeypatch.setattr(module, name, value)
@@ -187,15 +192,16 @@ def test_te_bound_optimizer_kernels_give_way_to_megatrons_torch_fallbacks(monkey
             assert getattr(module, name) is value, f"{module.__name__}.{name} not restored"
     finally:
         monkeypatch.undo()
-        if had_fast_optimizer:
-            optim.install_fast_optimizer()
 
 
 def test_megatrons_own_fallbacks_are_left_alone():
     """Without TE or apex megatron took its torch fallbacks itself: CPU mode changes none."""
     import megatron.core.optimizer as mopt
+
     from megagpt import megatron_wrappers
 
     if not megatron_wrappers.original(mopt, "USING_PYTORCH_OPTIMIZER"):
         pytest.skip("TE or apex is installed here")
-    assert cpu_mode._torch_optimizer_kernels() == []
+    with cpu_mode.active():  # asks megatron
+        assert megatron_wrappers.installed(mopt, "Adam") == []
+    assert cpu_mode._torch_optimizer_kernels(restore=False) == []

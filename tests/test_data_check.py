@@ -216,9 +216,9 @@ MODEL = ["--cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "64",
 
 
 def validated(*extra):
-    from megagpt import arguments
+    from megagpt import arguments, launch
 
-    args = arguments.parse_arguments([*MODEL, *extra])
+    args = launch.parse_arguments([*MODEL, *extra])
     arguments.validate_arguments(args, device_arch=0)
     return args
 
@@ -239,9 +239,9 @@ def test_schedule_checked_by_megatrons_scheduler():
 
 
 def test_megatron_assertion_without_a_message_says_which_condition_failed():
-    from megagpt import arguments
+    from megagpt import arguments, launch
 
-    args = arguments.parse_arguments([*MODEL, "--save", "ckpt"])
+    args = launch.parse_arguments([*MODEL, "--save", "ckpt"])
     with pytest.raises(arguments.ArgumentError) as err:
         arguments.validate_arguments(args, device_arch=0)  # megatron's bare assertion
     assert str(err.value).startswith(

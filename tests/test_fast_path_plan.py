@@ -1,5 +1,6 @@
-"""The fast path's plan (megagpt.fast_spec.plan): a launch's layout and flags → each choice
-and its reason; planning changes nothing; applying writes exactly what the plan says."""
+"""The fast path's steps of the launch (megagpt.launch.fast_path): a launch's layout and flags →
+each choice and its reason; planning changes nothing; the writer writes exactly what the
+launch says."""
 
 from __future__ import annotations
 
@@ -12,7 +13,11 @@ from megatron_parts import fast_path_namespace
 
 from megagpt.compat import Installed
 from megagpt.errors import UserError
-from megagpt.fast_spec.plan import apply_plan, plan_fast_path
+from megagpt.fast_spec.fp8 import Fp8Recipe
+from megagpt.launch.fast_path import SECTION, STEPS, plan_fast_path
+from megagpt.launch.planner import Planner
+from megagpt.launch.resolution import run_steps
+from megagpt.launch.writer import write
 
 NO_TE = Installed(transformer_engine=False, apex=False, fused_layer_norm=False,
                   masked_softmax_kernels=False, gradient_accumulation_kernels=False)
@@ -22,22 +27,34 @@ TE = Installed(transformer_engine=True, apex=False, fused_layer_norm=False,
 DP8 = dict(world_size=8, global_batch_size=512, use_distributed_optimizer=True)
 
 
-def launch(argv=(), installed=NO_TE, given=(), **attrs):
-    """The namespace the plan sees: the fast-path flags parsed, megatron's layout given (its
-    flags on the command line: ``given``), and --transformer-impl as ``megagpt.compat``
-    sets it (``layer_impl`` chooses)."""
+def _given(argv, given):
     from megagpt.flags import explicit_flags
+
+    return frozenset(explicit_flags(argv)) | set(given)
+
+
+def launch(argv=(), installed=NO_TE, given=(), **attrs):
+    """The namespace the fast path's steps see: the fast-path flags parsed, megatron's layout
+    given (its flags on the command line: ``given``), and --transformer-impl as
+    ``megagpt.compat``'s step chooses it (``layer_impl``)."""
     from megagpt.layer_impl import choose_transformer_impl
 
     args = fast_path_namespace(argv, **attrs)
-    impl = choose_transformer_impl(args, explicit_flags(argv) | set(given), installed)
-    args.transformer_impl, args.transformer_impl_reason = impl.impl, impl.reason
+    args.transformer_impl = choose_transformer_impl(args, _given(argv, given), installed).impl
     return args
 
 
-def plan_of(argv=(), installed=NO_TE, environ=None, **attrs):
-    return plan_fast_path(launch(argv, installed, **attrs), installed,
-                          {} if environ is None else environ)
+def plan_of(argv=(), installed=NO_TE, environ=None, given=(), **attrs):
+    """The launch of the layers step and the fast path's steps, over one planner."""
+    from megagpt.layer_impl import choose_transformer_impl
+
+    args = fast_path_namespace(argv, **attrs)
+    p = Planner(args, _given(argv, given), installed, {} if environ is None else environ)
+    p.section = "compat"
+    impl = choose_transformer_impl(args, p.given, installed)
+    p.set("transformer_impl", impl.impl)
+    p.choose("transformer impl", impl.impl, impl.reason)
+    return run_steps(p, [(SECTION, step) for step in STEPS])
 
 
 # layout/flags → {choice: (value, a piece of its reason)}
@@ -50,7 +67,8 @@ TABLE = {
         "bf16 grad buffer": (True, "one micro-batch"),
         "grad write": (True, "nothing is accumulated"),
         "NCCL connect": ("unset", "no NCCL collective"),
-        "LM loss": ("chunked", "formed in forward"),
+        "LM loss": ("chunked", "logits never exist all at once"),
+        "LM grad in forward": (True, "formed in forward"),
     }),
     "1 GPU, TE installed": ([], TE, {}, {
         "layers": ("fast", "measured faster than TE's"),
@@ -82,7 +100,8 @@ TABLE = {
     }),
     "PP 2 of 4 GPUs": ([], NO_TE, dict(world_size=4, pipeline_model_parallel_size=2), {
         "CUDA graph": ("none", "per layer: pipeline parallelism"),
-        "LM loss": ("chunked", "recomputed in backward"),
+        "LM loss": ("chunked", "logits never exist all at once"),
+        "LM grad in forward": (False, "recomputed in backward: pipeline parallelism"),
     }),
     "PP 2, --fast-cuda-graphs layers": (["--fast-cuda-graphs", "layers"], NO_TE,
                                   dict(world_size=4, pipeline_model_parallel_size=2), {
@@ -129,12 +148,12 @@ TABLE = {
     # --fp8-format: the fast spec's FP8 linears where they run, TE's FP8 layers elsewhere
     "1 GPU, FP8": ([], NO_TE, dict(fp8="hybrid", fp8_recipe="delayed"), {
         "layers": ("fast", "not installed"),
-        "FP8": ("hybrid, delayed scaling, fast spec", "not installed"),
+        "FP8": (Fp8Recipe(format="hybrid", scaling="delayed"), "not installed"),
         "CUDA graph": ("full iteration", "one GPU"),
     }),
     "1 GPU, FP8, TE installed": ([], TE, dict(fp8="e4m3", fp8_recipe="tensorwise"), {
         "layers": ("fast", "FP8 linears measured faster than TE's FP8 layers"),
-        "FP8": ("e4m3, tensorwise scaling, fast spec", "measured faster"),
+        "FP8": (Fp8Recipe(format="e4m3", scaling="tensorwise"), "measured faster"),
     }),
     "TP 2, FP8, TE installed": ([], TE, dict(world_size=4, tensor_model_parallel_size=2,
                                              fp8="hybrid", fp8_recipe="delayed"), {
@@ -238,12 +257,12 @@ def test_planning_changes_neither_args_nor_the_environment(layout):
 
 
 @pytest.mark.parametrize("layout", list(TABLE))
-def test_apply_writes_exactly_what_the_plan_says(layout):
+def test_the_writer_writes_exactly_what_the_launch_says(layout):
     argv, installed, attrs, _ = TABLE[layout]
     args = launch(argv, installed, **attrs)
     before, environ, lines = dict(vars(args)), {}, []
     plan = plan_fast_path(args, installed, environ)
-    apply_plan(plan, args, environ, lines.append)
+    write(plan, args, environ, lines.append)
     changed = {k: v for k, v in vars(args).items() if k not in before or before[k] != v}
     assert set(changed) <= set(dict(plan.args))
     assert all(getattr(args, name) == value for name, value in plan.args)
@@ -257,7 +276,8 @@ def test_the_plan_is_frozen_and_printed_one_line_per_choice():
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.log = ()
     lines = plan.describe()
-    assert lines[0] == "fast path:" and len(lines) == len(plan.choices) + 1
+    assert lines[0] == "compat:" and lines[2] == "fast path:"
+    assert len(lines) == len(plan.choices) + 2
     assert "  CUDA graph        full iteration — one GPU" in lines[lines.index(next(
         line for line in lines if "CUDA graph" in line))]
 
@@ -268,22 +288,14 @@ def test_the_users_nccl_setting_is_kept():
 
 
 def test_apply_fast_path_defaults_is_the_plan_applied():
-    from megagpt.fast_spec.plan import apply_fast_path_defaults
+    from megagpt.launch.fast_path import apply_fast_path_defaults
 
     args, lines = launch(world_size=8), []
     plan = plan_fast_path(copy.deepcopy(args), NO_TE, {})
-    assert apply_fast_path_defaults(args, lines.append, NO_TE) == plan
+    applied = apply_fast_path_defaults(args, lines.append, NO_TE)
+    assert (applied.choices, applied.args, applied.environ) == (plan.choices, plan.args,
+                                                                plan.environ)
     assert lines == list(plan.log) and args.cuda_graph_impl == "local"
-
-
-def test_builders_build_the_layers_the_plan_names():
-    import gpt_builders
-
-    for argv, attrs in (([], {}), (["--no-fast-spec"], {}), ([], {"num_experts": 4})):
-        args = launch(argv, **attrs)
-        choice = gpt_builders.choose_layer_spec(args)
-        assert (choice.path, choice.reason) == (plan_of(argv, **attrs).value("layers"),
-                                                plan_of(argv, **attrs).choice("layers").reason)
 
 
 def test_use_flash_attn_is_taken_as_attention_backend_flash():
@@ -318,7 +330,7 @@ def test_the_switches_are_the_ones_megatron_sets(monkeypatch, backend):
     from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.transformer.enums import AttnBackend
 
-    from megagpt.fast_spec.attention_backend import TE_SWITCH_NAMES, TE_SWITCHES
+    from megagpt.launch.attention_backend import TE_SWITCH_NAMES, TE_SWITCHES
 
     for name in TE_SWITCH_NAMES:
         monkeypatch.delenv(name, raising=False)
@@ -329,22 +341,22 @@ def test_the_switches_are_the_ones_megatron_sets(monkeypatch, backend):
 
 
 def test_fp8_on_the_fast_spec_leaves_megatrons_fp8_unset_and_reaches_the_layers():
-    """megatron's FP8 path is Transformer Engine's: the plan moves --fp8-format to the fast
-    spec's own switch, which the layer spec turns into every fused layer's FP8 recipe."""
+    """megatron's FP8 path is Transformer Engine's: the launch moves --fp8-format to the fast
+    spec's own switch, and its FP8 choice is every fused layer's recipe."""
     from megagpt.fast_spec.fp8 import Fp8Recipe
-    from megagpt.fast_spec.spec import fused_layer_options
+    from megagpt.gpt_model import fused_layer_options
 
     args = launch(fp8="hybrid", fp8_recipe="tensorwise", fp8_margin=1)
     plan = plan_fast_path(args, NO_TE, {})
     assert getattr(args, "fp8") == "hybrid"  # planning changes nothing
-    apply_plan(plan, args, environ={})
+    write(plan, args, environ={})
     assert args.fp8 is None and args.fast_fp8 == "hybrid"
-    assert fused_layer_options(args).fp8 == Fp8Recipe(format="hybrid", scaling="tensorwise",
-                                                      margin=1)
+    recipe = Fp8Recipe(format="hybrid", scaling="tensorwise", margin=1)
+    assert plan.value("FP8") == recipe and fused_layer_options(plan).fp8 == recipe
     assert any("FP8 linears" in line for line in plan.log)
-    bf16 = launch()
-    apply_plan(plan_fast_path(bf16, NO_TE, {}), bf16, environ={})
-    assert fused_layer_options(bf16).fp8 is None
+    assert "FP8               hybrid, tensorwise scaling, fast spec" in "\n".join(
+        plan.describe())
+    assert fused_layer_options(plan_fast_path(launch(), NO_TE, {})).fp8 is None
 
 
 @pytest.mark.parametrize("attrs, needle", [

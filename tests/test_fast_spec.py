@@ -83,6 +83,17 @@ def _config(**overrides):
     return TransformerConfig(**kw)
 
 
+def _spec(args):
+    """The fast spec for ``args``, its fused layer as their switches ask (the launch's choices
+    of a real run: ``megagpt.gpt_model.fused_layer_options``)."""
+    from megagpt.fast_spec.layer import FusedLayerOptions
+    from megagpt.fast_spec.spec import get_fast_gpt_layer_spec
+
+    fused = FusedLayerOptions.make(compile=args.fast_spec_compile) \
+        if args.fast_spec_fused_layer else None
+    return get_fast_gpt_layer_spec(args, fused)
+
+
 def _args(**kw):
     base = dict(fast_spec=True, fast_spec_fused_layer=True, fast_spec_compile=False,
                 normalization="LayerNorm", qk_layernorm=False, num_experts=None,
@@ -95,13 +106,11 @@ def _models(config, args, position_embedding_type="learned_absolute"):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from megagpt.fast_spec.spec import get_fast_gpt_layer_spec
-
     torch.manual_seed(0)
     local_spec = get_gpt_layer_local_spec(normalization=args.normalization)
     ref = GPTModel(config, local_spec, vocab_size=VOCAB, max_sequence_length=SEQ,
                    position_embedding_type=position_embedding_type)
-    fast = GPTModel(config, get_fast_gpt_layer_spec(args), vocab_size=VOCAB,
+    fast = GPTModel(config, _spec(args), vocab_size=VOCAB,
                     max_sequence_length=SEQ, position_embedding_type=position_embedding_type)
     missing = fast.load_state_dict(ref.state_dict(), strict=True)
     assert not missing.missing_keys and not missing.unexpected_keys
@@ -191,11 +200,11 @@ def test_fused_layer_matches_local_spec(cpu_buffers, monkeypatch, overrides, arg
 def _sequence_parallel_models(config):
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from megagpt.fast_spec.spec import fast_decoder_block_spec, get_fast_gpt_layer_spec
+    from megagpt.fast_spec.spec import fast_decoder_block_spec
 
     def build(args):
         torch.manual_seed(0)
-        block = fast_decoder_block_spec(get_fast_gpt_layer_spec(args), config)
+        block = fast_decoder_block_spec(_spec(args), config)
         return GPTModel(config, block, vocab_size=VOCAB, max_sequence_length=SEQ)
 
     ref, fast = build(_args(fast_spec_fused_layer=False)), build(_args())
@@ -487,7 +496,7 @@ def test_chunk_kernels_trace_without_graph_breaks():
 # optimizer kernels
 # ---------------------------------------------------------------------------------------
 def test_foreach_multi_tensor_kernels():
-    from megagpt.fast_spec.optim import (
+    from megagpt.train_step.optimizer import (
         foreach_copy_this_to_that,
         foreach_multi_tensor_l2norm,
         foreach_multi_tensor_scale,
@@ -522,7 +531,7 @@ def test_optimizer_kernels_take_fsdp2s_sharded_parameters(megatron_cpu):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from megagpt.fast_spec.optim import foreach_copy_this_to_that
+    from megagpt.train_step.optimizer import foreach_copy_this_to_that
 
     mesh = init_device_mesh("cpu", (1,))  # on the module's one-rank gloo group
     src = [distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]) for _ in range(2)]
@@ -535,41 +544,31 @@ def test_optimizer_kernels_take_fsdp2s_sharded_parameters(megatron_cpu):
         torch.testing.assert_close(d.full_tensor(), s.full_tensor().bfloat16())
 
 
-def test_install_fast_optimizer_swaps_megatron_fallbacks_and_restores():
+def test_fast_kernels_swap_megatron_fallbacks_and_restore():
     import megatron.core.optimizer as mopt
     import megatron.core.optimizer.clip_grads as mclip
     import megatron.core.optimizer.optimizer as moo
     from megatron.core import utils as mutils
 
-    from megagpt import megatron_wrappers
-    from megagpt.fast_spec import optim
+    from megagpt.train_step import optimizer as optim
 
     if not optim.megatron_uses_local_fallbacks():
         pytest.skip("TE or apex installed: megatron has its fused kernels")
-    # e.g. an in-process entry run before this test
-    was_installed = optim.__name__ in megatron_wrappers.installed(mopt, "Adam")
-    megatron_wrappers.remove_all(optim.__name__)
     before = (mopt.Adam, mclip.l2_norm_impl, moo._multi_tensor_copy_this_to_that)
     assert mopt.USING_PYTORCH_OPTIMIZER and mclip.l2_norm_impl is mutils.local_multi_tensor_l2_norm
-    changed = optim.install_fast_optimizer()
-    try:
+    with optim.fast_kernels() as changed:
         assert changed
         assert mopt.Adam is optim.torch_fused_adam and not mopt.USING_PYTORCH_OPTIMIZER
         assert mclip.l2_norm_impl is optim.foreach_multi_tensor_l2norm
         assert mclip.multi_tensor_scale_impl is optim.foreach_multi_tensor_scale
         assert moo._multi_tensor_copy_this_to_that is optim.foreach_copy_this_to_that
-        assert optim.install_fast_optimizer() == []  # idempotent
-    finally:
-        megatron_wrappers.remove_all(optim.__name__)
     assert (mopt.Adam, mclip.l2_norm_impl, moo._multi_tensor_copy_this_to_that) == before
     assert mclip.l2_norm_impl is mutils.local_multi_tensor_l2_norm
     assert mopt.USING_PYTORCH_OPTIMIZER
-    if was_installed:
-        optim.install_fast_optimizer()
 
 
 def test_torch_fused_adam_takes_megatrons_arguments_and_matches_foreach_adamw():
-    from megagpt.fast_spec.optim import torch_fused_adam
+    from megagpt.train_step.optimizer import torch_fused_adam
 
     torch.manual_seed(0)
     p1 = torch.nn.Parameter(torch.randn(64))
@@ -594,7 +593,7 @@ def test_torch_fused_adam_takes_megatrons_arguments_and_matches_foreach_adamw():
 # switches and when the fast path applies
 # ---------------------------------------------------------------------------------------
 def _parse(argv):
-    from megagpt.fast_spec.settings import add_fast_path_arguments
+    from megagpt.fast_path_flags import add_fast_path_arguments
 
     p = argparse.ArgumentParser()
     add_fast_path_arguments(p)
@@ -602,7 +601,7 @@ def _parse(argv):
 
 
 def _resolved(argv=(), **attrs):
-    from megagpt.fast_spec.plan import apply_fast_path_defaults
+    from megagpt.launch.fast_path import apply_fast_path_defaults
 
     args = _parse(list(argv))
     base = dict(transformer_impl="local", spec=None, num_experts=None, world_size=1,
@@ -614,29 +613,22 @@ def _resolved(argv=(), **attrs):
     for k, v in base.items():
         setattr(args, k, v)
     lines = []
-    apply_fast_path_defaults(args, lines.append)
-    return args, lines
+    launch = apply_fast_path_defaults(args, lines.append)
+    return args, lines, launch
 
 
 @pytest.fixture()
 def restore_optimizer():
-    from megagpt import megatron_wrappers
-    from megagpt.fast_spec import async_step, flat_adam, optim
+    """Nothing of megatron changed before the test, and nothing left changed after it."""
+    from megatron_parts import megatron_changes_in_place
 
-    installed = {module.__name__: bool(megatron_wrappers.installed_by(module.__name__))
-                 for module in (optim, async_step, flat_adam)}
-    megatron_wrappers.remove_all(optim.__name__)
+    assert megatron_changes_in_place() == []
     yield
-    megatron_wrappers.remove_all(optim.__name__)
-    for module in (async_step, flat_adam):
-        if not installed[module.__name__]:
-            megatron_wrappers.remove_all(module.__name__)
-    if installed[optim.__name__]:
-        optim.install_fast_optimizer()
+    assert megatron_changes_in_place() == []
 
 
 def test_flags_parse_on_a_parser_and_on_a_group():
-    from megagpt.fast_spec.settings import add_fast_path_arguments
+    from megagpt.fast_path_flags import add_fast_path_arguments
 
     a = _parse([])
     assert a.fast_spec and a.fast_spec_fused_layer and a.fast_optimizer and a.fast_lm_loss
@@ -672,7 +664,7 @@ def test_an_unknown_piece_is_refused_naming_the_known_ones(capsys):
 ])
 def test_an_earlier_versions_option_is_refused_with_its_new_spelling(tmp_path, old, new):
     """Through the entry's parser, before megatron's: one line naming what to use."""
-    from megagpt.arguments import parse_arguments
+    from megagpt.launch import parse_arguments
     from megagpt.errors import UserError
 
     with pytest.raises(UserError, match=f"{old} is no longer an option: .*{new}"):
@@ -680,7 +672,7 @@ def test_an_earlier_versions_option_is_refused_with_its_new_spelling(tmp_path, o
 
 
 def test_defaults_single_gpu_fast_path_uses_graph_and_compile(restore_optimizer):
-    args, lines = _resolved()
+    args, lines, _ = _resolved()
     assert args.cuda_graph_impl == "full_iteration" and args.fast_cuda_graph
     assert args.fast_spec_compile is True
     assert args.check_for_nan_in_loss_and_grad is False
@@ -705,7 +697,7 @@ def test_defaults_single_gpu_fast_path_uses_graph_and_compile(restore_optimizer)
     ],
 )
 def test_graph_stays_off_where_it_does_not_apply(restore_optimizer, argv, attrs, reason, impl):
-    args, lines = _resolved(argv, **attrs)
+    args, lines, _ = _resolved(argv, **attrs)
     assert not args.fast_cuda_graph
     assert args.cuda_graph_impl == impl
     assert args.fast_layer_graphs is (impl == "local")
@@ -723,10 +715,10 @@ def test_te_dense_layers_on_one_gpu_take_the_full_iteration_graph_when_asked(
     (--fast-cuda-graphs iteration: megatron's --cuda-graph-impl full_iteration, with the fast path's
     capture deadline and NaN handling; docs/speed.md has its measured gain), and says how to
     ask where it is off; per-layer graphs and the gradient writes stay the fast spec's."""
-    args, lines = _resolved([], transformer_impl="transformer_engine")
+    args, lines, _ = _resolved([], transformer_impl="transformer_engine")
     assert not args.fast_cuda_graph and args.cuda_graph_impl == "none"
     assert any("--fast-cuda-graphs iteration asks for it" in line for line in lines), lines
-    args, lines = _resolved(["--fast-cuda-graphs", "iteration"], transformer_impl="transformer_engine")
+    args, lines, _ = _resolved(["--fast-cuda-graphs", "iteration"], transformer_impl="transformer_engine")
     assert args.fast_cuda_graph and args.cuda_graph_impl == "full_iteration"
     assert args.check_for_nan_in_loss_and_grad is False
     assert not args.fast_layer_graphs and not args.fast_grad_write
@@ -737,7 +729,7 @@ def test_te_dense_layers_on_one_gpu_take_the_full_iteration_graph_when_asked(
 def test_megatrons_own_full_iteration_flag_is_kept_and_said_so(restore_optimizer):
     """megatron's --cuda-graph-impl full_iteration, given by the user, runs as given (also on
     several GPUs, where the fast path would not choose it): the log must not call it off."""
-    args, lines = _resolved([], cuda_graph_impl="full_iteration", world_size=2,
+    args, lines, _ = _resolved([], cuda_graph_impl="full_iteration", world_size=2,
                             check_for_nan_in_loss_and_grad=False)
     assert args.cuda_graph_impl == "full_iteration" and not args.fast_cuda_graph
     assert args.fast_spec_compile is True  # compiled, as under the fast path's own graph
@@ -752,7 +744,7 @@ def test_graph_asked_for_on_several_gpus(restore_optimizer, monkeypatch):
     from megagpt.errors import UserError
 
     monkeypatch.delenv("NCCL_RUNTIME_CONNECT", raising=False)
-    args, lines = _resolved(["--fast-cuda-graphs", "iteration"], world_size=2)
+    args, lines, _ = _resolved(["--fast-cuda-graphs", "iteration"], world_size=2)
     assert args.cuda_graph_impl == "full_iteration" and not args.fast_layer_graphs
     assert any("on 2 GPUs, asked for" in line for line in lines), lines
     import os
@@ -770,16 +762,16 @@ def test_graph_asked_for_on_several_gpus(restore_optimizer, monkeypatch):
                   check_for_nan_in_loss_and_grad=False)
     # by default on one GPU the graph gives way to --overlap-param-gather (and per-layer
     # graphs, which hold the fused layer, stay off with it)
-    args, lines = _resolved([], overlap_param_gather=True, use_distributed_optimizer=True)
+    args, lines, _ = _resolved([], overlap_param_gather=True, use_distributed_optimizer=True)
     assert not args.fast_cuda_graph and args.cuda_graph_impl == "none"
     assert any("full-iteration CUDA graph off: --overlap-param-gather" in line
                for line in lines), lines
-    args, _ = _resolved(["--fast-cuda-graphs", "iteration"], world_size=1)
+    args, _, _ = _resolved(["--fast-cuda-graphs", "iteration"], world_size=1)
     assert args.cuda_graph_impl == "full_iteration"
 
 
 def test_cpu_mode_never_compiles_or_graphs(restore_optimizer):
-    args, _ = _resolved(["--fast-compile", "on", "--fast-cuda-graphs", "iteration"], cpu=True)
+    args, _, _ = _resolved(["--fast-compile", "on", "--fast-cuda-graphs", "iteration"], cpu=True)
     assert args.fast_spec_compile is False and not args.fast_cuda_graph
     assert args.cuda_graph_impl == "none"
 
@@ -792,48 +784,44 @@ def test_no_fast_optimizer_leaves_megatron_alone(restore_optimizer):
     assert mopt.Adam is before
 
 
-def test_parsing_patches_nothing_launching_does(restore_optimizer):
-    """--help and --dry-run resolve the defaults only; the entry's launch installs the
-    optimizer and step replacements."""
+def test_resolving_patches_nothing_the_launchs_context_does(restore_optimizer):
+    """--help and --dry-run resolve the launch only; the launch's context installs the
+    optimizer and step replacements, and takes them off again."""
     import megatron.core.optimizer as mopt
     import megatron.training.training as mtraining
 
-    from megagpt.fast_spec import optim
-    from megagpt.fast_spec.settings import install_fast_path_patches
+    from megagpt import megatron_wrappers
+    from megagpt.launch.megatron_changes import launched
+    from megagpt.train_step import flat_adam, grad_write, optimizer as optim
 
     if not optim.megatron_uses_local_fallbacks():
         pytest.skip("TE or apex installed: megatron has its fused kernels")
     before = (mopt.Adam, mtraining.training_log)
-    args, _ = _resolved()
+    args, _, launch = _resolved(bf16=True)
     assert (mopt.Adam, mtraining.training_log) == before
-    from megagpt.fast_spec import grad_write
-
     assert args.fast_grad_write and not grad_write.grad_write_enabled()
     lines = []
-    install_fast_path_patches(args, lines.append)
-    assert grad_write.grad_write_enabled()
-    assert mopt.Adam is optim.torch_fused_adam
-    assert mtraining.training_log is not before[1]
+    with launched(launch, args, log=lines.append):
+        assert grad_write.grad_write_enabled()
+        assert mopt.Adam is optim.torch_fused_adam
+        assert mtraining.training_log is not before[1]
+        assert flat_adam.__name__ in megatron_wrappers.installed(  # the flat step, once built
+            mtraining, "setup_model_and_optimizer")
     assert any("no host synchronisation" in line for line in lines)
-    from megagpt import megatron_wrappers
-    from megagpt.fast_spec import flat_adam
-
-    assert flat_adam.__name__ in megatron_wrappers.installed(  # the flat step, once built
-        mtraining, "setup_model_and_optimizer")
+    assert (mopt.Adam, mtraining.training_log) == before and not grad_write.grad_write_enabled()
 
 
 def test_no_fast_flat_adam_keeps_megatrons_step(restore_optimizer):
-    from megagpt import megatron_wrappers
-    from megagpt.fast_spec import flat_adam, optim
-    from megagpt.fast_spec.settings import install_fast_path_patches
+    from megagpt.launch.megatron_changes import pieces
+    from megagpt.train_step import optimizer as optim
 
     if not optim.megatron_uses_local_fallbacks():
         pytest.skip("TE or apex installed: megatron has its fused kernels")
-    megatron_wrappers.remove_all(flat_adam.__name__)
-    args, _ = _resolved(["--fast-disable", "flat-adam"])
     lines = []
-    install_fast_path_patches(args, lines.append)
-    assert not megatron_wrappers.installed_by(flat_adam.__name__)
+    for argv, flat in (([], True), (["--fast-disable", "flat-adam"], False)):
+        args, _, launch = _resolved(argv, bf16=True)
+        names = [name for name, _ in pieces(launch, args, log=lines.append)]
+        assert ("flat AdamW step" in names) is flat and "optimizer kernels" in names
     assert any("--fast-disable flat-adam" in line for line in lines)
 
 
@@ -991,22 +979,25 @@ def test_gpu_fused_layer_compiled_matches_eager_bf16():
         torch.testing.assert_close(a, b_, rtol=3e-2, atol=3e-3)
 
 
-def test_output_processor_choice():
-    from megagpt.fast_spec.lm_loss import fused_lm_head_loss, get_output_processor
+def test_output_processor_is_the_launchs_lm_loss():
+    from megagpt.fast_spec.lm_loss import fused_lm_head_loss
+    from megagpt.gpt_model import output_processor
 
-    ns = argparse.Namespace
-    chosen = get_output_processor(ns(fast_lm_loss=True, transformer_impl="local",
-                                     fast_spec_compile=True))
-    assert chosen.func is fused_lm_head_loss
-    assert chosen.keywords == {"grad_in_forward": True, "compile_kernels": True}
-    for kept in (dict(fast_lm_grad_in_forward=False), dict(pipeline_model_parallel_size=2)):
-        chosen = get_output_processor(ns(fast_lm_loss=True, transformer_impl="local", **kept))
-        assert chosen.func is fused_lm_head_loss
-        assert chosen.keywords == {"grad_in_forward": False, "compile_kernels": False}
-    assert get_output_processor(ns(fast_lm_loss=False, transformer_impl="local")) is None
-    assert get_output_processor(ns(fast_lm_loss=True, transformer_impl="transformer_engine")) is None
-    assert get_output_processor(ns(fast_lm_loss=True, transformer_impl="local",
-                                   cross_entropy_loss_fusion=True)) is None
+    def chosen(argv=(), **attrs):
+        return output_processor(_resolved(argv, **attrs)[2])
+
+    compiled = chosen(["--fast-compile", "on"])
+    assert compiled.func is fused_lm_head_loss
+    assert compiled.keywords == {"grad_in_forward": True, "compile_kernels": True}
+    for argv, attrs in ((["--fast-disable", "lm-grad-in-forward"], {}),
+                        ([], dict(pipeline_model_parallel_size=2, world_size=2))):
+        eager = chosen(["--fast-compile", "off", *argv], **attrs)
+        assert eager.func is fused_lm_head_loss
+        assert eager.keywords == {"grad_in_forward": False, "compile_kernels": False}
+    assert chosen(["--fast-disable", "lm-loss"]) is None
+    assert chosen(transformer_impl="transformer_engine") is None
+    assert chosen(cross_entropy_loss_fusion=True) is None
+    assert chosen(tensor_model_parallel_size=2, world_size=2) is None  # vocab-parallel output
 
 
 def test_compiler_failure_falls_back_to_eager(cpu_buffers):
@@ -1047,10 +1038,10 @@ def test_fast_spec_checkpoint_names_its_norms_as_te_layers_do(megatron_cpu):
     fast spec keeps that map). Every other tensor has the same name in both specs."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from megagpt.fast_spec.spec import fast_decoder_block_spec, get_fast_gpt_layer_spec
+    from megagpt.fast_spec.spec import fast_decoder_block_spec
 
     config = _config()
-    model = GPTModel(config, fast_decoder_block_spec(get_fast_gpt_layer_spec(_args()), config),
+    model = GPTModel(config, fast_decoder_block_spec(_spec(_args()), config),
                      vocab_size=VOCAB, max_sequence_length=SEQ)
     # the name each tensor has in the checkpoint (layers stacked under one name, their index
     # an offset), not the module path it has in the model

@@ -1,4 +1,4 @@
-"""The flat AdamW step (megagpt.fast_spec.flat_adam) against megatron's own bf16 step.
+"""The flat AdamW step (megagpt.train_step.flat_adam) against megatron's own bf16 step.
 
 Megatron's DDP, its bf16 optimizer (``Float16OptimizerWithFloat16Params`` around torch's
 fused AdamW, the fast optimizer's kernels) and a small GPT run here on the CPU (cpu_mode maps
@@ -68,7 +68,7 @@ def _device(model):
 
 
 def _flat(model, opt, compiled=False):
-    from megagpt.fast_spec import flat_adam
+    from megagpt.train_step import flat_adam
 
     subs = flat_adam.megatron_optimizers(opt)
     assert len(subs) == 1
@@ -153,7 +153,7 @@ def test_flat_step_equals_megatrons_step(cpu_megatron, grad_dtype, clip_grad):
 def test_setup_wrapper_attaches_or_says_why_not(cpu_megatron):
     from megatron.core.optimizer import ChainedOptimizer
 
-    from megagpt.fast_spec import flat_adam
+    from megagpt.train_step import flat_adam
 
     model, opt = _build()
     lines = []
@@ -174,7 +174,7 @@ def _tensor_parallel_flat_step(rank, world_size):
     from megatron.core import parallel_state
 
     from megagpt import cpu_mode
-    from megagpt.fast_spec import flat_adam
+    from megagpt.train_step import flat_adam
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     try:
@@ -204,7 +204,7 @@ def _tensor_parallel_flat_step(rank, world_size):
 
 
 def test_flat_step_under_tensor_parallelism():
-    from megagpt.fast_spec import optim
+    from megagpt.train_step import optimizer as optim
 
     if not optim.megatron_uses_local_fallbacks():
         pytest.skip("TE or apex installed: megatron's optimizer takes their kernels")
@@ -243,7 +243,7 @@ def _data_parallel_flat_step(rank, world_size):
 
 
 def test_flat_step_under_data_parallelism():
-    from megagpt.fast_spec import optim
+    from megagpt.train_step import optimizer as optim
 
     if not optim.megatron_uses_local_fallbacks():
         pytest.skip("TE or apex installed: megatron's optimizer takes their kernels")
@@ -319,7 +319,7 @@ def _update_inputs(n=1024, groups=3, block=1):
 
 
 def _run(grad, bufs, index, table, compiled=False):
-    from megagpt.fast_spec import flat_adam
+    from megagpt.train_step import flat_adam
 
     b = [x.clone() for x in bufs]
     flat_adam.run_update(grad, *b, index, table, torch.tensor(3.0), torch.tensor(0.5),
@@ -338,7 +338,7 @@ def test_group_index_per_block_means_per_element():
 
 
 def test_block_size_is_the_largest_power_of_two_no_boundary_splits():
-    from megagpt.fast_spec.flat_adam import _block_size
+    from megagpt.train_step.flat_adam import _block_size
 
     assert _block_size([0, 1024, 3 * 1024, 50304 * 1024]) == 1024
     assert _block_size([0, 96, 128]) == 32
@@ -368,7 +368,7 @@ def test_compiled_update_equals_eager(block):
     ("amsgrad", "not torch Adam/AdamW"),
 ])
 def test_where_the_flat_step_does_not_apply(cpu_megatron, setting, needle):
-    from megagpt.fast_spec import flat_adam
+    from megagpt.train_step import flat_adam
 
     model, opt = _build()
     sub = opt.chained_optimizers[0]

@@ -253,8 +253,7 @@ def test_a_layer_that_cannot_take_the_fused_path_refuses_fp8(cpu_buffers):
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megagpt.fast_spec.spec import get_fast_gpt_layer_spec
 
-    spec = get_fast_gpt_layer_spec(_args())
-    spec.params = {"fused_options": FusedLayerOptions.make(fp8=fp8.Fp8Recipe())}
+    spec = get_fast_gpt_layer_spec(_args(), FusedLayerOptions.make(fp8=fp8.Fp8Recipe()))
     config = _config(recompute_granularity="full", recompute_method="uniform",
                      recompute_num_layers=1)
     with pytest.raises(UserError, match="cannot run the fused layer .*recompute"):

@@ -1,5 +1,5 @@
 """Gradients written into megatron's gradient buffer instead of zeroed and added
-(``megagpt.fast_spec.grad_write``; ``--fast-disable grad-write`` adds them).
+(``megagpt.train_step.grad_write``; ``--fast-disable grad-write`` adds them).
 
 Two tiny GPTs of the fast spec with the same weights, each in megatron's real DDP, run the
 same batches on the CPU: one with writing on, one with megatron's zeroing and adding. After
@@ -11,6 +11,7 @@ one step (gradient accumulation) must stop the run instead of overwriting the fi
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import pytest
 import torch
@@ -25,36 +26,40 @@ FUSED_WEIGHTS = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight",
                  "linear_fc2.weight")
 
 
+# the wrappers of the running test, switched by _write (grad_write.writing's context)
+_WRITING = contextlib.ExitStack()
+
+
 @pytest.fixture()
 def writing():
-    """megatron's DDP with megagpt's wrappers (CPU mode, one gloo rank); taken off after,
-    through the registry."""
-    from megagpt import cpu_mode, megatron_wrappers
-    from megagpt.fast_spec import grad_write
+    """megatron's DDP with megagpt's wrappers (CPU mode, one gloo rank); taken off after."""
+    from megagpt import cpu_mode
+    from megagpt.train_step import grad_write
 
-    grad_write.install()
-    with single_gloo_rank(), cpu_mode.active():
-        yield grad_write
-    megatron_wrappers.remove_all(grad_write.__name__)
+    with _WRITING:
+        _WRITING.enter_context(grad_write.writing())
+        with single_gloo_rank(), cpu_mode.active():
+            yield grad_write
+    assert not grad_write.grad_write_enabled()
 
 
 def _write(on: bool) -> None:
     """Gradients written from the next ``zero_grad_buffer`` on (grad_write's wrappers in
     place), or zeroed and added as megatron does (taken off; the models' hooks stay)."""
-    from megagpt import megatron_wrappers
-    from megagpt.fast_spec import grad_write
+    from megagpt.train_step import grad_write
 
-    if on:
-        grad_write.install()
-    else:
-        megatron_wrappers.remove_all(grad_write.__name__)
+    if on and not grad_write.grad_write_enabled():
+        _WRITING.enter_context(grad_write.writing())
+    elif not on:
+        _WRITING.close()
 
 
 def _fast_model(grad_dtype, overlap_grad_reduce=False):
     from megagpt.fast_spec.spec import get_fast_gpt_layer_spec
 
-    spec = get_fast_gpt_layer_spec(argparse.Namespace(
-        fast_spec=True, fast_spec_fused_layer=True, fast_spec_compile=False))
+    from megagpt.fast_spec.layer import FusedLayerOptions
+
+    spec = get_fast_gpt_layer_spec(argparse.Namespace(fast_spec=True), FusedLayerOptions())
     return tiny_ddp_gpt(spec, grad_dtype, overlap_grad_reduce=overlap_grad_reduce)
 
 
@@ -206,22 +211,22 @@ def test_off_is_megatrons_zeroing_and_adding(writing):
     ({"transformer_impl": "transformer_engine"}, "fast spec"),
 ])
 def test_on_by_default_where_nothing_is_accumulated(attrs, needle):
-    from megagpt.fast_spec import grad_write
-    from megagpt.fast_spec.plan import apply_fast_path_defaults
-    from megagpt.fast_spec.settings import grad_write_unsupported_reason
+    from megagpt.train_step import grad_write
+    from megagpt.launch.fast_path import apply_fast_path_defaults
+    from megagpt.launch.fast_path_reasons import grad_write_unsupported_reason
 
     args = fast_path_namespace(**attrs)
     reason = grad_write_unsupported_reason(args)
     assert (reason is None) if needle is None else (needle in reason)
     apply_fast_path_defaults(args, lambda s: None)
     assert args.fast_grad_write is (needle is None)
-    assert not grad_write.grad_write_enabled()  # parsing decides; the launch installs it
+    assert not grad_write.grad_write_enabled()  # the launch decides; its context installs it
 
 
 def test_switch_off_and_refused_where_gradients_are_summed():
     from megagpt.errors import UserError
-    from megagpt.fast_spec import grad_write
-    from megagpt.fast_spec.plan import apply_fast_path_defaults
+    from megagpt.train_step import grad_write
+    from megagpt.launch.fast_path import apply_fast_path_defaults
 
     args = fast_path_namespace(["--fast-disable", "grad-write"])
     apply_fast_path_defaults(args, lambda s: None)

@@ -120,16 +120,21 @@ def test_fused_layer_takes_its_residual_masks_from_the_seeds():
 
 
 def test_the_switch_reaches_the_layers():
-    import argparse
+    from megagpt.compat import Installed
+    from megagpt.gpt_model import fused_layer_options
+    from megagpt.launch.fast_path import plan_fast_path
 
-    from megagpt.fast_spec.settings import add_fast_path_arguments
-    from megagpt.fast_spec.spec import fused_layer_options
+    from megatron_parts import fast_path_namespace
 
-    parser = argparse.ArgumentParser()
-    add_fast_path_arguments(parser)
-    on, off = parser.parse_args([]), parser.parse_args(["--fast-disable", "hash-dropout"])
-    assert on.fast_hash_dropout and not off.fast_hash_dropout
-    assert fused_layer_options(on).hash_dropout and not fused_layer_options(off).hash_dropout
+    no_te = Installed(transformer_engine=False, apex=False, fused_layer_norm=False,
+                      masked_softmax_kernels=False, gradient_accumulation_kernels=False)
+
+    def options(argv):
+        return fused_layer_options(plan_fast_path(fast_path_namespace(argv), no_te, {}))
+
+    assert options([]).hash_dropout and not options(["--fast-disable", "hash-dropout"]).hash_dropout
+    assert options([]).compile  # one GPU: the layer is compiled inside the CUDA graph
+    assert options(["--fast-disable", "fused-layer"]) is None  # megatron's TransformerLayer
 
 
 @pytest.mark.gpu

@@ -13,7 +13,7 @@ from megatron_parts import fast_path_namespace
 
 
 def _resolved(argv=(), **attrs):
-    from megagpt.fast_spec.plan import apply_fast_path_defaults
+    from megagpt.launch.fast_path import apply_fast_path_defaults
 
     args = fast_path_namespace(argv, **attrs)
     lines: list[str] = []
@@ -103,7 +103,7 @@ def test_written_gradients_are_refused_under_layer_graphs():
     """megatron's captured backward adds each gradient into main_grad itself: a buffer left
     unzeroed would then sum two steps."""
     from megagpt.errors import UserError
-    from megagpt.fast_spec.settings import grad_write_unsupported_reason
+    from megagpt.launch.fast_path_reasons import grad_write_unsupported_reason
 
     args, _ = _resolved(["--fast-cuda-graphs", "layers"])
     assert args.fast_layer_graphs and not args.fast_grad_write
@@ -138,8 +138,10 @@ def fast_layer():
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megagpt.fast_spec.spec import get_fast_gpt_layer_spec
     from megatron.core.transformer.spec_utils import build_module
+
+    from megagpt.fast_spec.layer import FusedLayerOptions
+    from megagpt.fast_spec.spec import get_fast_gpt_layer_spec
 
     with single_gloo_rank():
         model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)
@@ -147,11 +149,11 @@ def fast_layer():
             num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
             hidden_dropout=0.0, attention_dropout=0.0, masked_softmax_fusion=False,
             persist_layer_norm=False, gradient_accumulation_fusion=False)
-        args = argparse.Namespace(fast_spec=True, fast_spec_fused_layer=True,
-                                  fast_spec_compile=False, normalization="LayerNorm",
+        args = argparse.Namespace(fast_spec=True, normalization="LayerNorm",
                                   qk_layernorm=False, num_experts=None,
                                   reset_attention_mask=False, context_parallel_size=1)
-        yield build_module(get_fast_gpt_layer_spec(args), config=config, layer_number=1)
+        spec = get_fast_gpt_layer_spec(args, FusedLayerOptions())
+        yield build_module(spec, config=config, layer_number=1)
 
 
 def test_fused_layer_is_graphed_in_training_and_runs_itself_otherwise(fast_layer):

@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from megagpt.arguments import parse_arguments
+from megagpt.launch import parse_arguments
 from megagpt.preflight import make_plan
 from megagpt.preflight import estimate as est
 from megagpt.preflight.cost import shape_of

@@ -1,6 +1,6 @@
 """The ledger of megatron changes: every entry still matches the installed megatron, every
-change the installers make is listed, and wrappers of one function compose in the ledger's
-order."""
+change the launch's context makes is listed, and wrappers of one function compose in the order
+the context installs them."""
 
 import importlib
 import json
@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from helpers import REPO
+from megatron_parts import megatron_changes_in_place
 from megagpt import megatron_ledger, megatron_source, megatron_wrappers
 from megagpt.megatron_ledger import LEDGER, REPLACES, WRAPS
 
@@ -61,46 +62,38 @@ def test_the_fingerprint_notices_a_changed_definition(tmp_path, monkeypatch):
 
 
 def test_every_change_the_installers_make_is_in_the_ledger():
-    """The fast path's launch-time installers, compat, resilience, CPU mode and the
-    validation without a GPU, run in a fresh process: each megatron attribute they change
-    has a ``wraps`` or ``replaces`` entry and was installed through
-    ``megagpt.megatron_wrappers`` (so its owner can take it off), and what the context
-    managers change is undone."""
+    """The launch's one context of megatron changes (every change turned on), the validation
+    without a GPU and the preflight, run in a fresh process: each megatron attribute they
+    change has a ``wraps`` or ``replaces`` entry and was installed through
+    ``megagpt.megatron_wrappers`` (so its owner can take it off), and all of it is undone."""
     out = subprocess.run([sys.executable, str(REPO / "tests" / "megatron_changes_probe.py")],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     listed = {c.target for c in LEDGER if c.how in (WRAPS, REPLACES)}
-    for step in ("launch", "pretrain", "validation", "preflight"):
+    for step in ("launch", "launch on the CPU", "validation", "preflight"):
         assert report[step], step  # the probe saw the installers work
         unlisted = set(report[step]) - listed
         assert not unlisted, f"{step}: changed in megatron but not in the ledger: {unlisted}"
         bypassed = set(report[step]) - set(report["registered"][step])
         assert not bypassed, f"{step}: changed outside megagpt.megatron_wrappers: {bypassed}"
-    assert report["left"] == report["launch"] == report["registered"]["left"]
-    assert "megatron.training.training.training_log" in report["pretrain"]
+    assert report["left"] == [] == report["registered"]["left"]  # every change undone
+    for name in ("training.training.training_log", "core.optimizer.Adam",
+                 "core.full_cuda_graph.FullCudaGraphWrapper.__call__"):
+        assert "megatron." + name in report["launch"], name
+    assert "megatron.training.training.initialize_megatron" in report["launch on the CPU"]
 
 
 @pytest.fixture()
 def setup_function_untouched():
-    """megatron's setup_model_and_optimizer with no wrapper over it during the test, and
-    the wrappers that were there (installed by an earlier test) back afterwards."""
+    """megatron's setup_model_and_optimizer with no wrapper over it (none stays installed
+    outside a context), and none left afterwards."""
     import megatron.training.training as mtraining
 
-    from megagpt.fast_spec import async_step, flat_adam
-
-    had = {"async": bool(megatron_wrappers.installed_by(async_step.__name__)),
-           "flat": bool(megatron_wrappers.installed_by(flat_adam.__name__))}
-    megatron_wrappers.remove_all(async_step.__name__)
-    megatron_wrappers.remove_all(flat_adam.__name__)
     assert megatron_wrappers.installed(mtraining, "setup_model_and_optimizer") == []
     yield mtraining
-    for owner in ("megagpt.fast_spec.async_step", "megagpt.fast_spec.flat_adam"):
+    for owner in ("megagpt.train_step.async_step", "megagpt.train_step.flat_adam"):
         megatron_wrappers.remove(mtraining, "setup_model_and_optimizer", owner)
-    if had["flat"]:
-        flat_adam.install()
-    if had["async"]:
-        async_step.install()
 
 
 def _tagging(tag):
@@ -121,44 +114,64 @@ def _layers(fn):
     return tags, fn
 
 
-def test_wrappers_of_one_function_compose_in_the_ledgers_order(setup_function_untouched):
+def test_wrappers_of_one_function_compose_in_the_order_they_are_installed(
+        setup_function_untouched):
     mtraining = setup_function_untouched
     original = mtraining.setup_model_and_optimizer
-    target = "megatron.training.training.setup_model_and_optimizer"
-    inner, outer = megatron_ledger.wrap_order(target)
-    assert (inner, outer) == ("megagpt.fast_spec.flat_adam", "megagpt.fast_spec.async_step")
+    flat, asynchronous = "megagpt.train_step.flat_adam", "megagpt.train_step.async_step"
 
-    # installed outer first: the inner one still goes next to megatron's function
-    megatron_wrappers.install(mtraining, "setup_model_and_optimizer", outer, _tagging("outer"))
-    megatron_wrappers.install(mtraining, "setup_model_and_optimizer", inner, _tagging("inner"))
-    tags, bottom = _layers(mtraining.setup_model_and_optimizer)
-    assert tags == ["outer", "inner"] and bottom is original
-    assert megatron_wrappers.installed(mtraining, "setup_model_and_optimizer") == [inner, outer]
+    # either order: the first installed goes next to megatron's function
+    for first, second in ((flat, asynchronous), (asynchronous, flat)):
+        megatron_wrappers.install(mtraining, "setup_model_and_optimizer", first,
+                                  _tagging("first"))
+        megatron_wrappers.install(mtraining, "setup_model_and_optimizer", second,
+                                  _tagging("second"))
+        tags, bottom = _layers(mtraining.setup_model_and_optimizer)
+        assert tags == ["second", "first"] and bottom is original
+        assert megatron_wrappers.installed(mtraining, "setup_model_and_optimizer") == [
+            first, second]
+        # the inner one taken away: the outer one stays, now over megatron's function
+        megatron_wrappers.remove(mtraining, "setup_model_and_optimizer", first)
+        tags, bottom = _layers(mtraining.setup_model_and_optimizer)
+        assert tags == ["second"] and bottom is original
+        megatron_wrappers.remove(mtraining, "setup_model_and_optimizer", second)
+        assert mtraining.setup_model_and_optimizer is original
 
-    # the inner one taken away: the outer one stays, now over megatron's function
-    megatron_wrappers.remove(mtraining, "setup_model_and_optimizer", inner)
-    tags, bottom = _layers(mtraining.setup_model_and_optimizer)
-    assert tags == ["outer"] and bottom is original
-    megatron_wrappers.remove(mtraining, "setup_model_and_optimizer", outer)
-    assert mtraining.setup_model_and_optimizer is original
 
+def test_the_launchs_context_composes_in_its_stated_order_and_undoes_it(
+        setup_function_untouched):
+    """``launch.megatron_changes``: the flat step inside the asynchronous step, the
+    asynchronous step's training_log inside resume fidelity's, the fast path's optimizer
+    under CPU mode's fallbacks (where megatron bound CUDA-only kernels); all gone on exit."""
+    import dataclasses
 
-def test_the_real_installers_compose_in_the_ledgers_order(setup_function_untouched):
-    """The asynchronous step installed before the flat step still ends up outside it."""
-    from megagpt.fast_spec import async_step, flat_adam
+    import megatron.core.optimizer as mopt
+
+    from megagpt import cpu_mode
+    from megagpt.launch import fast_path as chosen
+    from megagpt.launch import resolve, write
+    from megagpt.launch.megatron_changes import launched
 
     mtraining = setup_function_untouched
+    resolved = resolve(["--cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "64",
+                        "--num-attention-heads", "4", "--seq-length", "64",
+                        "--max-position-embeddings", "64", "--micro-batch-size", "2",
+                        "--lr", "1e-3", "--train-iters", "2"])
+    every = {chosen.OPTIMIZER: chosen.FLAT_ADAMW, chosen.ASYNC_STEP: True,
+             cpu_mode.CPU_OPTIMIZER: cpu_mode.MEGATRONS_FALLBACKS}
+    launch = dataclasses.replace(resolved, choices=tuple(
+        dataclasses.replace(c, value=every.get(c.name, c.value)) for c in resolved.choices))
     original = mtraining.setup_model_and_optimizer
-    try:
-        async_step.install()
-        flat_adam.install(compiled=False)
-        assert megatron_wrappers.installed(mtraining, "setup_model_and_optimizer") == \
-            megatron_ledger.wrap_order("megatron.training.training.setup_model_and_optimizer")
-        outer = mtraining.setup_model_and_optimizer
-        assert outer.__wrapped__.__wrapped__ is original  # functools.wraps, each
-    finally:
-        megatron_wrappers.remove_all(async_step.__name__)
-        megatron_wrappers.remove_all(flat_adam.__name__)
+    with launched(launch, write(resolved, environ={})):
+        assert megatron_wrappers.installed(mtraining, "setup_model_and_optimizer") == [
+            "megagpt.train_step.flat_adam", "megagpt.train_step.async_step"]
+        assert mtraining.setup_model_and_optimizer.__wrapped__.__wrapped__ is original
+        assert megatron_wrappers.installed(mtraining, "training_log") == [
+            "megagpt.train_step.async_step", "megagpt.resilience.fidelity"]
+        assert megatron_wrappers.installed(mopt, "Adam") == [
+            "megagpt.train_step.optimizer", "megagpt.cpu_mode"]
+        assert mopt.Adam is __import__("torch").optim.AdamW  # CPU mode's, outermost
+    assert megatron_changes_in_place() == []
     assert mtraining.setup_model_and_optimizer is original
 
 
@@ -175,7 +188,7 @@ def test_a_change_the_ledger_does_not_list_is_refused():
 def test_a_replacement_outside_the_wrappers_is_noticed(setup_function_untouched):
     mtraining = setup_function_untouched
     original = mtraining.setup_model_and_optimizer
-    owner = "megagpt.fast_spec.flat_adam"
+    owner = "megagpt.train_step.flat_adam"
     megatron_wrappers.install(mtraining, "setup_model_and_optimizer", owner, _tagging("a"))
     mtraining.setup_model_and_optimizer = original  # behind the wrappers' back
     try:
@@ -192,11 +205,9 @@ def test_a_replacement_is_undone_by_its_owner_and_wrapped_over():
     import megatron.core.optimizer as mopt
     import megatron.core.optimizer.clip_grads as mclip
 
-    from megagpt.fast_spec import optim
+    from megagpt.train_step import optimizer as optim
 
-    owner = "megagpt.fast_spec.optim"
-    had = bool(megatron_wrappers.installed_by(owner))
-    megatron_wrappers.remove_all(owner)
+    owner = "megagpt.train_step.optimizer"
     using, norm = mopt.USING_PYTORCH_OPTIMIZER, mclip.l2_norm_impl
     try:
         megatron_wrappers.replace(mopt, "USING_PYTORCH_OPTIMIZER", owner, not using)
@@ -212,8 +223,6 @@ def test_a_replacement_is_undone_by_its_owner_and_wrapped_over():
         megatron_wrappers.remove_all(owner)
     assert mopt.USING_PYTORCH_OPTIMIZER is using and mclip.l2_norm_impl is norm
     assert megatron_wrappers.installed_by(owner) == []
-    if had:
-        optim.install_fast_optimizer()
 
 
 def test_class_attributes_come_back_as_they_were_stored():

@@ -142,10 +142,15 @@ def test_ctrl_c_before_training_or_without_save_interrupts_at_once_in_one_line(t
 
 
 def test_signal_handler_is_on_whenever_the_run_saves():
-    lines = []
-    args = Namespace(save="/ckpt", exit_signal_handler=False, exit_signal=signal.SIGTERM)
-    preemption.apply_defaults(args, lines.append)
+    from megagpt.launch.planner import Planner
+
+    def decided(save):
+        p = Planner(Namespace(save=save, exit_signal_handler=False, exit_signal=signal.SIGTERM),
+                    frozenset(), None)
+        preemption.choose_exit_signal_handler(p)
+        return p.v, p.lines
+
+    args, lines = decided("/ckpt")
     assert args.exit_signal_handler and "SIGTERM saves a checkpoint to /ckpt" in lines[0]
-    args = Namespace(save=None, exit_signal_handler=False, exit_signal=signal.SIGTERM)
-    preemption.apply_defaults(args, lines.append)
-    assert not args.exit_signal_handler
+    args, lines = decided(None)
+    assert not args.exit_signal_handler and lines == []

@@ -11,7 +11,8 @@ import yaml
 import pretrain_gpt
 from gloo_ranks import single_gloo_rank
 from helpers import REPO
-from megagpt.arguments import ArgumentError, parse_arguments
+from megagpt.arguments import ArgumentError
+from megagpt.launch import parse_arguments
 from megagpt.errors import UserError
 from megagpt.preflight import LayoutError, MemoryBudgetError, make_plan
 from megagpt.preflight import estimate as est
@@ -53,9 +54,14 @@ def test_parameter_count_matches_the_built_model(extra, one_gloo_rank):
     from megagpt import cpu_mode
     from model_provider import model_provider
 
-    p = plan("--cpu", "--global-batch-size", "4", *extra)
+    from megagpt.launch import resolve, write
+
+    resolved = resolve([*TINY, "--dry-run-world-size", "1", "--cpu", "--global-batch-size", "4",
+                        *extra])
+    with contextlib.redirect_stdout(io.StringIO()):
+        p = make_plan(write(resolved))
     with cpu_mode.active():
-        model_config, _, _ = pretrain_gpt.build_configs(p.args)
+        model_config, _, _ = pretrain_gpt.build_configs(p.args, resolved)
         model = model_provider(model_config)
     assert sum(t.numel() for t in model.parameters()) == p.params.total
 

@@ -163,7 +163,7 @@ PATH_FLAGS = {"local": ["--no-fast-spec", "--fast-disable", "optimizer,lm-loss"]
 
 
 def h200_plan(shape, path, dropout):
-    from megagpt.arguments import parse_arguments
+    from megagpt.launch import parse_arguments
     from megagpt.preflight import make_plan
 
     layers, hidden, heads, seq, mb = BENCH_SHAPES[shape]

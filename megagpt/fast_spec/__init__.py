@@ -1,9 +1,13 @@
-"""Training speed without Transformer Engine; see docs/speed.md.
+"""The fast spec: GPT layers without Transformer Engine (see docs/speed.md).
 
-Entry points used by the entry (pretrain_gpt.py / gpt_builders.py):
-- settings.add_fast_path_arguments(parser); plan.plan_fast_path(args, installed) /
-  plan.apply_plan(plan, args, environ, log) (parse time); settings.install_fast_path_patches
-  (args, log) (launch)
-- spec.get_fast_gpt_layer_spec(args) / spec.fast_spec_unsupported_reason(args)
-- lm_loss.get_output_processor(args): ``model(..., output_processor=...)`` in forward_step
+- ``spec``: the layer spec (``get_fast_gpt_layer_spec``) and what it does not cover
+  (``fast_spec_unsupported_reason``);
+- ``layer``: ``FastTransformerLayer``, a dense pre-norm layer as one fused function;
+- ``attention`` and ``sdpa_kernels``: torch's scaled_dot_product_attention in megatron's place;
+- ``norm``: torch's norms, usable under sequence parallelism;
+- ``lm_loss``: the chunked LM-head cross entropy (GPTModel's output processor);
+- ``hash_dropout``: residual dropout masks hashed from each element's index.
+
+The model is built from what a launch decided (``megagpt.launch``); nothing here decides a
+launch's choices.
 """

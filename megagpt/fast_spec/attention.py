@@ -43,7 +43,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
-from .attention_backend import sdpa_kernels_for
+from .sdpa_kernels import sdpa_kernels_for
 
 
 def sdpa_kernels_only(kernels: Optional[tuple]):

@@ -87,6 +87,9 @@ class Fp8Recipe:
     def delayed(self) -> bool:
         return self.scaling == "delayed"
 
+    def __str__(self) -> str:  # the launch's FP8 choice, as --dry-run prints it
+        return f"{self.format}, {self.scaling} scaling, fast spec"
+
     def describe(self) -> str:
         grads = "e5m2" if self.format == "hybrid" else "e4m3"
         history = ("the forward before's amax" if self.history_len == 1 else

@@ -57,9 +57,11 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
 from megagpt import model_math
+from megagpt.torch_compile import is_compile_error
+from megagpt.train_step import grad_write
 
 from . import fp8 as fp8_linears
-from . import grad_write, hash_dropout
+from . import hash_dropout
 from .attention import SDPADotProductAttention, sdpa_kernels_only
 
 logger = logging.getLogger(__name__)
@@ -598,9 +600,3 @@ class FastTransformerLayer(TransformerLayer):
                 and torch.is_grad_enabled():
             self._fp8_warm = True  # this forward recorded the amaxes the next one scales by
         return make_viewless_tensor(inp=out, requires_grad=out.requires_grad, keep_graph=True)
-
-
-def is_compile_error(e: Exception) -> bool:
-    """Errors raised by dynamo / inductor themselves (not by the computation)."""
-    mod = type(e).__module__ or ""
-    return mod.startswith(("torch._dynamo", "torch._inductor", "torch.fx"))

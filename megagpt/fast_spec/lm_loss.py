@@ -14,24 +14,26 @@ softmax statistics over bf16 logits.
 ``chunked_linear_cross_entropy_grad_in_forward(hidden, weight, labels, loss_weights)`` forms
 the LM head's gradients in the forward pass instead, while each chunk's logits are at hand
 (no recompute), for losses whose upstream gradient is a scalar multiple of ``loss_weights``
-(the entry's masked-sum loss); ``get_output_processor`` picks it unless
-``--fast-disable lm-grad-in-forward`` or pipeline parallelism.
+(the entry's masked-sum loss); the launch picks it unless ``--fast-disable lm-grad-in-forward``
+or pipeline parallelism (``lm_grad_in_forward_unsupported_reason``).
 
 It plugs into ``GPTModel.forward(..., output_processor=...)`` through
-``fused_lm_head_loss``; ``get_output_processor(args)`` returns it or None. Where the
+``fused_lm_head_loss``, as the launch's ``LM loss`` choice gives it
+(``megagpt.gpt_model.output_processor``). Where the
 fused path does not apply (tensor/sequence parallel output layer, an output-layer bias,
 MuP logit scaling, no labels) the processor runs megatron's own output layer and loss.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
+
+from megagpt.torch_compile import is_compile_error
 
 # elements of one chunk's logits (tokens x vocab) per 1024 of hidden size: 2**26 = 64 Mi =
 # 128 MB in bf16 at the 345M shape. Scaled with the hidden size, the chunk keeps its share
@@ -110,8 +112,7 @@ def _kernel(name: str, fn, device: torch.device, compile_kernels: bool):
             try:
                 return compiled(*args)
             except Exception as e:  # noqa: BLE001
-                mod = type(e).__module__ or ""
-                if not mod.startswith(("torch._dynamo", "torch._inductor", "torch.fx")):
+                if not is_compile_error(e):
                     raise
                 logging.getLogger(__name__).warning(
                     "chunked LM loss: torch.compile failed (%s); running eagerly", type(e).__name__)
@@ -358,25 +359,6 @@ def fused_lm_head_loss(
         losses = chunked_linear_cross_entropy(flat_hidden, weight, flat_labels,
                                               compile_kernels=compile_kernels)
     return losses.view(s, b).transpose(0, 1).contiguous()
-
-
-def get_output_processor(args) -> Optional[Callable]:
-    """The output processor for ``model(..., output_processor=...)``, or None.
-
-    None (megatron's own LM head and loss) with ``--fast-disable lm-loss``, with Transformer
-    Engine selected (``--transformer-impl transformer_engine``: its path stays as upstream's),
-    and with ``--cross-entropy-loss-fusion`` (the user asked for megatron's fused loss).
-    """
-    if not getattr(args, "fast_lm_loss", True):
-        return None
-    if getattr(args, "transformer_impl", "local") == "transformer_engine":
-        return None
-    if getattr(args, "cross_entropy_loss_fusion", False):
-        return None
-    # --fast-compile, resolved by the fast path's plan before the model is built
-    return functools.partial(
-        fused_lm_head_loss, compile_kernels=bool(getattr(args, "fast_spec_compile", False)),
-        grad_in_forward=lm_grad_in_forward_unsupported_reason(args) is None)
 
 
 def lm_grad_in_forward_unsupported_reason(args) -> Optional[str]:

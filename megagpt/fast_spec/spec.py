@@ -29,10 +29,10 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megagpt.flags import megatron_local_spec_asked
+
 from .attention import SDPADotProductAttention
-from .layer_path import megatron_local_spec_asked
 from .layer import FastTransformerLayer, FusedLayerOptions
-from .lm_loss import lm_grad_in_forward_unsupported_reason
 from .norm import TorchNorm
 
 
@@ -56,6 +56,12 @@ def fast_spec_unsupported_reason(args) -> Optional[str]:
     """
     if not _get(args, "fast_spec", True):
         return "disabled by --no-fast-spec"
+    return fast_spec_uncovered_reason(args)
+
+
+def fast_spec_uncovered_reason(args) -> Optional[str]:
+    """What in this run the fast spec's layers do not cover, whether or not ``--no-fast-spec``
+    is given (None: they cover it all)."""
     if (_get(args, "context_parallel_size", 1) or 1) > 1:
         return (
             "context parallelism (CP > 1) needs Transformer Engine's attention; "
@@ -94,12 +100,13 @@ def fast_spec_unsupported_reason(args) -> Optional[str]:
     return None
 
 
-def get_fast_gpt_layer_spec(args) -> ModuleSpec:
+def get_fast_gpt_layer_spec(args, fused: Optional[FusedLayerOptions]) -> ModuleSpec:
     """The fast layer spec for megatron's parsed ``args`` (see module docstring).
 
     Reads: num_experts, moe_grouped_gemm, qk_layernorm, qk_l2_norm, normalization,
-    reset_attention_mask, fast_spec_fused_layer, fast_spec_compile, fast_hash_dropout (the
-    last two become the layers' ``FusedLayerOptions``).
+    reset_attention_mask. ``fused``: how the fused layers run (``FusedLayerOptions``, as the
+    launch decided them); None builds megatron's ``TransformerLayer`` with the fast spec's
+    attention and norms (``--fast-disable fused-layer``).
     """
     reason = fast_spec_unsupported_reason(args)
     if reason is not None:
@@ -122,30 +129,10 @@ def get_fast_gpt_layer_spec(args) -> ModuleSpec:
     submodules.input_layernorm = TorchNorm
     submodules.pre_mlp_layernorm = TorchNorm
 
-    if not _get(args, "fast_spec_fused_layer", True):
+    if fused is None:
         return ModuleSpec(module=TransformerLayer, submodules=submodules)
     return ModuleSpec(module=FastTransformerLayer, submodules=submodules,
-                      params={"fused_options": fused_layer_options(args)})
-
-
-def fused_layer_options(args) -> FusedLayerOptions:
-    """What every fused layer of this run is built with (``FusedLayerOptions``); FP8 where
-    the fast path's plan gave the launch's ``--fp8-format`` to the fast spec (``fast_fp8``)."""
-    from .fp8_support import recipe_from_args
-
-    return FusedLayerOptions.make(
-        compile=compile_requested(args),
-        hash_dropout=bool(_get(args, "fast_hash_dropout", True)),
-        fp8=recipe_from_args(args) if _get(args, "fast_fp8", None) else None)
-
-
-def compile_requested(args) -> bool:
-    """Whether the fused layer and the chunked loss's kernels are compiled
-    (``--fast-compile``; the fast path's plan resolves its default)."""
-    compile_ = _get(args, "fast_spec_compile", None)
-    if compile_ is None:
-        compile_ = _get(args, "cuda_graph_impl", "none") in ("full_iteration", "local")
-    return bool(compile_)
+                      params={"fused_options": fused})
 
 
 def fast_decoder_block_spec(layer_spec: ModuleSpec, config, vp_stage=None
@@ -155,32 +142,3 @@ def fast_decoder_block_spec(layer_spec: ModuleSpec, config, vp_stage=None
     ``WrappedTorchNorm``, which refuses it)."""
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * layers, layer_norm=TorchNorm)
-
-
-def describe_fast_spec(args) -> str:
-    """One line for the log: which fast-path pieces are on."""
-    parts = ["SDPA core attention"]
-    if _get(args, "fast_spec_fused_layer", True):
-        tp = _get(args, "tensor_model_parallel_size", 1) or 1
-        mode = "eager, on each tensor-parallel rank's shards" if tp > 1 else (
-            "torch.compile" if _get(args, "fast_spec_compile", False) else "eager")
-        parts.append(f"fused dense layer ({mode}; dense layers, else megatron's layer)")
-    if _get(args, "fast_lm_loss", True):
-        grad = ", gradients formed in forward" if (
-            lm_grad_in_forward_unsupported_reason(args) is None) else ""
-        parts.append(f"chunked LM-head cross entropy (TP=1{grad})")
-    if _get(args, "cuda_graph_impl", "none") == "full_iteration":
-        parts.append("full-iteration CUDA graph")
-    elif _get(args, "cuda_graph_impl", "none") == "local":
-        parts.append("per-layer CUDA graphs")
-    if _get(args, "fast_optimizer", True):
-        parts.append("fused AdamW + foreach optimizer kernels")
-        if _get(args, "fast_async_step", True):
-            parts.append("no host sync inside the step")
-        if _get(args, "fast_flat_adam", True):
-            parts.append("flat AdamW step where it applies")
-    if _get(args, "fast_bf16_grad_buffer", False):
-        parts.append("bf16 gradient buffer")
-    if _get(args, "fast_grad_write", False):
-        parts.append("gradients written into the buffer, not zeroed and added")
-    return "fast spec (no Transformer Engine): " + ", ".join(parts)

@@ -83,7 +83,7 @@ def run(opts, overrides: list[str]) -> int:
     tokenizer = transformers_tokenizer(prepared)
     dtype = opts.dtype or trained_dtype(prepared)
     with megatron_world(prepared.args):
-        model = loading.build_model(prepared.args)
+        model = loading.build_model(prepared.args, prepared.launch)
         arch = Architecture.of(model)
         try:
             target = transformers_class(arch)

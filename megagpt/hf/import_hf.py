@@ -156,7 +156,7 @@ def run(opts) -> int:
         tokenizer.save_pretrained(os.path.join(tmp, TOKENIZER_DIR))
         tokens = dict(flags, **{"tokenizer-type": "HuggingFaceTokenizer",
                                 "tokenizer-model": os.path.join(tmp, TOKENIZER_DIR)})
-        args = model_flags.parse_model_args(
+        args, launch = model_flags.parse_model_args(
             [*argv_of(tokens), *model_flags.device_flags(cpu=True, bf16=False)], cpu=True)
         megatron_tokenizer = model_flags.build_tokenizer(args)
         vocab = int(megatron_tokenizer.vocab_size)
@@ -171,7 +171,7 @@ def run(opts) -> int:
         args.padded_vocab_size = rows
         args.tokenizer_model = flags["tokenizer-model"]
         args.entry_argv = argv_of(flags)
-        _write_checkpoint(args, hf_weights, target, rows, vocab, tmp, opts.hf,
+        _write_checkpoint(args, launch, hf_weights, target, rows, vocab, tmp, opts.hf,
                           opts.tensor_model_parallel_size)
         with open(os.path.join(tmp, YAML_NAME), "w") as f:
             f.write(f"# {target} from {os.path.abspath(opts.hf)} (tools/import_hf.py): the "
@@ -189,10 +189,11 @@ def run(opts) -> int:
     return 0
 
 
-def _write_checkpoint(args, hf_weights: dict, target: str, rows: int, vocab: int, folder: str,
-                      where: str, tensor_parallel: int) -> None:
-    """The megatron model built from ``args`` with the converted weights, saved as a release
-    checkpoint under ``folder`` with its configuration snapshot."""
+def _write_checkpoint(args, launch, hf_weights: dict, target: str, rows: int, vocab: int,
+                      folder: str, where: str, tensor_parallel: int) -> None:
+    """The megatron model built from ``args`` (with the layers of ``launch``) and the
+    converted weights, saved as a release checkpoint under ``folder`` with its configuration
+    snapshot."""
     import torch
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state
@@ -207,7 +208,7 @@ def _write_checkpoint(args, hf_weights: dict, target: str, rows: int, vocab: int
 
     release = os.path.join(folder, TRACKER_RELEASE)
     with megatron_world(args):
-        model = loading.build_model(args)
+        model = loading.build_model(args, launch)
         arch = Architecture.of(model)
         converted = weights.from_transformers(hf_weights, arch, target, rows, vocab,
                                               f"--hf {where}")

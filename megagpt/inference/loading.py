@@ -26,11 +26,13 @@ from megagpt.inference.checkpoint import (
 
 @dataclass
 class Prepared:
-    """A checkpoint ready to load: its folder, what was saved beside it, the parsed args."""
+    """A checkpoint ready to load: its folder, what was saved beside it, the parsed args and
+    the launch they came to on this machine."""
 
     folder: str
     saved: SavedConfig | None
     args: argparse.Namespace
+    launch: object  # megagpt.launch.Launch: the layers the model is built from
     tokenizer: object  # megatron's tokenizer (tokenize / detokenize / eod / vocab_size)
 
     @property
@@ -53,28 +55,28 @@ def prepare(load: str, overrides: list[str], cpu: bool, bf16: bool = True) -> Pr
             "by pretrain_gpt.py and tools/import_hf.py); "
             "give the model's flags (--num-layers ... --tokenizer-type ...)")
     argv = model_flags.replay_argv(saved, cpu, bf16, overrides)
-    args = model_flags.parse_model_args(argv, cpu)
+    args, launch = model_flags.parse_model_args(argv, cpu)
     model_flags.restore_recorded_settings(args, saved)
     tokenizer = model_flags.build_tokenizer(args)
     model_flags.check_vocabulary(args, tokenizer, saved, folder)
-    return Prepared(folder, saved, args, tokenizer)
+    return Prepared(folder, saved, args, launch, tokenizer)
 
 
-def build_model(args):
-    """This rank's GPT stage for ``args`` (megatron's local spec; weights uninitialised), on
-    its device in its precision."""
+def build_model(args, launch):
+    """This rank's GPT stage for ``args`` with the layers of ``launch`` (megatron's local spec
+    or TE's: ``model_flags.device_flags``; weights uninitialised), on its device in its
+    precision."""
     from megatron.core import parallel_state
 
-    import gpt_builders
-    import model_provider
-
     from megagpt import compat
+    from megagpt.gpt_model import build_stage, gpt_model_config
 
-    compat.megatron_linears_without_wgrad_fusion(args, compat.Installed.detect())
-    model_config, _ = gpt_builders.gpt_model_config(args)
-    model = model_provider.model_provider(
-        model_config, pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage())
+    model_config, _ = gpt_model_config(args, launch)
+    without_wgrad_fusion = any(c.name == compat.MEGATRON_LINEARS_WGRAD for c in launch.choices)
+    with (compat.megatron_linears_without_wgrad_fusion() if without_wgrad_fusion
+          else contextlib.nullcontext()):
+        model = build_stage(model_config, pre_process=parallel_state.is_pipeline_first_stage(),
+                            post_process=parallel_state.is_pipeline_last_stage())
     if not args.cpu:
         # as megatron's get_model leaves a model for training: every parameter and buffer
         # on this rank's GPU (torch's own modules, such as the position embedding and the
@@ -134,7 +136,7 @@ def loaded(prepared: Prepared, seed: int = 1234):
     from megagpt.inference.world import megatron_world
 
     with megatron_world(prepared.args, seed=seed) as device:
-        model = build_model(prepared.args)
+        model = build_model(prepared.args, prepared.launch)
         load_weights(model, prepared.folder)
         yield model, device
 

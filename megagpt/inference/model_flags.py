@@ -28,7 +28,7 @@ import io
 
 from megagpt import vocab_padding
 from megagpt.errors import UserError
-from megagpt.fast_spec.settings import REPLACED_FLAGS
+from megagpt.fast_path_flags import REPLACED_FLAGS
 from megagpt.inference.checkpoint import SavedConfig
 
 # Argument destinations (megatron's names) that describe how a run was launched, not the
@@ -165,16 +165,19 @@ def chatter_into(buffer: io.StringIO):
         yield
 
 
-def parse_model_args(argv: list[str], cpu: bool) -> argparse.Namespace:
-    """Parse and validate ``argv`` with the entry's parser; filled in where a model-only
-    command line leaves megatron's training settings unset."""
+def parse_model_args(argv: list[str], cpu: bool):
+    """(megatron's validated arguments, the launch) for ``argv``, resolved as the entry
+    resolves a launch (``megagpt.launch``); filled in where a model-only command line leaves
+    megatron's training settings unset."""
     from megagpt import arguments as entry_arguments
     from megagpt.option_errors import OptionError
+    from megagpt.launch import resolve, write
 
     chatter = io.StringIO()
     try:
         with chatter_into(chatter):
-            args = entry_arguments.parse_arguments(argv)
+            launch = resolve(argv)
+            args = write(launch)
             # megatron validates a training run: these settings must exist, none is used here
             if args.micro_batch_size is None:
                 args.micro_batch_size = 1
@@ -190,7 +193,7 @@ def parse_model_args(argv: list[str], cpu: bool) -> argparse.Namespace:
         raise ModelFlagsError(lines[-1].split("error:", 1)[1].strip() if lines
                               else f"megatron's parser stopped (status {exc.code})") from None
     args.perform_initialization = False  # the weights come from the checkpoint
-    return args
+    return args, launch
 
 
 def restore_recorded_settings(args, saved: SavedConfig | None) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import os
 import sys
 from dataclasses import dataclass
 
@@ -34,12 +33,6 @@ from megagpt.preflight.schedule_check import check_schedule
 
 class MemoryBudgetError(LayoutError):
     """The memory estimate per GPU is above the GPU's memory."""
-
-
-def dry_run_world_size(args) -> int:
-    if args.dry_run_world_size is not None:
-        return args.dry_run_world_size
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _validate(args, gpu: Gpu) -> None:
@@ -197,12 +190,11 @@ class Plan:
 def make_plan(args) -> Plan:
     """Check parsed args at the dry run's world size, validate them and estimate the costs.
 
-    Raises LayoutError (a UserError) when the layout cannot run; mutates ``args`` the way
-    megatron's validation does.
+    ``args``: as the launch wrote them (its world size the dry run's). Raises LayoutError (a
+    UserError) when the layout cannot run; mutates ``args`` the way megatron's validation
+    does.
     """
-    world_size = dry_run_world_size(args)
-    args.world_size = world_size
-    args.rank = 0
+    world_size = args.world_size  # the launch's planned GPUs (--dry-run-world-size)
     gpu = resolve_gpu(args.gpu_type, args.gpu_memory_gb, cpu=args.cpu)
     cost.check_price(args)
     check_layout(args, world_size)
@@ -220,19 +212,23 @@ def make_plan(args) -> Plan:
     return Plan(args, gpu, params, memory, cost.estimate_run(args, gpu, params))
 
 
-def run_dry_run(args, fast_path_plan=None) -> int:
+def run_dry_run(args, launch=None) -> int:
     """Check the launch at its intended size and print the plan; 0 when it can run.
-    ``fast_path_plan``: the fast path's choices applied at parse time, printed after the
-    layout (``megagpt.fast_spec.plan``).
+    ``launch``: the launch's choices with their reasons (``megagpt.launch``), printed after
+    the layout.
 
     The plan comes alone (a few dozen lines); the resolved configuration (every megatron
     argument, ~800 lines at 345M) only where ``--dry-run-yaml`` asks for it: written to the
     file it names, or printed after the plan with ``--dry-run-yaml -``.
     """
+    if launch is not None:
+        from megagpt.preflight.launch_path import planned
+
+        args = planned(args, launch)
     plan = make_plan(args)
     print("\n".join(plan_lines(plan.args, plan.gpu, plan.params, plan.memory)))
-    if fast_path_plan is not None:
-        print("\n".join(fast_path_plan.describe()))
+    if launch is not None:
+        print("\n".join(launch.describe()))
     print("\n".join(cost.estimate_lines(plan.run, plan.gpu)))
     if getattr(args, "search_layouts", False):
         from megagpt.preflight.layout_search import search_lines

@@ -1,7 +1,7 @@
-"""What a launch runs, as its validated arguments fix it: the layers' path (Transformer
-Engine's, the entry's fast path or megatron's local spec) and, on megatron's unfused
-attention, which softmax kernel. The step-time model (``cost``) and the memory model
-(``estimate``) both read it.
+"""What a launch runs, as its launch and validated arguments fix it: the layers' path
+(Transformer Engine's, the entry's fast path or megatron's local spec: the launch's ``layers``
+choice, ``planned``) and, on megatron's unfused attention, which softmax kernel. The step-time
+model (``cost``) and the memory model (``estimate``) both read it.
 """
 
 from __future__ import annotations
@@ -9,14 +9,28 @@ from __future__ import annotations
 
 def launch_path(args) -> str:
     """'te' (Transformer Engine), 'fast' (the entry's fast path) or 'local' (megatron's)."""
-    planned = getattr(args, "_planned_path", None)  # set by the layout search's copies
+    planned = getattr(args, "_planned_path", None)  # the launch's (planned), the search's
     if planned is not None:
         return planned
     if getattr(args, "transformer_impl", "local") == "transformer_engine":
         return "te"
-    from megagpt.fast_spec.layer_path import fast_path_selected
+    from megagpt.launch.layer_path import fast_path_selected
 
     return "fast" if fast_path_selected(args) else "local"
+
+
+def planned(args, launch):
+    """A copy of ``args`` whose estimates take the launch's layers (its ``layers`` choice),
+    not a path derived again from the arguments."""
+    import copy
+
+    from megagpt.launch.fast_path import LAYERS
+    from megagpt.launch.layer_path import FAST
+
+    a = copy.copy(args)
+    a._planned_path = ("te" if args.transformer_impl == "transformer_engine"
+                       else "fast" if launch.value(LAYERS) == FAST else "local")
+    return a
 
 
 def fused_softmax(args) -> bool:

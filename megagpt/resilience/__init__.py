@@ -1,13 +1,19 @@
 """Resume and faults: a run survives preemption, crashes and bad checkpoints.
 
-Two entry points for ``pretrain_gpt``:
+What ``pretrain_gpt`` uses:
 
-``prepare(args)``
-    before megatron's globals are set: preemption defaults (``preemption``), Ctrl-C as the
-    exit signal (``interrupt``) and the checks of ``--load`` (``checkpoint_guard``); raises ``UserError`` subclasses with a
-    one-line message naming the problem and the path.
-
-``active(args, container)``
+steps of the launch's resolution (``megagpt.launch.resolution``), before megatron validates
+    the asynchronous writer (``async_save.choose_writer``), the exit-signal handler when
+    ``--save`` is given (``preemption.choose_exit_signal_handler``) and the rerun mode
+    (``divergence.choose_rerun_mode``);
+``checkpoint_guard.prepare_load(args, given, log)``
+    once megatron has validated the arguments: the checks of ``--load`` and the checkpoint to
+    resume from (the launch's one post-validation step writes what it returns); raises
+    ``UserError`` subclasses with a one-line message naming the problem and the path;
+``interrupt.saving_on_ctrl_c(args, log)``
+    around ``pretrain`` once megatron's globals are set: Ctrl-C as megatron's exit signal
+    where the run saves (``interrupt``);
+``active(args, container, grad_norm_guard)``
     a context manager around ``megatron.training.pretrain`` that installs the contained
     adaptations of megatron's training loop: resume fidelity (``fidelity``), the resolved
     configuration beside every checkpoint (``config_snapshot``), load errors as one-line
@@ -15,8 +21,9 @@ Two entry points for ``pretrain_gpt``:
     checked before a load, and the loaded weights checked (``checkpoint_integrity``), a bf16/fp16 checkpoint resumed in fp32
     (``precision_change``), and with the gradient-norm guard the divergence checks
     (``divergence``). Each wraps one function of megatron (``megatron.training.training``'s,
-    or ``FP32Optimizer.load_state_dict``) through ``megagpt.megatron_wrappers`` (in the order
-    of ``megagpt.megatron_ledger``) and is undone on exit.
+    or ``FP32Optimizer.load_state_dict``) through ``megagpt.megatron_wrappers``, in the order
+    listed (the first innermost), and is undone on exit. The launch's one context of megatron
+    changes enters it (``megagpt.launch.megatron_changes``).
 
 docs/resilience.md describes the behaviour and the rules.
 """
@@ -28,24 +35,17 @@ import contextlib
 from megagpt import megatron_wrappers
 from megagpt.log import log
 from megagpt.resilience import (checkpoint_guard, checkpoint_integrity, config_snapshot,
-                                divergence, fidelity, interrupt, precision_change, preemption)
-
-
-def prepare(args) -> None:
-    """Launch-time decisions about saving, loading, signals and faults (every rank, after
-    megatron's globals are set, before ``pretrain`` initialises torch.distributed)."""
-    preemption.apply_defaults(args, log)
-    interrupt.install(args, log)  # Ctrl-C saves as the exit signal does
-    divergence.apply_defaults(args, getattr(args, "entry_argv", None), log)
-    checkpoint_guard.prepare_load(args, log)
+                                divergence, fidelity, precision_change)
 
 
 @contextlib.contextmanager
-def active(args, container=None):
-    """Install the training-loop adaptations for the duration of ``pretrain``."""
+def active(args, container=None, grad_norm_guard: bool = False):
+    """Install the training-loop adaptations for the duration of ``pretrain``.
+    ``grad_norm_guard``: megatron's in-step NaN checks are off for the launch's CUDA graphs,
+    and the gradient norm is checked after each step instead (the launch's ``NaN check``)."""
     import megatron.training.training as mtraining
 
-    wrappers = [  # (megatron function, owner, wrapper); composed in the ledger's order
+    wrappers = [  # (megatron function, owner, wrapper); the first innermost
         ("training_log", fidelity.__name__, fidelity.first_log_boundary_resets),
         ("build_train_valid_test_data_iterators", fidelity.__name__,
          fidelity.without_drawing_random_numbers),
@@ -58,7 +58,7 @@ def active(args, container=None):
         ("load_checkpoint", checkpoint_integrity.__name__,
          lambda fn: checkpoint_integrity.verifying_checksums(fn, args, log)),
     ]
-    if divergence.needs_grad_norm_guard(args, getattr(args, "entry_argv", None)):
+    if grad_norm_guard:
         guard = divergence.GradNormGuard(lambda: checkpoint_guard.resume_hint(args),
                                          final_iteration=getattr(args, "train_iters", None))
         wrappers += [("train_step", divergence.__name__, guard.train_step),

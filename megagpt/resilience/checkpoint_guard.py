@@ -358,35 +358,38 @@ def saved_without_te_attention(ckpt_dir: str) -> bool:
     return not any(TE_ATTENTION_STATE in key for key in keys)
 
 
-def load_into_te_layers(ckpt_dir: str, args, log: Callable[[str], None]) -> None:
+def load_into_te_layers(ckpt_dir: str, args, given: frozenset[str],
+                        log: Callable[[str], None]) -> dict[str, object]:
     """Resuming a checkpoint saved without TE's layers under TE's layers: TE's attention asks
     for its extra state, which the checkpoint does not hold, and megatron's default
     ``--dist-ckpt-strictness assume_ok_unexpected`` lets the read fail on it. With
     ``log_unexpected`` megatron drops what the checkpoint lacks from the request (and logs
-    it); the attention's FP8 metadata then starts afresh, every weight loads."""
-    from megagpt.flags import explicit_flags
-
+    it); the attention's FP8 metadata then starts afresh, every weight loads. Returns the
+    argument to write (none: ``{}``); ``given``: the launch's explicit flags."""
     if (getattr(args, "transformer_impl", None) != "transformer_engine"
             or getattr(args, "ckpt_format", None) != "torch_dist"
-            or "--dist-ckpt-strictness" in explicit_flags(getattr(args, "entry_argv", None) or [])
+            or "--dist-ckpt-strictness" in given
             or not saved_without_te_attention(ckpt_dir)):
-        return
-    args.dist_ckpt_strictness = "log_unexpected"
+        return {}
     log(f"resume: {ckpt_dir} was saved without Transformer Engine's layers; their attention's "
         "FP8 metadata starts afresh (--dist-ckpt-strictness log_unexpected)")
+    return {"dist_ckpt_strictness": "log_unexpected"}
 
 
-def prepare_load(args, log: Callable[[str], None]) -> LoadPlan | None:
-    """Check ``--load`` and point megatron at the checkpoint to resume from."""
+def prepare_load(args, given: frozenset[str], log: Callable[[str], None]) -> dict[str, object]:
+    """Check ``--load`` against the validated arguments, set aside what the resumed run will
+    write again, and return megatron's arguments that point it at the checkpoint to resume
+    from (``--ckpt-step``, ``--dist-ckpt-strictness``; none: ``{}``); the launch writes them
+    (``megagpt.launch.writer.after_validation``). ``given``: the launch's explicit flags."""
     if not args.load or args.ckpt_format not in ("torch_dist", "torch"):
-        return None
+        return {}
     if args.ckpt_step:
-        return None  # the user chose an iteration; megatron loads exactly that one
+        return {}  # the user chose an iteration; megatron loads exactly that one
     plan = plan_load(args.load, args.save)
     if plan.iteration is None:
         _set_aside(plan.root, plan.set_aside, log)
         log(f"resume: {plan.reason}")
-        return plan
+        return {}
     ckpt_dir = iteration_dir(plan.root, plan.iteration)
     try:
         blocking, layout = compare_with_run(ckpt_dir, args)
@@ -403,10 +406,10 @@ def prepare_load(args, log: Callable[[str], None]) -> LoadPlan | None:
                               + "; ".join(blocking))
     if optimizer:
         raise CheckpointError(optimizer)
-    load_into_te_layers(ckpt_dir, args, log)
+    writes = load_into_te_layers(ckpt_dir, args, given, log)
     if plan.tracker != plan.iteration:
-        args.ckpt_step = plan.iteration  # what megatron loads; the tracker is only repaired
-        # in our own --save directory, or where megatron could not read it at all.
+        writes["ckpt_step"] = plan.iteration  # what megatron loads; the tracker is only
+        # repaired in our own --save directory, or where megatron could not read it at all.
         if _rank0() and (_same_dir(args.load, args.save) or plan.tracker is None):
             try:
                 write_tracker(plan.root, plan.iteration)
@@ -419,7 +422,7 @@ def prepare_load(args, log: Callable[[str], None]) -> LoadPlan | None:
     if layout:
         log("resume: parallel layout changed (" + ", ".join(layout)
             + "); the distributed checkpoint format reshards on load")
-    return plan
+    return writes
 
 
 def _has_checksums(ckpt_dir: str) -> bool:

@@ -27,7 +27,6 @@ from typing import Callable
 
 import torch
 
-from megagpt.flags import explicit_flags
 from megagpt.errors import UserError
 
 # megatron/core/rerun_state_machine.py, validate_result() with reruns disabled:
@@ -44,27 +43,35 @@ class DivergenceError(UserError, RuntimeError):
     """The loss or the gradients became NaN or Inf; the message names the iteration."""
 
 
-def apply_defaults(args, argv, log: Callable[[str], None]) -> None:
-    """Stop on the first fault without saving, unless the user chose a rerun mode."""
+def choose_rerun_mode(p) -> None:
+    """Stop on the first fault without saving, unless the user chose a rerun mode (a step of
+    the launch's resolution, over its planner ``p``, after the fast path's: its CUDA graphs
+    turn megatron's in-step checks off)."""
+    args = p.v
+    mode_given = "--rerun-mode" in p.given
     if not args.check_for_nan_in_loss_and_grad:
-        if "--no-check-for-nan-in-loss-and-grad" in explicit_flags(argv or []):
-            log("divergence: NaN/Inf checks are off (--no-check-for-nan-in-loss-and-grad)")
+        if "--no-check-for-nan-in-loss-and-grad" in p.given:
+            p.log("divergence: NaN/Inf checks are off (--no-check-for-nan-in-loss-and-grad)")
         else:
             # The fast path's CUDA graph cannot hold megatron's in-step checks; the gradient
             # norm, computed after the graph, is checked instead (grad_norm_guard).
-            log("divergence: NaN/Inf in the gradient norm stops the run, naming that iteration "
-                "(checked after each step, or one step late while the norm stays on the GPU, and "
-                "always before a checkpoint is saved; megatron's in-step checks are off)")
-        if "--rerun-mode" not in explicit_flags(argv or []):
+            p.log("divergence: NaN/Inf in the gradient norm stops the run, naming that iteration "
+                  "(checked after each step, or one step late while the norm stays on the GPU, and "
+                  "always before a checkpoint is saved; megatron's in-step checks are off)")
+        if not mode_given:
             # nothing is validated with the checks off, and a rerun state machine that is
             # not disabled all-reduces (and waits for) a flag before every step
-            args.rerun_mode = "disabled"
+            p.set("rerun_mode", "disabled")
+            p.choose("rerun mode", "disabled", "megatron's in-step checks are off: nothing to "
+                     "rerun, and its state machine would wait for a flag before every step")
         return
-    if "--rerun-mode" in explicit_flags(argv or []) or args.rerun_mode != "validate_results":
+    if mode_given or args.rerun_mode != "validate_results":
         return
-    args.rerun_mode = "disabled"
-    log("divergence: NaN/Inf in the loss or gradients stops the run at that iteration; "
-        "no checkpoint is written (--rerun-mode disabled)")
+    p.set("rerun_mode", "disabled")
+    p.choose("rerun mode", "disabled", "a fault stops the run at its iteration and saves "
+             "nothing (--rerun-mode validate_results reruns it and saves)")
+    p.log("divergence: NaN/Inf in the loss or gradients stops the run at that iteration; "
+          "no checkpoint is written (--rerun-mode disabled)")
 
 
 def fault_of(exc: BaseException) -> tuple[str, str] | None:
@@ -108,12 +115,6 @@ def evaluation_iteration(args) -> int:
     run that had finished)."""
     done = int(getattr(args, "curr_iteration", 0) or 0) + 1
     return max(done, int(getattr(args, "iteration", 0) or 0))
-
-
-def needs_grad_norm_guard(args, argv) -> bool:
-    """Megatron's checks are off, but not because the user asked: check after each step."""
-    return (not args.check_for_nan_in_loss_and_grad
-            and "--no-check-for-nan-in-loss-and-grad" not in explicit_flags(argv or []))
 
 
 class NormInFlight:

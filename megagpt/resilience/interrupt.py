@@ -23,6 +23,7 @@ Details:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -81,7 +82,8 @@ _ACTIVE: CtrlC | None = None
 
 def install(args, log: Callable[[str], None]) -> CtrlC | None:
     """Take Ctrl-C as megatron's exit signal where the run saves (after megatron's handler
-    is installed: ``preemption.apply_defaults``); None where Ctrl-C keeps its meaning."""
+    is installed: ``--exit-signal-handler``, which ``preemption`` turns on with ``--save``);
+    None where Ctrl-C keeps its meaning."""
     global _ACTIVE
     if not (args.save and args.exit_signal_handler and _megatrons_signal_handler() is not None):
         return None
@@ -90,6 +92,20 @@ def install(args, log: Callable[[str], None]) -> CtrlC | None:
     _ACTIVE = CtrlC(args, log)
     signal.signal(signal.SIGINT, _ACTIVE)
     return _ACTIVE
+
+
+@contextlib.contextmanager
+def saving_on_ctrl_c(args, log: Callable[[str], None]):
+    """Ctrl-C as megatron's exit signal for the duration of the block (``install``; once
+    megatron's globals, its signal handler among them, are set), the SIGINT handler before
+    it back on exit. ``pressed()`` still answers afterwards."""
+    previous = signal.getsignal(signal.SIGINT)
+    handler = install(args, log)
+    try:
+        yield handler
+    finally:
+        if handler is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def pressed() -> bool:

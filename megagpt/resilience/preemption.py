@@ -16,28 +16,20 @@ Under torchrun, SIGTERM to torchrun is forwarded to every worker, which then has
 from __future__ import annotations
 
 import signal
-from typing import Callable
 
 
-def apply_defaults(args, log: Callable[[str], None]) -> None:
-    """Turn on the exit-signal handler when the run saves checkpoints.
-
-    Works before or after megatron's globals are set: in the latter case the handler
-    megatron would have installed in ``set_global_variables`` is installed here.
-    """
+def choose_exit_signal_handler(p) -> None:
+    """Turn on the exit-signal handler when the run saves checkpoints (a step of the launch's
+    resolution, over its planner ``p``: ``megagpt.launch.planner``; megatron installs the
+    handler when its globals are set)."""
+    args = p.v
     name = signal.Signals(args.exit_signal).name
     if args.save and not args.exit_signal_handler:
-        args.exit_signal_handler = True
-        _install_handler_if_globals_set(args)
-        log(f"preemption: {name} saves a checkpoint to {args.save} and exits "
-            "(--exit-signal-handler, on because --save is given)")
+        p.set("exit_signal_handler", True)
+        p.choose("exit signal", f"{name} saves and exits", "--save is given "
+                 "(--exit-signal-handler)")
+        p.log(f"preemption: {name} saves a checkpoint to {args.save} and exits "
+              "(--exit-signal-handler, on because --save is given)")
     elif args.exit_signal_handler and not args.save:
-        log(f"preemption: {name} stops the run after the current iteration; "
-            "nothing is saved (no --save)")
-
-
-def _install_handler_if_globals_set(args) -> None:
-    from megatron.training import global_vars
-
-    if global_vars._GLOBAL_ARGS is not None and global_vars._GLOBAL_SIGNAL_HANDLER is None:
-        global_vars._set_signal_handler(args.exit_signal)
+        p.log(f"preemption: {name} stops the run after the current iteration; "
+              "nothing is saved (no --save)")

@@ -143,3 +143,12 @@ def argument_changes(args) -> dict[str, object]:
     if getattr(args, "enable_one_logger", False) and importlib.util.find_spec("one_logger") is None:
         changes["enable_one_logger"] = False
     return changes
+
+
+def choose_quiet_settings(p) -> None:
+    """``argument_changes`` as a step of the launch's resolution (``megagpt.launch``), over
+    its planner ``p``: written with the launch's other choices, before megatron validates."""
+    for name, value in argument_changes(p.v).items():
+        p.set(name, value)
+        p.choose(f"--{name.replace('_', '-')}", value,
+                 "one_logger is not installed: megatron would only print its internal link")

@@ -1,150 +1,83 @@
-"""The fast path as one plan: every choice this launch makes, with its reason.
+"""The fast path's steps of the launch's resolution: every choice of the fast path, with its
+reason (``STEPS``, in the order each reads the ones before).
 
-``plan_fast_path(args, installed, environ)`` reads the parsed (and adapted) arguments, what
-is installed and the environment, and returns a frozen ``FastPathPlan``; it changes nothing
-and may be asked any number of times. ``apply_plan(plan, args, environ, log)`` is the only
-place where the fast path changes megatron's arguments and the environment, in this order:
+Each step is a function over the resolution's planner (``planner.Planner``): it reads the
+arguments as decided so far (``p.v``, with every earlier step's values laid over the parsed
+ones), not arguments an earlier step wrote: the grad-write check sees the ``cuda_graph_impl``
+the layer-graph decision chose because the planner holds it. The switches and their reasons
+live in ``fast_path_reasons`` (``*_unsupported_reason``); the layers (fast spec, Transformer
+Engine's, megatron's local ones) follow ``--transformer-impl`` as ``megagpt.layer_impl`` chose
+it, and ``layer_path`` is the one place that tells them apart.
 
-  1. megatron's arguments, each once, in the order the plan decided them;
-  2. the environment (NCCL reads it when its communicators are made, later);
-  3. the log lines, in the order the plan wrote them.
-
-Each decision reads the earlier ones through ``_View`` (the arguments with the plan's values
-laid over them), not through arguments an earlier step wrote: the grad-write check sees the
-``cuda_graph_impl`` the layer-graph decision chose because the plan holds it.
-
-The switches and their reasons live in ``settings`` (``*_unsupported_reason``); the layers
-(fast spec, Transformer Engine's, megatron's local ones) follow ``--transformer-impl`` as
-``megagpt.layer_impl`` chose it, and ``layer_path`` (its own module) is the one place that
-tells them apart. ``apply_fast_path_defaults(args, log)`` is the two in one call.
+``plan_fast_path(args, installed, environ)`` runs these steps alone over arguments another
+resolution has adapted already; ``apply_fast_path_defaults(args)`` writes what they decide
+into ``args`` (for the bench's layouts and tests).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Callable, Mapping, MutableMapping, Optional
+from typing import Callable, Mapping, Optional
 
 from megagpt.errors import UserError
+from megagpt.fast_path_flags import SWITCH_DEFAULTS
 
-from . import settings as s
-from .layer_path import fast_path_selected, layer_path, te_layers_selected
+from . import fast_path_reasons as s
+from .planner import Launch, Planner
+
 
 NCCL_CONNECT = "NCCL_RUNTIME_CONNECT"
 NCCL_CHOICE = "NCCL connect"
+SECTION = "fast path"
 
-@dataclass(frozen=True)
-class Choice:
-    name: str
-    value: object
-    reason: str
+# the names of the choices what runs reads (megagpt.gpt_model, launch.megatron_changes)
+LAYERS = "layers"
+FUSED_LAYER = "fused layer"
+HASH_DROPOUT = "hash dropout"
+CUDA_GRAPH = "CUDA graph"
+NAN_CHECK = "NaN check"
+GRAD_WRITE = "grad write"
+BF16_GRAD_BUFFER = "bf16 grad buffer"
+COMPILE = "compile"
+LM_LOSS = "LM loss"
+LM_GRAD_IN_FORWARD = "LM grad in forward"
+OPTIMIZER = "optimizer"
+ASYNC_STEP = "async step"
+FP8 = "FP8"  # "off", TE's layers (a text), or the fast spec's ``Fp8Recipe``
 
-    def describe(self) -> str:
-        value = ("on" if self.value else "off") if isinstance(self.value, bool) else self.value
-        return f"  {self.name:<17} {value} — {self.reason}"
-
-
-@dataclass(frozen=True)
-class FastPathPlan:
-    choices: tuple[Choice, ...]
-    args: tuple[tuple[str, object], ...]  # (megatron argument, value), in the order decided
-    environ: tuple[tuple[str, str], ...]  # (variable, value) to set
-    log: tuple[str, ...]  # what apply_plan logs, in order
-
-    def choice(self, name: str) -> Choice:
-        for c in self.choices:
-            if c.name == name:
-                return c
-        raise KeyError(name)
-
-    def value(self, name: str):
-        return self.choice(name).value
-
-    def describe(self) -> list[str]:
-        """The plan for ``--dry-run``: one line per choice."""
-        return ["fast path:", *(c.describe() for c in self.choices)]
-
-
-class _View:
-    """The arguments as the plan has decided them so far (read-only)."""
-
-    def __init__(self, args, decided: dict):
-        object.__setattr__(self, "_args", args)
-        object.__setattr__(self, "_decided", decided)
-
-    def __getattr__(self, name):
-        decided = object.__getattribute__(self, "_decided")
-        if name in decided:
-            return decided[name]
-        return getattr(object.__getattribute__(self, "_args"), name)
-
-    def __setattr__(self, name, value):
-        raise AttributeError("the plan's view of the arguments is read-only")
-
-
-class _Planner:
-    """One plan being made: the decisions so far (``decided``, seen through ``v``), the
-    environment to set, the log lines and the choices, each appended in order."""
-
-    def __init__(self, args, environ: Mapping[str, str], installed):
-        self.args = args  # as parsed: what was asked; decisions read ``v``
-        self.decided: dict = {}
-        self.v = _View(args, self.decided)
-        self.environ = environ
-        self.installed = installed
-        self.env: dict = {}
-        self.lines: list[str] = []
-        self.choices: list[Choice] = []
-        self.full_off = None  # why the full-iteration graph is off (None: on or not asked)
-        self.layers_off = None  # why per-layer graphs are off
-
-    def get(self, name, default=None):
-        return getattr(self.v, name, default)
-
-    def set(self, name, value) -> None:
-        self.decided[name] = value
-
-    def log(self, line: str) -> None:
-        self.lines.append(line)
-
-    def choose(self, name: str, value, reason: str) -> None:
-        self.choices.append(Choice(name, value, reason))
-
-    def fast(self) -> bool:
-        return fast_path_selected(self.v)
-
-    def te(self) -> bool:
-        return te_layers_selected(self.v)
-
-    def world(self) -> int:
-        return s._planned_world_size(self.v)
-
-    def plan(self) -> FastPathPlan:
-        for step in STEPS:
-            step(self)
-        return FastPathPlan(tuple(self.choices), tuple(self.decided.items()),
-                            tuple(self.env.items()), tuple(self.lines))
+# the values of CUDA_GRAPH, NAN_CHECK, LM_LOSS and OPTIMIZER
+FULL_ITERATION, PER_LAYER = "full iteration", "per layer"
+GRADIENT_NORM = "gradient norm"
+CHUNKED, MEGATRONS = "chunked", "megatron's"
+FOREACH, FUSED_ADAMW, FLAT_ADAMW = "foreach kernels", "fused AdamW", "fused AdamW, flat step"
 
 
 # --- the steps, in the order each reads the ones before -----------------------------------
 
-def _switch_defaults(p: _Planner) -> None:
-    for name, default in s.SWITCH_DEFAULTS:
+def _switch_defaults(p: Planner) -> None:
+    for name, default in SWITCH_DEFAULTS:
         if not hasattr(p.args, name):
             p.set(name, default)
 
 
-def _layers(p: _Planner) -> None:
-    p.choose("layers", *layer_path(p.v))
+def _layers(p: Planner) -> None:
+    p.choose(LAYERS, *p.layers())
+    from megagpt.compat import sequence_parallel_norms_missing
+
+    refusal = sequence_parallel_norms_missing(p.v, p.installed, p.fast())
+    if refusal is not None:
+        raise refusal
 
 
-def _attention_kernels(p: _Planner) -> None:
+def _attention_kernels(p: Planner) -> None:
     """megatron's --attention-backend on this launch's layers (``attention_backend``)."""
     from megatron.core.transformer.enums import AttnBackend
 
-    from .attention_backend import attention_plan, backend_name
+    from megagpt.fast_spec.sdpa_kernels import backend_name
 
-    planned = attention_plan(p.v, layer_path(p.v)[0], p.environ)
+    from .attention_backend import attention_plan
+
+    planned = attention_plan(p.v, p.layers()[0], p.environ)
     if planned.backend != backend_name(p.get("attention_backend")):
         p.set("attention_backend", AttnBackend[planned.backend])
     for line in planned.log:
@@ -152,44 +85,47 @@ def _attention_kernels(p: _Planner) -> None:
     p.choose("attention", planned.kernels, planned.reason)
 
 
-def _fused_layer(p: _Planner) -> None:
+def _fused_layer(p: Planner) -> None:
     # With --overlap-param-gather, megatron's DDP waits for each bucket's all-gather in a
     # forward pre-hook of the module that owns the parameters; the fused layer reads its
     # weights without calling those modules, so with several buckets the waits never run
     # (on two CPU ranks: "assert self.param_gather_handle is None" at the third step).
     if not p.fast():
-        p.choose("fused layer", False, "the fast spec is not used")
+        p.choose(FUSED_LAYER, False, "the fast spec is not used")
     elif p.get("overlap_param_gather", False) and p.v.fast_spec_fused_layer:
         p.set("fast_spec_fused_layer", False)
         p.log("fast spec: fused layer off: --overlap-param-gather waits for each parameter "
               "bucket in its modules' forward pre-hooks, which the fused layer does not call")
-        p.choose("fused layer", False, "--overlap-param-gather")
+        p.choose(FUSED_LAYER, False, "--overlap-param-gather")
     elif not p.v.fast_spec_fused_layer:
-        p.choose("fused layer", False, "--fast-disable fused-layer")
+        p.choose(FUSED_LAYER, False, "--fast-disable fused-layer")
     else:
-        p.choose("fused layer", True, "the fast spec's default")
+        p.choose(FUSED_LAYER, True, "the fast spec's default")
 
 
-def _fp8(p: _Planner) -> None:
-    """``--fp8-format``: in TE's layers, or in the fast spec's FP8 linears (``fp8.py``),
-    which take it off megatron's ``fp8`` (megatron's FP8 path is TE's) into ``fast_fp8``."""
+def _fp8(p: Planner) -> None:
+    """``--fp8-format``: in TE's layers, or in the fast spec's FP8 linears
+    (``fast_spec.fp8``), which take it off megatron's ``fp8`` (megatron's FP8 path is TE's)
+    into ``fast_fp8``."""
     fmt = p.get("fp8", None)
     if not fmt:
-        p.choose("FP8", "off", "--fp8-format not given")
+        p.choose(FP8, "off", "--fp8-format not given")
         return
+    impl = p.chosen("transformer impl")  # megagpt.layer_impl's choice, with its reason
+    why = impl.reason if impl is not None else "--transformer-impl as given"
     if p.te():
-        p.choose("FP8", f"{fmt}, {p.get('fp8_recipe', 'delayed')} scaling, Transformer "
-                 "Engine's layers", p.get("transformer_impl_reason", "TE's layers"))
+        p.choose(FP8, f"{fmt}, {p.get('fp8_recipe', 'delayed')} scaling, Transformer "
+                 "Engine's layers", why)
         return
     if not p.fast():
-        why = layer_path(p.v)[1].removeprefix("megatron's local modules; fast spec off: ")
+        off = p.layers()[1].removeprefix("megatron's local modules; fast spec off: ")
         raise UserError(f"--fp8-format {fmt}: megatron's local modules have no FP8 without "
-                        f"Transformer Engine, and the fast spec's cannot run here: {why}")
+                        f"Transformer Engine, and the fast spec's cannot run here: {off}")
     if not p.v.fast_spec_fused_layer:
         raise UserError(f"--fp8-format {fmt}: FP8 runs in the fast spec's fused layer, which "
                         "this launch turns off (--overlap-param-gather or --fast-disable "
                         "fused-layer)")
-    from .fp8_support import recipe_from_args
+    from megagpt.fast_spec.fp8_support import recipe_from_args
 
     recipe = recipe_from_args(p.v)
     p.set("fast_fp8", fmt)
@@ -197,11 +133,10 @@ def _fp8(p: _Planner) -> None:
     p.log(f"fast spec: FP8 linears ({recipe.describe()}): QKV, projection, fc1 and fc2 "
           "through torch._scaled_mm; embeddings, attention, the output layer and the loss in "
           "bf16; weights, gradients and checkpoints as in bf16")
-    p.choose("FP8", f"{fmt}, {recipe.scaling} scaling, fast spec",
-             p.get("transformer_impl_reason", "the fast spec's FP8 linears"))
+    p.choose(FP8, recipe, why)
 
 
-def _full_iteration_graph(p: _Planner) -> None:
+def _full_iteration_graph(p: Planner) -> None:
     asked = p.v.fast_cuda_graph
     impl = p.get("cuda_graph_impl", "none")
     if asked is None:
@@ -242,12 +177,12 @@ def _full_iteration_graph(p: _Planner) -> None:
               "off)")
 
 
-def _graphs_given(p: _Planner) -> str:
+def _graphs_given(p: Planner) -> str:
     """The ``--fast-cuda-graphs`` choice that turned a graph off."""
     return f"--fast-cuda-graphs {p.get('fast_cuda_graphs', 'none')}"
 
 
-def _full_iteration_asked(p: _Planner, impl) -> None:
+def _full_iteration_asked(p: Planner, impl) -> None:
     """--fast-cuda-graphs iteration given: where it cannot run, ignored or refused."""
     if p.get("cpu", False) or not (p.fast() or p.te()):
         p.log("fast path: --fast-cuda-graphs iteration ignored (CPU mode, or neither the "
@@ -279,7 +214,7 @@ def _full_iteration_asked(p: _Planner, impl) -> None:
               "the run naming its rank)")
 
 
-def _layer_graphs(p: _Planner) -> None:
+def _layer_graphs(p: Planner) -> None:
     """``fast_layer_graphs``: default, refusal, and megatron's ``cuda_graph_impl``."""
     asked = p.v.fast_layer_graphs
     given_local = p.get("cuda_graph_impl", "none") == "local" and asked is None
@@ -317,7 +252,7 @@ def _layer_graphs(p: _Planner) -> None:
               "for; not yet measured there")
 
 
-def _graph_choices(p: _Planner) -> None:
+def _graph_choices(p: Planner) -> None:
     """What the two graph decisions come to, and the NaN check they leave."""
     impl = p.get("cuda_graph_impl", "none") or "none"
     given_impl = getattr(p.args, "cuda_graph_impl", "none")
@@ -325,28 +260,28 @@ def _graph_choices(p: _Planner) -> None:
         why = ("--fast-cuda-graphs iteration" if getattr(p.args, "fast_cuda_graph", None)
                else "one GPU, no model parallelism: launches are the step's cost"
                if p.v.fast_cuda_graph else "--cuda-graph-impl full_iteration as given")
-        p.choose("CUDA graph", "full iteration", why)
+        p.choose(CUDA_GRAPH, FULL_ITERATION, why)
     elif impl == "local":
         why = ("--fast-cuda-graphs layers" if getattr(p.args, "fast_layer_graphs", None)
                else "--cuda-graph-impl local as given" if given_impl == "local"
                else f"full-iteration graph off: {p.full_off}")
-        p.choose("CUDA graph", "per layer", why)
+        p.choose(CUDA_GRAPH, PER_LAYER, why)
     else:
         why = f"full iteration: {p.full_off or 'off'}; per layer: {p.layers_off or 'off'}"
-        p.choose("CUDA graph", impl, why)
+        p.choose(CUDA_GRAPH, impl, why)
     nan = bool(p.get("check_for_nan_in_loss_and_grad", False))
     if nan:
-        p.choose("NaN check", "in step", "megatron's checks of each loss and gradient bucket")
+        p.choose(NAN_CHECK, "in step", "megatron's checks of each loss and gradient bucket")
     elif not getattr(p.args, "check_for_nan_in_loss_and_grad", False):
-        p.choose("NaN check", "off", "megatron's --no-check-for-nan-in-loss-and-grad")
+        p.choose(NAN_CHECK, "off", "megatron's --no-check-for-nan-in-loss-and-grad")
     elif impl == "full_iteration":
-        p.choose("NaN check", "gradient norm", "a check inside a CUDA graph cannot sync")
+        p.choose(NAN_CHECK, GRADIENT_NORM, "a check inside a CUDA graph cannot sync")
     else:
-        p.choose("NaN check", "gradient norm", "each in-step check waits for the GPU under "
+        p.choose(NAN_CHECK, GRADIENT_NORM, "each in-step check waits for the GPU under "
                  "per-layer graphs (--fast-disable deferred-nan-checks keeps them)")
 
 
-def _nccl_connect(p: _Planner) -> None:
+def _nccl_connect(p: Planner) -> None:
     # NCCL (2.22+) connects peers lazily, on a collective's first use of them; inside a
     # capture that cannot happen (a DP=2 capture hung: docs/speed.md, "Full-iteration CUDA
     # graph"). 0 connects them when each communicator is made, after this point.
@@ -357,16 +292,16 @@ def _nccl_connect(p: _Planner) -> None:
     elif current is not None:
         p.choose(NCCL_CHOICE, current, "as set in the environment")
     else:
-        p.env[NCCL_CONNECT] = "0"
+        p.set_env(NCCL_CONNECT, "0")
         p.log("fast path: NCCL_RUNTIME_CONNECT=0 (every NCCL peer connected up front, as a "
               "captured collective cannot connect one)")
         p.choose(NCCL_CHOICE, "0", "a captured collective cannot connect a peer")
 
 
-def _bf16_grad_buffer(p: _Planner) -> None:
+def _bf16_grad_buffer(p: Planner) -> None:
     asked = p.v.fast_bf16_grad_buffer
     if asked is None:
-        reason = s.bf16_grad_buffer_unsupported_reason(p.v)
+        reason = s.bf16_grad_buffer_unsupported_reason(p.v, p.given)
         p.set("fast_bf16_grad_buffer", reason is None)
         if reason is None:
             p.log("fast path: gradients kept in a bf16 buffer (--grad-reduce-in-bf16): one "
@@ -377,12 +312,12 @@ def _bf16_grad_buffer(p: _Planner) -> None:
         reason = "asked for" if asked else "--fast-disable bf16-grad-buffer"
     if p.v.fast_bf16_grad_buffer:
         p.set("grad_reduce_in_bf16", True)
-    p.choose("bf16 grad buffer", bool(p.v.fast_bf16_grad_buffer), reason)
+    p.choose(BF16_GRAD_BUFFER, bool(p.v.fast_bf16_grad_buffer), reason)
 
 
-def _grad_write(p: _Planner) -> None:
+def _grad_write(p: Planner) -> None:
     asked = p.v.fast_grad_write
-    unused = (s.wgrad_fusion_unused_reason(p.v)
+    unused = (s.wgrad_fusion_unused_reason(p.v, p.chosen(LM_LOSS).value == CHUNKED)
               if asked is not False and p.get("gradient_accumulation_fusion", False) else None)
     if unused is not None:
         # on by megatron's default where apex's kernel imports: it would keep gradients
@@ -402,10 +337,10 @@ def _grad_write(p: _Planner) -> None:
                         "there, which needs megatron's zeroing")
     else:
         reason = "asked for" if asked else "--fast-disable grad-write"
-    p.choose("grad write", bool(p.v.fast_grad_write), reason)
+    p.choose(GRAD_WRITE, bool(p.v.fast_grad_write), reason)
 
 
-def _attention_mask(p: _Planner) -> None:
+def _attention_mask(p: Planner) -> None:
     # The fast spec's attention is causal by construction (SDPA's is_causal); the [s, s]
     # mask per sample is built by the loader's workers and copied to the GPU every step
     # (8 MB at 345M, 16 MB at 1.3B) only to be ignored. Document masks still need it.
@@ -422,7 +357,7 @@ def _attention_mask(p: _Planner) -> None:
         p.choose("attention mask", False, "not asked of the data loader")
 
 
-def _compile(p: _Planner) -> None:
+def _compile(p: Planner) -> None:
     asked = p.v.fast_spec_compile
     impl = p.get("cuda_graph_impl", "none")
     if p.get("cpu", False):
@@ -438,93 +373,109 @@ def _compile(p: _Planner) -> None:
                   else "no CUDA graph: launch-bound, eager is as fast")
     else:
         reason = "--fast-compile" if asked else "--fast-compile off"
-    p.choose("compile", bool(p.v.fast_spec_compile), reason)
+    p.choose(COMPILE, bool(p.v.fast_spec_compile), reason)
     # the compiled layer runs on one tensor-parallel rank only (eager on several)
     if p.v.fast_spec_compile and p.fast() and (
             p.get("tensor_model_parallel_size", 1) or 1) == 1:
         _compiled_layer_notes(p)
 
 
-def _compiled_layer_notes(p: _Planner) -> None:
+def _compiled_layer_notes(p: Planner) -> None:
     if (p.get("hidden_dropout", 0.0) or 0.0) > 0.0:
         p.log("fast spec: compiled layer: residual dropout masks "
               + ("hashed from each element's index and a seed (--fast-disable hash-dropout)"
                  if p.v.fast_hash_dropout else "from F.dropout (--fast-disable hash-dropout)"))
 
 
-def _lm_loss(p: _Planner) -> None:
-    """As ``lm_loss.get_output_processor`` decides it (the output layer may still refuse)."""
+def _hash_dropout(p: Planner) -> None:
+    """The compiled fused layer's residual dropout masks: hashed from each element's index
+    and a seed, or F.dropout's (an eager layer's are F.dropout's either way)."""
+    if not p.v.fast_hash_dropout:
+        p.choose(HASH_DROPOUT, False, "--fast-disable hash-dropout")
+    elif p.v.fast_spec_compile:
+        p.choose(HASH_DROPOUT, True, "the compiled fused layer's residual dropout masks are "
+                 "hashed from each element's index and a seed")
+    else:
+        p.choose(HASH_DROPOUT, True, "for a compiled fused layer; an eager one draws "
+                 "F.dropout's masks")
+
+
+def _lm_loss(p: Planner) -> None:
+    """The last stage's loss: the chunked LM-head cross entropy (``fast_spec.lm_loss``) or
+    megatron's output layer and loss. (The chunked loss still hands an output layer it cannot
+    serve, one with a bias, to megatron's path.)"""
+    from megagpt.fast_spec.lm_loss import lm_grad_in_forward_unsupported_reason
+
     if not p.v.fast_lm_loss:
-        p.choose("LM loss", "megatron's", "--fast-disable lm-loss")
+        p.choose(LM_LOSS, MEGATRONS, "--fast-disable lm-loss")
     elif p.get("transformer_impl", "local") == "transformer_engine":
-        p.choose("LM loss", "megatron's", "Transformer Engine's layers keep upstream's path")
+        p.choose(LM_LOSS, MEGATRONS, "Transformer Engine's layers keep upstream's path")
     elif p.get("cross_entropy_loss_fusion", False):
-        p.choose("LM loss", "megatron's", "--cross-entropy-loss-fusion")
+        p.choose(LM_LOSS, MEGATRONS, "--cross-entropy-loss-fusion")
     elif (p.get("tensor_model_parallel_size", 1) or 1) != 1:
-        p.choose("LM loss", "megatron's", "tensor-parallel output layer")
+        p.choose(LM_LOSS, MEGATRONS, "tensor-parallel output layer")
     else:
-        from .lm_loss import lm_grad_in_forward_unsupported_reason
-
-        off = lm_grad_in_forward_unsupported_reason(p.v)
-        p.choose("LM loss", "chunked", "LM head gradients formed in forward" if off is None
-                 else f"LM head recomputed in backward: {off}")
-
-
-def _optimizer(p: _Planner) -> None:
-    """What ``install_fast_path_patches`` installs at launch (the flat step is decided once
-    the optimizer exists)."""
-    if not p.v.fast_optimizer:
-        p.choose("optimizer", "megatron's", "--fast-disable optimizer")
+        p.choose(LM_LOSS, CHUNKED, "the [tokens, vocab] logits never exist all at once")
+    if p.chosen(LM_LOSS).value != CHUNKED:
+        p.choose(LM_GRAD_IN_FORWARD, False, "megatron's loss")
         return
-    installed = p.installed
-    fallbacks = not (installed.transformer_engine or installed.apex) if installed else True
-    left_out = s.fused_adam_left_out_reason(p.v, lambda: fallbacks)
+    off = lm_grad_in_forward_unsupported_reason(p.v)
+    p.choose(LM_GRAD_IN_FORWARD, off is None, "LM head gradients formed in forward"
+             if off is None else f"LM head recomputed in backward: {off}")
+
+
+def _optimizer(p: Planner) -> None:
+    """The optimizer's kernels and step, as the launch's megatron changes install them
+    (``megatron_changes``; the flat step attaches to the optimizer megatron builds where
+    that optimizer allows it)."""
+    if not p.v.fast_optimizer:
+        p.choose(OPTIMIZER, MEGATRONS, "--fast-disable optimizer")
+        p.choose(ASYNC_STEP, False, "--fast-disable optimizer")
+        return
+    fused_kernels = p.installed.megatron_fused_optimizer
+    left_out = s.fused_adam_left_out_reason(p.v, lambda: not fused_kernels)
     if left_out is not None:
-        value, reason = "foreach kernels", left_out
-    elif p.v.fast_flat_adam:
-        value, reason = "fused AdamW, flat step", "where megatron's bf16 optimizer allows it"
+        value, reason = FOREACH, left_out
+    elif not p.v.fast_flat_adam:
+        value, reason = FUSED_ADAMW, "--fast-disable flat-adam"
+    elif not p.get("bf16", False):
+        value, reason = FUSED_ADAMW, "the flat step serves megatron's bf16 optimizer only"
     else:
-        value, reason = "fused AdamW", "--fast-disable flat-adam"
-    step = "no host waits in the step" if p.v.fast_async_step else "--fast-disable async-step"
-    p.choose("optimizer", value, f"{reason}; {step}")
+        value, reason = FLAT_ADAMW, "where megatron's bf16 optimizer allows it"
+    p.choose(OPTIMIZER, value, reason)
+    p.choose(ASYNC_STEP, bool(p.v.fast_async_step), "no host waits in the step"
+             if p.v.fast_async_step else "--fast-disable async-step")
 
 
-STEPS: tuple[Callable[[_Planner], None], ...] = (
+STEPS: tuple[Callable[[Planner], None], ...] = (
     _switch_defaults, _layers, _attention_kernels, _fused_layer, _fp8, _full_iteration_graph,
-    _layer_graphs, _graph_choices, _nccl_connect, _bf16_grad_buffer, _grad_write,
-    _attention_mask, _compile, _lm_loss, _optimizer,
+    _layer_graphs, _graph_choices, _nccl_connect, _bf16_grad_buffer, _lm_loss, _grad_write,
+    _attention_mask, _compile, _hash_dropout, _optimizer,
 )
 
 
-def plan_fast_path(args, installed=None, environ: Optional[Mapping[str, str]] = None
-                   ) -> FastPathPlan:
-    """The fast path's plan for ``args`` (changes nothing; raises UserError for a switch
-    asked for where it cannot run). ``installed``: ``compat.Installed`` (None: detected)."""
+def plan_fast_path(args, installed=None, environ: Optional[Mapping[str, str]] = None,
+                   given: frozenset[str] = frozenset()) -> Launch:
+    """The fast path's steps alone over ``args``, arguments adapted already (changes nothing;
+    raises UserError for a switch asked for where it cannot run). ``installed``:
+    ``compat.Installed`` (None: detected); ``environ``: default ``os.environ``; ``given``:
+    the flags the command line gave."""
     if installed is None:
         from megagpt.compat import Installed
 
         installed = Installed.detect()
-    return _Planner(args, os.environ if environ is None else environ, installed).plan()
-
-
-def apply_plan(plan: FastPathPlan, args, environ: Optional[MutableMapping[str, str]] = None,
-               log: Optional[Callable[[str], None]] = None) -> None:
-    """Write ``plan`` into megatron's ``args`` and ``environ`` (default ``os.environ``), then
-    log its lines: the only writer of the fast path's settings."""
-    environ = os.environ if environ is None else environ
-    for name, value in plan.args:
-        setattr(args, name, value)
-    for name, value in plan.environ:
-        environ[name] = value
-    for line in plan.log:
-        (log or (lambda line: None))(line)
+    p = Planner(args, frozenset(given), installed, os.environ if environ is None else environ)
+    p.section = SECTION
+    for step in STEPS:
+        step(p)
+    return p.launch()
 
 
 def apply_fast_path_defaults(args, log: Optional[Callable[[str], None]] = None,
-                             installed=None) -> FastPathPlan:
-    """The plan for ``args`` applied; returns it. Call after parsing, before megatron's
-    ``validate_args`` and before the model and optimizer are built; it patches nothing in
-    megatron (``settings.install_fast_path_patches`` does, at launch)."""
-    plan = plan_fast_path(args, installed)
-    apply_plan(plan, args, log=log)
-    return plan
+                             installed=None, given: frozenset[str] = frozenset()) -> Launch:
+    """``plan_fast_path`` for ``args``, written into ``args`` and ``os.environ``; returns it."""
+    from .writer import write
+
+    launch = plan_fast_path(args, installed, given=given)
+    write(launch, args, log=log)
+    return launch

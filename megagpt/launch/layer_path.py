@@ -1,13 +1,16 @@
 """Which layers a run's model is built from: the fast spec, Transformer Engine's, megatron's
 local ones (also ``--spec local``, as megatron's help spells them), its MoE block or a user's
-``--spec MODULE FUNCTION``. ``layer_path`` is the one place that tells
-them apart; ``gpt_builders`` builds each, and the fast path's plan, ``megagpt.compat`` and
-the dry run's estimate ask it.
+``--spec MODULE FUNCTION``. ``layer_path`` is the one place that tells them apart; the
+launch's resolution asks it once (its ``layers`` choice), and what builds the model
+(``megagpt.gpt_model``) reads that choice.
 """
 
 from __future__ import annotations
 
-# layer paths (gpt_builders builds each)
+from megagpt.fast_spec.spec import fast_spec_unsupported_reason
+from megagpt.flags import megatron_local_spec_asked
+
+# layer paths (megagpt.gpt_model builds each)
 TRANSFORMER_ENGINE = "transformer_engine"
 MOE_BLOCK = "moe_block"
 FAST = "fast"
@@ -15,18 +18,10 @@ LOCAL = "local"
 USER_SPEC = "user_spec"
 
 
-# megatron's ``--spec`` help: "To use local spec specify local as the argument"; its
-# validate_args asks for it with --attention-backend local
-LOCAL_SPEC_ARGUMENT = ["local"]
-
-
-def megatron_local_spec_asked(args) -> bool:
-    """Whether ``--spec local`` asks for megatron's local spec (not a module to import)."""
-    return list(getattr(args, "spec", None) or []) == LOCAL_SPEC_ARGUMENT
-
-
-def layer_path(args) -> tuple[str, str]:
-    """(path, reason): which layers the model is built from (gpt_builders builds them)."""
+def layer_path(args, impl_reason: str | None = None) -> tuple[str, str]:
+    """(path, reason): which layers the model is built from (``megagpt.gpt_model`` builds
+    them). ``impl_reason``: why ``--transformer-impl`` is what it is (``layer_impl``'s choice),
+    for the reason of the fast spec's and TE's paths."""
     spec = getattr(args, "spec", None)
     if megatron_local_spec_asked(args):
         if getattr(args, "num_experts", None) is not None:
@@ -40,13 +35,10 @@ def layer_path(args) -> tuple[str, str]:
         impl = "Transformer Engine" if use_te else "local"
         return MOE_BLOCK, f"--num-experts {experts}, {impl} modules"
     if use_te:
-        return TRANSFORMER_ENGINE, getattr(args, "transformer_impl_reason",
-                                           "--transformer-impl transformer_engine")
-    from .spec import fast_spec_unsupported_reason
-
+        return TRANSFORMER_ENGINE, impl_reason or "--transformer-impl transformer_engine"
     reason = fast_spec_unsupported_reason(args)
     if reason is None:
-        why = getattr(args, "transformer_impl_reason", "Transformer Engine is not installed")
+        why = impl_reason or "Transformer Engine is not installed"
         return FAST, f"{why}; SDPA attention and fused kernels"
     return LOCAL, f"megatron's local modules; fast spec off: {reason}"
 

@@ -9,13 +9,13 @@ figures: docs/speed.md, "Asynchronous step") put the largest idle gaps after the
 
 1. the gradient norm: without TE's ``multi_tensor_scale_tensor`` megatron brings the norm
    to the host to decide the clipping factor. ``optim.foreach_multi_tensor_scale_tensor``
-   (installed by ``install_fast_optimizer(tensor_clip=True)``) is TE's kernel in torch
+   (installed by ``optimizer.fast_kernels(tensor_clip=True)``) is TE's kernel in torch
    ``_foreach`` form, with which megatron clips by a tensor coefficient and returns the norm
    as a tensor (one extra pass over the fp32 gradients, no wait);
 2. ``logical_and_across_model_parallel_group`` / ``reduce_max_stat_across_model_parallel_group``
    after every step and for the learning rate in ``training_log``: an all-reduce over the
    model-parallel group followed by ``.item()``. Over a group of one rank (no tensor,
-   pipeline or context parallelism) the all-reduce is the identity; ``install`` returns the
+   pipeline or context parallelism) the all-reduce is the identity; the wrapper returns the
    value unchanged there and calls megatron's function otherwise;
 3. ``training_log`` builds ``torch.tensor([0.0], device='cuda')`` per loss key per iteration
    (the default of a ``dict.get``): within it, scalar CUDA tensors are built in pinned host
@@ -34,14 +34,15 @@ The gradient norm then stays on the GPU until something needs it: the log line e
 reads each norm one iteration late — by then the GPU is working on the next iteration, so
 the read does not idle it — and before every checkpoint save.
 
-``install(log)`` wraps them through ``megagpt.megatron_wrappers`` (``remove_all`` with this
-module's name takes them off); ``--fast-disable async-step`` keeps megatron's behaviour.
+``without_host_waits(log)`` wraps them through ``megagpt.megatron_wrappers`` for the duration
+of a block; ``--fast-disable async-step`` keeps megatron's behaviour.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -170,29 +171,26 @@ def host_loss_scale_of_one(setup: Callable) -> Callable:
     return setup_model_and_optimizer
 
 
-def install(log: Optional[Callable[[str], None]] = None) -> list[str]:
-    """Patch megatron's training loop (this process). Returns what changed; idempotent."""
+@contextlib.contextmanager
+def without_host_waits(log: Optional[Callable[[str], None]] = None) -> Iterator[None]:
+    """Wrap megatron's training loop for the duration of the block (see the module
+    docstring)."""
     import megatron.training.dist_signal_handler as msignal
     import megatron.training.training as mtraining
 
     from megagpt import megatron_wrappers
 
-    changed = []
-    patches = {
-        (mtraining, "reduce_max_stat_across_model_parallel_group"): single_rank_reduce_max_stat,
-        (mtraining, "logical_and_across_model_parallel_group"): single_rank_logical_and,
-        (msignal, "all_gather_item"): single_process_all_gather_item,
-        (mtraining, "training_log"): without_blocking_scalar_tensors,
-        (mtraining, "setup_model_and_optimizer"): host_loss_scale_of_one,
-    }
-    for (module, name), wrap in patches.items():
-        if __name__ in megatron_wrappers.installed(module, name):
-            continue
-        # composed with the other concerns' wrappers in megagpt.megatron_ledger's order
-        megatron_wrappers.install(module, name, __name__, wrap)
-        changed.append(name)
-    if changed and log:
-        log("fast path: no host synchronisation inside a step (single-rank reductions are "
-            "identities; scalars logged without blocking; --fast-disable async-step keeps "
-            "megatron's)")
-    return changed
+    changes = [
+        (mtraining, "reduce_max_stat_across_model_parallel_group", __name__,
+         single_rank_reduce_max_stat),
+        (mtraining, "logical_and_across_model_parallel_group", __name__, single_rank_logical_and),
+        (msignal, "all_gather_item", __name__, single_process_all_gather_item),
+        (mtraining, "training_log", __name__, without_blocking_scalar_tensors),
+        (mtraining, "setup_model_and_optimizer", __name__, host_loss_scale_of_one),
+    ]
+    with megatron_wrappers.wrapped_all(changes):
+        if log:
+            log("fast path: no host synchronisation inside a step (single-rank reductions are "
+                "identities; scalars logged without blocking; --fast-disable async-step keeps "
+                "megatron's)")
+        yield

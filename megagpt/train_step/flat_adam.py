@@ -44,10 +44,11 @@ duplicates). Elsewhere megatron's step runs unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
-from typing import Callable, List, Optional
+from typing import Callable, Iterator, List, Optional
 
 import torch
 
@@ -247,7 +248,7 @@ class FlatAdamState:
 
     def _compile_failed(self, exc: Exception) -> None:
         """A compiler failure must not stop training: the same arithmetic, eagerly."""
-        from .layer import is_compile_error
+        from megagpt.torch_compile import is_compile_error
 
         if not is_compile_error(exc):
             raise exc
@@ -536,21 +537,18 @@ def attach_after_setup(setup: Callable, log: Callable[[str], None], compiled: bo
     return setup_model_and_optimizer
 
 
-def install(log: Optional[Callable[[str], None]] = None, compiled: Optional[bool] = None) -> bool:
-    """Wrap megatron's ``setup_model_and_optimizer`` (this process) so that the optimizer it
-    returns gets the flat step where it applies. Idempotent; returns whether it wrapped now.
-    ``compiled`` defaults to "on a GPU" (one kernel; eager runs the same update in chunks).
-    ``megatron_wrappers.remove_all`` with this module's name undoes it."""
+@contextlib.contextmanager
+def flat_steps(log: Optional[Callable[[str], None]] = None,
+               compiled: Optional[bool] = None) -> Iterator[None]:
+    """Wrap megatron's ``setup_model_and_optimizer`` for the duration of the block, so that
+    the optimizer it returns gets the flat step where it applies. ``compiled`` defaults to
+    "on a GPU" (one kernel; eager runs the same update in chunks)."""
     import megatron.training.training as mtraining
 
     from megagpt import megatron_wrappers
 
-    if __name__ in megatron_wrappers.installed(mtraining, "setup_model_and_optimizer"):
-        return False
     if compiled is None:
         compiled = torch.cuda.is_available()
-    # composed with the other concerns' wrappers in megagpt.megatron_ledger's order
-    megatron_wrappers.install(
-        mtraining, "setup_model_and_optimizer", __name__,
-        lambda setup: attach_after_setup(setup, log or (lambda s: None), compiled))
-    return True
+    wrap = lambda setup: attach_after_setup(setup, log or (lambda s: None), compiled)  # noqa: E731
+    with megatron_wrappers.wrapped(mtraining, [("setup_model_and_optimizer", __name__, wrap)]):
+        yield

@@ -10,20 +10,20 @@ Without TE/apex, megatron-core 0.19.2 falls back to:
 - for bf16 (``_dummy_overflow_buf is None``) a Python loop of per-tensor copies to write the
   updated fp32 master weights back into the bf16 model weights.
 
-``install_fast_optimizer()`` replaces these fallbacks, inside megatron's optimizer modules
-only, with torch's fused AdamW and ``torch._foreach_*`` kernels (a handful of launches per
+``fast_kernels()`` replaces these fallbacks, inside megatron's optimizer modules only and
+for the duration of a block, with torch's fused AdamW and ``torch._foreach_*`` kernels (a handful of launches per
 step, one host synchronisation for the norm as with apex). Where TE or apex provides the
 multi-tensor kernels they are kept, and each part can be left out. Numerics: the same
 operations in fp32 (AdamW math is torch's own; the norm is the same 2-norm computed in
 another order).
 
-Each replacement is installed through ``megagpt.megatron_wrappers`` under this module's name
-(``megatron_wrappers.remove_all`` takes them all off again).
+Each replacement is installed through ``megagpt.megatron_wrappers`` under this module's name.
 """
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+import contextlib
+from typing import Callable, Iterator, List, Optional
 
 import torch
 
@@ -245,67 +245,59 @@ def megatron_uses_local_fallbacks() -> bool:
         return False
 
 
-def install_fast_optimizer(
-    fused_adam: bool = True,
-    multi_tensor: bool = True,
-    tensor_clip: bool = False,
-    log: Optional[Callable[[str], None]] = None,
-) -> List[str]:
-    """Patch megatron's optimizer modules (this process only). Returns what was changed.
-
-    ``tensor_clip`` also gives megatron a tensor-scale kernel, which makes it keep the
-    gradient norm on the GPU (see ``foreach_multi_tensor_scale_tensor``): the norm that
-    ``optimizer.step()`` returns is then a 1-element CUDA tensor.
-
-    Safe to call more than once. Where TE or apex provides the multi-tensor kernels, theirs
-    are kept (the norm, the scales); ``fused_adam`` still puts torch's fused AdamW in place of
-    their FusedAdam, which the flat AdamW step needs (``megagpt.fast_spec.flat_adam``).
-    Must run before ``get_megatron_optimizer`` builds the optimizer (i.e. before
-    ``setup_model_and_optimizer``): ``settings.install_fast_path_patches`` calls it when the
-    entry launches training, not at parse time.
-    """
+def _replacements(fused_adam: bool, multi_tensor: bool, tensor_clip: bool
+                  ) -> tuple[list[tuple[object, str, object]], list[str]]:
+    """(the ``(module, name, value)`` replacements megatron's optimizer modules get, the log
+    lines saying what they change). Where TE or apex provides the multi-tensor kernels,
+    theirs are kept (the norm, the scales); ``fused_adam`` still puts torch's fused AdamW in
+    place of their FusedAdam, which the flat AdamW step needs (``flat_adam``)."""
     import megatron.core.optimizer as mopt
     import megatron.core.optimizer.clip_grads as mclip
     import megatron.core.optimizer.optimizer as moo
     from megatron.core import utils as mutils
 
-    def replace(module, name, value):
-        megatron_wrappers.replace(module, name, __name__, value)
-
-    def done(module, name):
-        return __name__ in megatron_wrappers.installed(module, name)
-
+    swaps: list[tuple[object, str, object]] = []
     changed: List[str] = []
-    if fused_adam and not done(mopt, "Adam"):
+    if fused_adam:
         local = megatron_uses_local_fallbacks()
-        replace(mopt, "Adam", torch_fused_adam)
-        replace(mopt, "USING_PYTORCH_OPTIMIZER", False)
+        swaps += [(mopt, "Adam", torch_fused_adam), (mopt, "USING_PYTORCH_OPTIMIZER", False)]
         # torch's Adam, not TE's / apex's FusedAdam: the flat AdamW step builds on it
         changed.append("AdamW: torch fused=True (single kernel) instead of "
                        + ("foreach" if local else "TE's/apex's FusedAdam"))
-
-    # the copies are replaced whatever megatron took, so they say whether this part is done
-    if multi_tensor and not done(moo, "_multi_tensor_copy_this_to_that"):
+    if multi_tensor:
         if mclip.l2_norm_impl is mutils.local_multi_tensor_l2_norm:
-            replace(mclip, "l2_norm_impl", foreach_multi_tensor_l2norm)
+            swaps.append((mclip, "l2_norm_impl", foreach_multi_tensor_l2norm))
             changed.append("grad norm: torch._foreach_norm (was one host sync per tensor)")
         if mclip.multi_tensor_scale_impl is mutils.local_multi_tensor_scale:
-            replace(mclip, "multi_tensor_scale_impl", foreach_multi_tensor_scale)
+            swaps.append((mclip, "multi_tensor_scale_impl", foreach_multi_tensor_scale))
             changed.append("grad clip scale: torch._foreach_mul_")
         if moo.multi_tensor_scale_impl is mutils.local_multi_tensor_scale:
-            replace(moo, "multi_tensor_scale_impl", foreach_multi_tensor_scale)
-        replace(moo, "_multi_tensor_copy_this_to_that", foreach_copy_this_to_that)
+            swaps.append((moo, "multi_tensor_scale_impl", foreach_multi_tensor_scale))
+        swaps.append((moo, "_multi_tensor_copy_this_to_that", foreach_copy_this_to_that))
         changed.append("main<->model param copies: torch._foreach_copy_")
-        replace(moo.Float16OptimizerWithFloat16Params, "_copy_model_grads_to_main_grads",
-                copy_model_grads_to_main_grads)
+        swaps.append((moo.Float16OptimizerWithFloat16Params, "_copy_model_grads_to_main_grads",
+                      copy_model_grads_to_main_grads))
         changed.append("model->main grads: one fp32 cast per gradient buffer")
-
-    if (tensor_clip and not done(mclip, "multi_tensor_scale_tensor_impl")
-            and mclip.multi_tensor_scale_tensor_impl is None):
-        replace(mclip, "multi_tensor_scale_tensor_impl", foreach_multi_tensor_scale_tensor)
+    if tensor_clip and mclip.multi_tensor_scale_tensor_impl is None:
+        swaps.append((mclip, "multi_tensor_scale_tensor_impl", foreach_multi_tensor_scale_tensor))
         changed.append("grad norm and clipping stay on the GPU (no host sync for the norm)")
+    return swaps, changed
 
-    if log:
-        for c in changed:
-            log(f"fast optimizer: {c}")
-    return changed
+
+@contextlib.contextmanager
+def fast_kernels(fused_adam: bool = True, multi_tensor: bool = True, tensor_clip: bool = False,
+                 log: Optional[Callable[[str], None]] = None) -> Iterator[List[str]]:
+    """megatron's optimizer modules with torch's fused AdamW and the foreach kernels for the
+    duration of the block; yields what was changed.
+
+    ``tensor_clip`` also gives megatron a tensor-scale kernel, which makes it keep the
+    gradient norm on the GPU (see ``foreach_multi_tensor_scale_tensor``): the norm that
+    ``optimizer.step()`` returns is then a 1-element CUDA tensor. Enter before
+    ``get_megatron_optimizer`` builds the optimizer (before ``setup_model_and_optimizer``).
+    """
+    swaps, changed = _replacements(fused_adam, multi_tensor, tensor_clip)
+    with megatron_wrappers.wrapped_all([(module, name, __name__, megatron_wrappers.replacing(value))
+                                        for module, name, value in swaps]):
+        for line in changed if log else ():
+            log(f"fast optimizer: {line}")
+        yield changed

@@ -15,7 +15,8 @@ by restricting the kernels torch may pick from to the same family as TE's:
   fused    cuDNN's fused attention (TE's "fused" backend is cuDNN's too)
   unfused  torch's math kernel: matmul, softmax, matmul (TE: its unfused attention)
 
-``attention_plan`` is what the fast path's plan decides and logs for the flag.
+``attention_plan`` is what the launch's resolution decides and logs for the flag; the
+kernel table the fast spec's attention reads is ``megagpt.fast_spec.sdpa_kernels``.
 """
 
 from __future__ import annotations
@@ -23,20 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from torch.nn.attention import SDPBackend
-
 from megagpt.errors import UserError
+from megagpt.fast_spec.sdpa_kernels import AUTO, FLASH, FUSED, LOCAL, UNFUSED, backend_name
 
-AUTO, FLASH, FUSED, UNFUSED, LOCAL = "auto", "flash", "fused", "unfused", "local"
-
-# the kernels the fast spec's SDPA attention may use for each backend (None: all)
-SDPA_KERNELS: dict[str, Optional[tuple[SDPBackend, ...]]] = {
-    AUTO: None,
-    FLASH: (SDPBackend.FLASH_ATTENTION,),
-    FUSED: (SDPBackend.CUDNN_ATTENTION,),
-    UNFUSED: (SDPBackend.MATH,),
-    LOCAL: (SDPBackend.MATH,),  # megatron's local attention is unfused
-}
 KERNEL_NAMES = {FLASH: "torch's flash attention kernel", FUSED: "cuDNN's fused attention",
                 UNFUSED: "torch's unfused math kernel", LOCAL: "torch's unfused math kernel"}
 
@@ -49,19 +39,6 @@ TE_SWITCHES = {
     LOCAL: ("0", "0", "0"),
 }
 TE_SWITCH_NAMES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
-
-
-def backend_name(value) -> str:
-    """``AttnBackend.flash`` (megatron's parsed value) or ``"flash"`` -> ``"flash"``."""
-    if value is None:
-        return AUTO
-    return str(getattr(value, "name", value))
-
-
-def sdpa_kernels_for(attention_backend) -> Optional[tuple[SDPBackend, ...]]:
-    """The SDPA kernels the fast spec's attention may run for ``attention_backend`` (a
-    TransformerConfig's value; None: torch picks among all)."""
-    return SDPA_KERNELS.get(backend_name(attention_backend))
 
 
 def te_switch_conflict(backend: str, environ: Mapping[str, str]) -> Optional[str]:

@@ -28,24 +28,26 @@ parameter in one step (accumulation after all) stops the run rather than overwri
 
 It applies when one micro-batch per step reaches one data-parallel rank and nothing else adds
 into ``main_grad`` (megatron's gradient-accumulation fusion, the distributed optimizer, FSDP
-and buffers with extra local gradients are excluded); ``settings.grad_write_unsupported_reason(args)``
-says why not.
+and buffers with extra local gradients are excluded);
+``megagpt.launch.fast_path_reasons.grad_write_unsupported_reason(args)`` says why not.
 
-Writing is on while ``install``'s wrappers are in place (``megagpt.megatron_wrappers``;
-``remove_all`` with this module's name turns it off): process-wide, as megatron's DDP methods
-are. The hooks made meanwhile outlive the removal, and do megatron's work for a DDP that did
-not start its last step under the wrappers (one that did still counts that step as written).
+Writing is on inside ``writing()`` (its wrappers of megatron's DDP methods, through
+``megagpt.megatron_wrappers``): process-wide while they are in place, as megatron's DDP methods
+are. The hooks made meanwhile outlive the block, and do megatron's work for a DDP that did not
+start its last step under the wrappers (one that did still counts that step as written).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import contextlib
+from typing import Callable, Iterator, Optional
 
 from megagpt import megatron_wrappers
 
 
 def grad_write_enabled() -> bool:
-    """Whether the next ``zero_grad_buffer`` of an eligible DDP starts a step that writes."""
+    """Whether the next ``zero_grad_buffer`` of an eligible DDP starts a step that writes
+    (inside ``writing``)."""
     from megatron.core.distributed import DistributedDataParallel as DDP
 
     return __name__ in megatron_wrappers.installed(DDP, "zero_grad_buffer")
@@ -132,24 +134,22 @@ def _second_gradient(param) -> RuntimeError:
         "relaunch with --fast-disable grad-write")
 
 
-def install(log: Optional[Callable[[str], None]] = None) -> None:
-    """Wrap megatron's DDP hook factory, ``zero_grad_buffer`` and ``finish_grad_sync``
-    (once per process), which turns writing on. Each ``zero_grad_buffer`` decides for its
+@contextlib.contextmanager
+def writing(log: Optional[Callable[[str], None]] = None) -> Iterator[None]:
+    """Wrap megatron's DDP hook factory, ``zero_grad_buffer`` and ``finish_grad_sync`` for the
+    duration of the block, which turns writing on. Each ``zero_grad_buffer`` decides for its
     step whether to write (a DDP whose buffers hold only its hooks' gradients); otherwise the
-    wrappers do megatron's work unchanged. Call before the model is wrapped in DDP: the hooks
+    wrappers do megatron's work unchanged. Enter before the model is wrapped in DDP: the hooks
     are made then."""
-    if grad_write_enabled():  # installed already
-        if log:
-            log(_LOG_LINE)
-        return
     from megatron.core.distributed import DistributedDataParallel as DDP
 
-    for name, wrap in (("_make_backward_post_hook", _writing_hooks),
-                       ("zero_grad_buffer", _zeroing_when_not_writing),
-                       ("finish_grad_sync", _zeroing_what_got_no_gradient)):
-        megatron_wrappers.install(DDP, name, __name__, wrap)
-    if log:
-        log(_LOG_LINE)
+    wrappers = (("_make_backward_post_hook", _writing_hooks),
+                ("zero_grad_buffer", _zeroing_when_not_writing),
+                ("finish_grad_sync", _zeroing_what_got_no_gradient))
+    with megatron_wrappers.wrapped(DDP, [(name, __name__, wrap) for name, wrap in wrappers]):
+        if log:
+            log(_LOG_LINE)
+        yield
 
 
 def _writing_hooks(make_hook):

@@ -20,13 +20,14 @@ e.g. ``local`` is upstream's path without TE and ``fused+opt+ce+graph`` the fast
 It is not the project's entry (``bench/bench_throughput.py`` runs that); it exists to see
 where time goes without the data loader and logging. Run on a GPU:
 
-  python -m megagpt.fast_spec.profile_step --shape 345M \
+  python bench/profile_step.py --shape 345M \
       --variants local,sdpa+opt,fused+opt+ce+graph --profile fused+opt+ce+graph --out DIR
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -34,12 +35,16 @@ import statistics
 import time
 from functools import partial
 
+import sys
+from pathlib import Path
+
 import torch
 
-SHAPES = {
-    "345M": (24, 1024, 16, 1024, 8),
-    "1.3B": (24, 2048, 16, 2048, 4),
-}
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # megagpt, from this checkout
+
+from reference_gpt import SHAPES  # noqa: E402
+
 VOCAB = 50257
 VOCAB_PADDED = 50304
 
@@ -94,17 +99,15 @@ def _parts(variant):
 def _spec(variant):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from megagpt.fast_spec.layer import FusedLayerOptions
     from megagpt.fast_spec.spec import get_fast_gpt_layer_spec
 
     variant, _ = _parts(variant)
     if variant == "local":
         return get_gpt_layer_local_spec()
-    ns = argparse.Namespace(
-        fast_spec=True,
-        fast_spec_fused_layer=variant.startswith("fused"),
-        fast_spec_compile=not variant.startswith("fused-eager"),
-    )
-    return get_fast_gpt_layer_spec(ns)
+    fused = (FusedLayerOptions.make(compile=not variant.startswith("fused-eager"))
+             if variant.startswith("fused") else None)
+    return get_fast_gpt_layer_spec(argparse.Namespace(fast_spec=True), fused)
 
 
 def build(shape, variant, dropout):
@@ -114,13 +117,7 @@ def build(shape, variant, dropout):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
-    from megagpt import megatron_wrappers
-    from megagpt.fast_spec import optim
-
-    megatron_wrappers.remove_all(optim.__name__)
     _, flags = _parts(variant)
-    if "opt" in flags:
-        optim.install_fast_optimizer()
     config = _config(shape, dropout)
     L, h, heads, seq, mb = SHAPES[shape]
     torch.manual_seed(1234)
@@ -206,6 +203,17 @@ def _iterator(batch):
 
 
 def run_variant(shape, variant, iters, warmup, dropout, profile_dir=None, log=print):
+    """One variant built and timed; with +opt megatron's optimizer modules hold the fast
+    path's kernels while it is built and steps."""
+    from megagpt.train_step import optimizer as fast_optimizer
+
+    _, flags = _parts(variant)
+    kernels = fast_optimizer.fast_kernels() if "opt" in flags else contextlib.nullcontext()
+    with kernels:
+        return _timed(shape, variant, iters, warmup, dropout, profile_dir, log)
+
+
+def _timed(shape, variant, iters, warmup, dropout, profile_dir, log):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     gc.collect()
@@ -262,7 +270,7 @@ def run_variant(shape, variant, iters, warmup, dropout, profile_dir=None, log=pr
         fwdbwd.append(a)
         opt.append(b)
         losses.append(loss)
-    from megagpt.fast_spec.flops import megatron_flops
+    from megatron_flops import megatron_flops
 
     flops = megatron_flops(L, h, heads, seq, mb, VOCAB_PADDED)
     ms = statistics.median(walls)

@@ -2,7 +2,7 @@
 
 A capture whose collectives wait for a peer that never joins (NCCL connecting a peer lazily,
 a rank that took another branch) blocks its process for good: the launcher sees a hung
-job, not an error. ``install(timeout_s, log)`` wraps megatron's
+job, not an error. ``deadline(timeout_s, log)`` wraps megatron's
 ``FullCudaGraphWrapper.__call__``: the iteration that captures (megatron's barrier, the
 capture, the barrier after it and the first replay) runs under ``run_with_deadline``. If it
 has not returned after ``timeout_s`` seconds, this rank prints one line naming itself and
@@ -11,10 +11,11 @@ exits with status 3; torchrun then stops the other ranks.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
-from typing import Callable, Optional, TextIO
+from typing import Callable, Iterator, Optional, TextIO
 
 EXIT_STATUS = 3
 
@@ -65,16 +66,17 @@ def _under_deadline(timeout_s: float):
     return wrap
 
 
-def install(timeout_s: float, log: Optional[Callable[[str], None]] = None) -> None:
-    """Put the capture iteration of megatron's full-iteration graph under the deadline
-    (through ``megagpt.megatron_wrappers``; a second call sets the deadline anew)."""
+@contextlib.contextmanager
+def deadline(timeout_s: float, log: Optional[Callable[[str], None]] = None) -> Iterator[None]:
+    """Put the capture iteration of megatron's full-iteration graph under the deadline for the
+    duration of the block (through ``megagpt.megatron_wrappers``)."""
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 
     from megagpt import megatron_wrappers
 
-    again = __name__ in megatron_wrappers.installed(FullCudaGraphWrapper, "__call__")
-    megatron_wrappers.install(FullCudaGraphWrapper, "__call__", __name__,
-                              _under_deadline(timeout_s))
-    if log and not again:
-        log(f"fast path: the full-iteration graph's capture must finish within "
-            f"{timeout_s:g} s (--fast-cuda-graph-capture-timeout)")
+    with megatron_wrappers.wrapped(FullCudaGraphWrapper,
+                                   [("__call__", __name__, _under_deadline(timeout_s))]):
+        if log:
+            log(f"fast path: the full-iteration graph's capture must finish within "
+                f"{timeout_s:g} s (--fast-cuda-graph-capture-timeout)")
+        yield

@@ -1,0 +1,93 @@
+"""``resolve(argv, installed, environ) -> Launch``: what a command line comes to on this
+machine, decided once and changing nothing.
+
+The command line is parsed once (``arguments.parse_command_line``) and its explicit flags read
+once (``Launch.given``); then every step below runs in turn over one planner
+(``planner.Planner``), reading what the steps before it decided and recording its own choices
+with their reasons. ``writer.write`` applies the result to megatron's arguments and the
+environment before megatron's ``validate_args``; what runs (the builders, the loss, the
+megatron changes, the dry run) reads the ``Launch``.
+
+The steps, in order (a step reads only what the steps above it decided):
+
+  entry        a dry run's GPU count
+  compat       the layers for what is installed and the settings that need what is missing
+               (``compat.adapt_to_installed``); what no adaptation can rescue is refused
+  cpu mode     the settings of a ``--cpu`` run (``cpu_mode.adapt``)
+  compat       settings megatron's parser accepts and its code rejects
+  resilience   the asynchronous checkpoint writer (``async_save.choose_writer``)
+  entry        the default tokenizer, the entry's limits, megatron's missing eval interval
+  fast path    every choice of the fast path (``fast_path.STEPS``)
+  resilience   the exit-signal handler with ``--save``, the rerun mode (after the fast path,
+               whose CUDA graphs turn megatron's in-step checks off)
+  entry        CUDA_DEVICE_MAX_CONNECTIONS under tensor or context parallelism
+  run log      megatron's settings that would print what does not apply here (one_logger)
+
+A new concern adds its step to ``STEPS`` where what it reads has been decided.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterable, Mapping, Optional
+
+from megagpt import compat, cpu_mode
+from megagpt.run_log import quiet
+from megagpt.arguments import parse_command_line
+from megagpt.flags import explicit_flags
+from megagpt.resilience import async_save, divergence, preemption
+
+from . import entry_defaults, fast_path
+from .planner import Launch, Planner
+
+Step = Callable[[Planner], None]
+
+STEPS: tuple[tuple[str, Step], ...] = (
+    ("entry", entry_defaults.planned_world),
+    ("compat", compat.adapt_to_installed),
+    ("compat", compat.refuse_what_is_missing),
+    ("cpu mode", cpu_mode.adapt),
+    ("compat", compat.adapt_megatron_quirks),
+    ("resilience", async_save.choose_writer),
+    ("entry", entry_defaults.default_tokenizer),
+    ("entry", entry_defaults.refuse_what_the_entry_cannot_run),
+    ("entry", entry_defaults.eval_interval),
+    *((fast_path.SECTION, step) for step in fast_path.STEPS),
+    ("resilience", preemption.choose_exit_signal_handler),
+    ("resilience", divergence.choose_rerun_mode),
+    ("entry", entry_defaults.device_connections),
+    ("run log", quiet.choose_quiet_settings),
+)
+
+
+def run_steps(p: Planner, steps: Iterable[tuple[str, Step]]) -> Launch:
+    """Each step over ``p`` in turn, under its section; the launch they decided."""
+    for section, step in steps:
+        p.section = section
+        step(p)
+    return p.launch()
+
+
+def resolve(argv: Optional[list[str]] = None, installed=None,
+            environ: Optional[Mapping[str, str]] = None,
+            extra_args_provider: Optional[Callable] = None) -> Launch:
+    """The launch ``argv`` asks for on this machine (changes nothing; ``UserError`` where it
+    cannot run). ``installed``: ``compat.Installed`` (None: detected); ``environ``: the
+    environment the launch starts in (None: ``os.environ``)."""
+    args = parse_command_line(argv, extra_args_provider)
+    installed = compat.Installed.detect() if installed is None else installed
+    p = Planner(args, frozenset(explicit_flags(args.entry_argv)), installed,
+                os.environ if environ is None else environ)
+    p.log(f"installed: {installed.summary()}")
+    return run_steps(p, STEPS)
+
+
+def parse_arguments(argv: Optional[list[str]] = None,
+                    extra_args_provider: Optional[Callable] = None):
+    """megatron's arguments for ``argv`` as its launch writes them (not yet validated), for
+    tools and tests that want the arguments alone; the entry keeps the ``Launch``."""
+    from megagpt.log import log
+
+    from .writer import write
+
+    return write(resolve(argv, extra_args_provider=extra_args_provider), log=log)

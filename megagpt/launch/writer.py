@@ -1,0 +1,47 @@
+"""The one writer of a launch: what the resolution decided, into megatron's arguments and the
+environment; and the one step that writes once megatron has validated them.
+
+``write(launch)`` applies a ``Launch`` in this order, before megatron's ``validate_args``:
+
+  1. megatron's arguments (a copy of the parsed ones, or ``args`` where given), each once,
+     in the order the resolution decided them;
+  2. the environment (NCCL and CUDA read it when they start, later);
+  3. the log lines, in the order the steps wrote them.
+
+``after_validation(launch, args, log)`` is the one write after ``validate_args``: the
+checkpoint a resume loads (``--ckpt-step``, and ``--dist-ckpt-strictness`` for TE's layers),
+which is decided against the validated arguments and megatron's padded vocabulary (set with
+its globals) (``resilience.checkpoint_guard``). megatron reads neither before it loads.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Callable, MutableMapping, Optional
+
+from .planner import Launch
+
+
+def write(launch: Launch, args=None, environ: Optional[MutableMapping[str, str]] = None,
+          log: Optional[Callable[[str], None]] = None):
+    """``launch`` applied to ``args`` (default: a copy of the arguments it parsed) and
+    ``environ`` (default ``os.environ``); returns the arguments."""
+    args = copy.deepcopy(launch.parsed) if args is None else args
+    environ = os.environ if environ is None else environ
+    for name, value in launch.args:
+        setattr(args, name, value)
+    for name, value in launch.environ:
+        environ[name] = value
+    for line in launch.log:
+        (log or (lambda line: None))(line)
+    return args
+
+
+def after_validation(launch: Launch, args, log: Callable[[str], None]) -> None:
+    """The checkpoint a resume loads, checked against the validated ``args`` and written into
+    them (the launch's one write after megatron's validation)."""
+    from megagpt.resilience import checkpoint_guard
+
+    for name, value in checkpoint_guard.prepare_load(args, launch.given, log).items():
+        setattr(args, name, value)
