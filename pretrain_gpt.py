@@ -49,7 +49,7 @@ from megagpt import arguments as entry_arguments
 from megagpt.gpt_model import describe as describe_model
 from megagpt.launch import after_validation, resolve, write
 from megagpt.launch.megatron_changes import launched
-from megagpt import run_log
+from megagpt import apex_parts, run_log
 from megagpt.log import log
 from megagpt.megatron_errors import INPUT_ERRORS
 from megagpt.resilience.divergence import EVALUATION_FAULT
@@ -344,6 +344,7 @@ def run(args, launch, store=None) -> None:
                    output_processor=gpt_builders.output_processor(launch))
     # every change this launch makes inside megatron and torch, undone when pretrain returns
     with launched(launch, args, container, log):
+        apex_parts.log_launch_line(launch, args, log)  # what the launch's changes left to apex
         pretrain(container, datasets_provider, ModelType.encoder_or_decoder, step,
                  get_embedding_ranks=get_embedding_ranks, store=store)
 

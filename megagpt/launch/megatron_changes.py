@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, ContextManager, Iterator, Optional
 
-from megagpt import apex_parts, compat, cpu_mode, resilience, run_log
+from megagpt import compat, cpu_mode, resilience, run_log
 from megagpt.resilience import interrupt
 from megagpt.train_step import async_step, capture_watchdog, flat_adam, grad_write
 from megagpt.train_step import optimizer as fast_optimizer
@@ -101,9 +101,7 @@ def launched(launch: Launch, args, container=None,
     """Every change ``launch`` makes inside megatron and torch, for the duration of the block
     (``args``: its validated arguments; ``container``: megatron's config container, which the
     configuration snapshot writes beside each checkpoint)."""
-    log = log or (lambda line: None)
     with contextlib.ExitStack() as changes:
-        for _, change in pieces(launch, args, container, log):
+        for _, change in pieces(launch, args, container, log or (lambda line: None)):
             changes.enter_context(change)
-        apex_parts.log_launch_line(launch, args, log)  # what the changes left to apex
         yield

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from megagpt.errors import UserError
 from megagpt.gpus import Gpu
 from megagpt.preflight import estimate as est
-from megagpt.preflight.launch_path import fused_softmax, launch_path, softmax_in_fp32
+from megagpt.preflight.launch_path import fp8_linears, fused_softmax, launch_path, softmax_in_fp32
 from megagpt.preflight.step_time import PART_NAMES, StepEstimate, StepShape, estimate_step
 
 
@@ -26,14 +26,6 @@ def _cuda_graph(args) -> bool:
                 or getattr(args, "cuda_graph_impl", "none") not in ("none", None)
                 or getattr(args, "enable_cuda_graph", False)
                 or getattr(args, "external_cuda_graph", False))
-
-
-def fp8_linears(args, path: str) -> bool:
-    """Whether the layers' linears run in FP8: TE's under ``--fp8-format``, the fast spec's
-    where the plan gave it the format (``fast_fp8``)."""
-    if path == "te":
-        return getattr(args, "fp8", None) is not None
-    return path == "fast" and bool(getattr(args, "fast_fp8", None))
 
 
 def _grad_bytes(args) -> int:

@@ -230,13 +230,13 @@ def layer_activation_bytes(args, recompute: str) -> float:
     split = (4 + 4 * groups / heads  # Q, K, V
              + 2  # projection input
              + 2 * fc1_out / h + 2 * args.ffn_hidden_size / h)  # activation and fc2 inputs
-    from megagpt.preflight.launch_path import launch_path
+    from megagpt.preflight.launch_path import fp8_linears, launch_path
 
     path = launch_path(args)
     unfused = path == "local"  # megatron's DotProductAttention: the scores in memory
     scores = score_bytes_per_element(args) * heads * seq / h \
         if unfused and recompute != "selective" else 0.0
-    if _fp8_linears(args, path):
+    if fp8_linears(args, path):
         # the GEMMs keep their inputs in FP8 for the weight gradients: the QKV and fc1 inputs
         # (norm outputs) and the fc2 input in 1 byte instead of 2; the projection's input is
         # also attention's output, which attention's backward keeps in 16-bit beside it
@@ -248,16 +248,10 @@ def layer_activation_bytes(args, recompute: str) -> float:
     return sbh * (replicated + (split + scores) / tp) + weights
 
 
-def _fp8_linears(args, path: str) -> bool:
-    from megagpt.preflight.cost import fp8_linears
-
-    return fp8_linears(args, path)
-
-
 def _fp8_weight_copy_bytes(args, path: str) -> float:
     """Under FP8, the transposed FP8 copy of each linear weight that a layer's forward keeps
     for its input-gradient GEMM: 1 byte per weight of the layer on this TP rank."""
-    if not _fp8_linears(args, path):
+    if not fp8_linears(args, path):
         return 0.0
     h, heads = args.hidden_size, args.num_attention_heads
     head_dim = args.kv_channels or h // heads

@@ -51,3 +51,11 @@ def softmax_in_fp32(args) -> bool:
     ``TransformerConfig.__post_init__`` does)."""
     return bool(getattr(args, "attention_softmax_in_fp32", False)
                 or getattr(args, "apply_query_key_layer_scaling", False))
+
+
+def fp8_linears(args, path: str) -> bool:
+    """Whether the layers' linears run in FP8 on ``path``: TE's under ``--fp8-format``, the
+    fast spec's where the launch gave it the format (``fast_fp8``)."""
+    if path == "te":
+        return getattr(args, "fp8", None) is not None
+    return path == "fast" and bool(getattr(args, "fast_fp8", None))
