@@ -37,7 +37,7 @@ from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_
 
 import gpt_builders
 from megagpt import arguments as entry_arguments
-from megagpt import compat, cpu_mode
+from megagpt import compat, cpu_mode, diagnostics
 from megagpt import resilience
 from megagpt.fast_spec.lm_loss import get_output_processor
 from megagpt.fast_spec.settings import install_fast_path_patches
@@ -332,7 +332,7 @@ def run(args, store=None) -> None:
                    checks=LossChecks.from_args(args),
                    output_processor=get_output_processor(args))
     device_context = cpu_mode.active() if args.cpu else contextlib.nullcontext()
-    with device_context, resilience.active(args, container):
+    with device_context, diagnostics.active(args), resilience.active(args, container):
         pretrain(container, datasets_provider, ModelType.encoder_or_decoder, step,
                  get_embedding_ranks=get_embedding_ranks, store=store)
 

@@ -51,6 +51,9 @@ def add_entry_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     from megagpt.fast_spec.settings import add_fast_path_arguments
 
     add_fast_path_arguments(group)
+    from megagpt.diagnostics import settings as diagnostics_settings
+
+    diagnostics_settings.add_arguments(group)
     return parser
 
 
@@ -167,6 +170,9 @@ def parse_arguments_and_plan(argv: list[str] | None = None,
     from megagpt.resilience import async_save
 
     async_save.adapt_args(args, compat.explicit_flags(argv), log)
+    from megagpt.diagnostics import settings as diagnostics_settings
+
+    diagnostics_settings.apply_plan(diagnostics_settings.plan_diagnostics(args), args, log=log)
     _default_tokenizer(args, argv)
     check_entry_limits(args)
     if args.eval_interval is None:

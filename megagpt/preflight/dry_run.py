@@ -159,6 +159,18 @@ def _optimizer_step_parts(memory: est.MemoryEstimate) -> str:
     return " + ".join(f"{name} {est.gib(value)}" for value, name in parts if value)
 
 
+def diagnostics_lines(args, run: cost.RunEstimate | None) -> list[str]:
+    """What the launch records and the collective timeout it will use (``megagpt.diagnostics``),
+    the timeout worked out at the estimated step time."""
+    from megagpt.diagnostics.settings import plan_diagnostics
+
+    diagnostics = plan_diagnostics(args)  # as applied at parse time
+    step = run.step.seconds if run is not None else None
+    return ["diagnostics:", f"  {diagnostics.timeout.describe(step)}",
+            *(f"  {line}" for line in diagnostics.log
+              if not line.startswith("collective timeout"))]
+
+
 def gpus(n: int) -> str:
     return f"{n} GPU" if n == 1 else f"{n} GPUs"
 
@@ -234,6 +246,7 @@ def run_dry_run(args, fast_path_plan=None) -> int:
     if fast_path_plan is not None:
         print("\n".join(fast_path_plan.describe()))
     print("\n".join(cost.estimate_lines(plan.run, plan.gpu)))
+    print("\n".join(diagnostics_lines(args, plan.run)))
     if getattr(args, "search_layouts", False):
         from megagpt.preflight.layout_search import search_lines
 
