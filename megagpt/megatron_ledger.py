@@ -462,6 +462,10 @@ LEDGER: tuple[Change, ...] = (
            "megagpt.cpu_mode",
            "activation recompute restores the CUDA generator state it saved; in CPU mode there "
            "is none to restore", CPU_PRETRAIN, "dea947ca0b7d"),
+    Change("megatron.core.parallel_state.update_pg_timeout", COVERS, "megagpt.cpu_mode",
+           "the collective timeout tightened after the warm-up (megagpt.diagnostics.timeouts) "
+           "synchronises CUDA first: CPU mode's stand-in", CPU_PRETRAIN, "6d470006602b",
+           needle="torch.cuda.synchronize()"),
     Change(T + "training_log", COVERS, "megagpt.cpu_mode",
            "--log-memory-to-tensorboard: torch.cuda.memory_stats reports zeros for the "
            "counters megatron logs", CPU_PRETRAIN, "7e7ebec01bcf",

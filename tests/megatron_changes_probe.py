@@ -5,7 +5,8 @@ attributes each step changed (tests/test_megatron_ledger.py holds them against t
 
 Prints ``{"launch": [...], "pretrain": [...], "validation": [...], "preflight": [...],
 "left": [...]}``: the dotted names changed by the fast path's launch-time installers and
-compat, inside ``resilience.active`` + ``cpu_mode.active``, inside the validation without a
+compat, inside ``resilience.active`` + ``cpu_mode.active`` + ``diagnostics.active``, inside
+the validation without a
 GPU, inside the preflight's ``schedule_check.global_args``, and still
 changed after the context managers exit (the launch-time changes only); and under
 ``"registered"`` the same steps' names that ``megagpt.megatron_wrappers`` holds installed.
@@ -54,7 +55,7 @@ def main() -> int:
 
     for change in LEDGER:  # every module the installers reach is loaded before the snapshot
         importlib.import_module(split_target(change.target)[0])
-    from megagpt import arguments, compat, cpu_mode, resilience
+    from megagpt import arguments, compat, cpu_mode, diagnostics, resilience
     from megagpt.preflight import schedule_check
     from megagpt.fast_spec import async_step, capture_watchdog, flat_adam, grad_write, optim
 
@@ -91,7 +92,7 @@ def main() -> int:
          "1"])
     args.check_for_nan_in_loss_and_grad = False  # as the CUDA graph leaves it: the guard on
     args.entry_argv = []
-    with cpu_mode.active(), resilience.active(args):
+    with cpu_mode.active(), resilience.active(args), diagnostics.active(args):
         report["pretrain"] = changed(launched, megatron_attributes())
         report["registered"]["pretrain"] = registered()
     with arguments._device_arch_for_validation(9):

@@ -17,6 +17,7 @@ exit:
 ``hangs`` (with ``flight_recorder``)
     a failed or timed-out collective becomes one ``error:`` line naming the ranks that did
     not join, the collective, its group and its sequence number, read from the dumps;
+    ``on_sigterm`` does the same when a launcher's SIGTERM finds the rank stuck in one;
 ``out_of_memory``
     CUDA out of memory becomes one ``error:`` line: the peak, the dry run's estimate for
     this launch and the knobs that lower it.
@@ -34,7 +35,7 @@ import sys
 import time
 
 from megagpt import megatron_wrappers
-from megagpt.diagnostics import hangs, out_of_memory, stragglers, timeouts
+from megagpt.diagnostics import hangs, on_sigterm, out_of_memory, stragglers, timeouts
 from megagpt.diagnostics.settings import DiagnosticsPlan, apply_plan, plan_diagnostics
 from megagpt.log import log
 
@@ -93,11 +94,17 @@ class _StragglerReportAtLogInterval:
     def __init__(self, args, plan: DiagnosticsPlan, clock: stragglers.StepClock):
         self.args, self.plan, self.clock = args, plan, clock
         self.report: stragglers.StragglerReport | None = None
+        self.first_iteration: int | None = None
 
     def __call__(self, iteration: int) -> None:
         import torch.distributed as dist
 
+        if self.first_iteration is None:
+            self.first_iteration = iteration
         if not self.plan.stragglers.enabled or iteration % self.args.log_interval:
+            return
+        # the warm-up iterations (compilation, first reads) say nothing about a rank's speed
+        if iteration - self.first_iteration + 1 <= self.plan.timeout.warmup_iterations:
             return
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return
@@ -105,6 +112,10 @@ class _StragglerReportAtLogInterval:
             self.report = stragglers.StragglerReport(self.plan.stragglers, self.clock, log,
                                                      rank=dist.get_rank())
         self.report.log_interval_done(iteration)
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -119,9 +130,12 @@ def active(args):
     if plan.dump_prefix is not None and args.distributed_backend == "nccl":
         # torch's watchdog writes the dumps itself, into a folder it does not create
         os.makedirs(plan.dump_folder, exist_ok=True)
-        watcher = hangs.DumpWatcher(reporter, lambda line: print(line, file=sys.stderr,
-                                                                 flush=True)).start()
+        watcher = hangs.DumpWatcher(reporter, _to_stderr).start()
     timeout = timeouts.CollectiveTimeout(plan.timeout, log)
+    sigterm = None
+    if plan.dump_prefix is not None:
+        sigterm = on_sigterm.SigtermWatcher(reporter, _to_stderr, lambda: timeout.in_save)
+        sigterm.install()
     clock = stragglers.StepClock(args.log_interval)
     wrappers = [  # (megatron function, owner, wrapper); composed in the ledger's order
         ("train_step", stragglers.__name__, clock.timing_train_step),
@@ -137,9 +151,13 @@ def active(args):
     except BaseException as exc:
         if out_of_memory.is_out_of_memory(exc):
             raise out_of_memory.out_of_memory_error(exc, args) from None
+        if sigterm is not None and sigterm.received:
+            raise reporter.exception_for_termination(exc) from None
         if hangs.is_collective_failure(exc):
             raise reporter.exception_for(exc) from None
         raise
     finally:
         if watcher is not None:
             watcher.stop()
+        if sigterm is not None:
+            sigterm.remove()

@@ -19,6 +19,7 @@ lowest rank that wrote a dump; the others leave quietly).
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import signal
 import threading
@@ -137,6 +138,8 @@ def _site(entry: dict) -> str | None:
         if _passes_through(filename):
             continue
         short = filename.split("site-packages/", 1)[-1]
+        if os.path.isabs(short) and short.startswith(os.getcwd() + os.sep):
+            short = os.path.relpath(short)
         return f"{short}:{frame.get('line')} ({frame.get('name')})"
     return None
 
@@ -301,6 +304,7 @@ class FailureReporter:
     world_size: int
     backend: str
     resume_hint: Callable[[], str] = lambda: ""  # which checkpoint a relaunch resumes from
+    dump_wait_s: float = DUMP_WAIT_S
     reported: bool = False
 
     def __post_init__(self):
@@ -308,20 +312,22 @@ class FailureReporter:
 
     @property
     def folder(self) -> str | None:
-        import os
-
         return (os.path.dirname(self.dump_prefix) or ".") if self.dump_prefix else None
 
-    def report(self, cause: str) -> tuple[str, int] | None:
+    def report(self, cause: str, only_if_silent: bool = False) -> tuple[str, int] | None:
         """(the line, the rank that prints it), after this rank's dump and the wait for the
-        others'; None where this process has reported already."""
+        others'; None where this process has reported already, or (``only_if_silent``)
+        where every member of the group wrote a dump (no rank is gone)."""
         with self._lock:
             if self.reported:
                 return None
             self.reported = True
-            return self._line(cause)
+            text, reporter, hang = self._line(cause)
+            if only_if_silent and (hang is None or not hang.silent):
+                return None
+            return text, reporter
 
-    def _line(self, cause: str) -> tuple[str, int]:
+    def _line(self, cause: str) -> tuple[str, int, Hang | None]:
         dumps: dict[int, dict] = {}
         if self.dump_prefix is not None:
             if not flight_recorder.written_since(self.dump_prefix, self.rank, self.launched_at):
@@ -329,12 +335,12 @@ class FailureReporter:
                     flight_recorder.write_this_ranks_dump(self.dump_prefix, self.rank,
                                                           self.backend)
             dumped = flight_recorder.wait_for_dumps(self.dump_prefix, self.world_size,
-                                                    self.launched_at, DUMP_WAIT_S)
+                                                    self.launched_at, self.dump_wait_s)
             dumps = flight_recorder.read_dumps(self.dump_prefix, dumped)
         hang = find_hang(dumps, self.world_size) if dumps else None
         reporter = min(dumps) if dumps else self.rank
         return describe(hang, cause, self.rank, self.folder, set(dumps), self.world_size,
-                        self.resume_hint()), reporter
+                        self.resume_hint()), reporter, hang
 
     def exception_for(self, exc: BaseException) -> BaseException:
         """What to raise in place of ``exc``: the one-line error on the reporting rank, a
@@ -344,6 +350,16 @@ class FailureReporter:
         if reported is not None and reported[1] == self.rank:
             return CollectiveFailure(reported[0])
         return SystemExit(QUIET_EXIT_STATUS)
+
+    def exception_for_termination(self, exc: BaseException) -> BaseException:
+        """What to raise in place of ``exc``, an error raised while a SIGTERM ends this rank
+        (its data-loader workers killed with it, its collective cut short): the one line
+        where a rank of the group is gone, else the quiet exit SIGTERM would have been."""
+        reported = self.report("was cut short by a SIGTERM (the launcher's, once a rank has "
+                               "ended)", only_if_silent=True)
+        if reported is not None and reported[1] == self.rank:
+            return CollectiveFailure(reported[0])
+        return SystemExit(128 + signal.SIGTERM)
 
 
 class DumpWatcher:

@@ -8,8 +8,10 @@ are the GPU's): the step's start, the start of megatron's ``finalize_model_grads
 forward and backward passes are done: its *compute*) and its end (the gradient collectives,
 where a rank waits for the slowest: its *wait*). At the log interval the ranks all-gather
 these numbers (three per rank, one collective); rank 0 keeps the last ``window`` intervals
-and names every rank whose median compute is ``threshold`` or more above the median rank's,
-with its host, in a line of its own.
+and names every rank whose compute is ``threshold`` or more above the median rank's, as the
+median of the window and in the window's fastest interval alike (a straggler is slow in
+every interval, where a shared host's scheduler slows a rank in some), with its host, in a
+line of its own.
 
 A rank slowed inside a tensor- or pipeline-parallel group holds its whole group back inside
 the layers' own collectives, which are not timed apart: the report then names the group's
@@ -32,8 +34,9 @@ from megagpt.diagnostics.hangs import ranks_text
 from megagpt.diagnostics.settings import StragglerPolicy
 
 # A rank is not named for less than this much more compute per step than the median rank:
-# timer noise on steps of a few milliseconds (a tiny model on a CPU) is not a straggler.
-MIN_EXCESS_S = 0.001
+# on steps of a few tens of milliseconds the scheduling of a shared host moves a rank's time
+# by a few milliseconds (seen on a loaded 2-core CPU), and that is not a straggler.
+MIN_EXCESS_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -170,17 +173,26 @@ class StragglerWindow:
         return [_median(getattr(interval[r], field) for interval in self.intervals)
                 for r in range(ranks)]
 
+    def fastest(self, field: str) -> list[float]:
+        ranks = len(self.intervals[-1]) if self.intervals else 0
+        return [min((v for interval in self.intervals
+                     if not math.isnan(v := getattr(interval[r], field))), default=math.nan)
+                for r in range(ranks)]
+
     def stragglers(self) -> list[Straggler]:
-        """The ranks ``threshold`` or more above the median rank's compute (once full)."""
+        """The ranks whose compute is ``threshold`` or more above the median rank's (once the
+        window is full): as the median of the window, and in its fastest interval too (a
+        straggler is slow in every interval; a shared host's scheduler slows a rank in some)."""
         if not self.full:
             return []
-        compute = self.per_rank("compute_s")
-        median = _median(compute)
-        if math.isnan(median):
+        compute, fastest = self.per_rank("compute_s"), self.fastest("compute_s")
+        median, median_fastest = _median(compute), _median(fastest)
+        if math.isnan(median) or math.isnan(median_fastest):
             return []
-        limit = median * (1 + self.policy.threshold)
-        return [Straggler(r, c, median) for r, c in enumerate(compute)
-                if not math.isnan(c) and c >= limit and c - median >= MIN_EXCESS_S]
+        grow = 1 + self.policy.threshold
+        return [Straggler(r, c, median) for r, (c, f) in enumerate(zip(compute, fastest))
+                if not math.isnan(c) and c >= grow * median and c - median >= MIN_EXCESS_S
+                and f >= grow * median_fastest]
 
 
 def _who(stragglers: list[Straggler], hosts: list[str]) -> list[str]:

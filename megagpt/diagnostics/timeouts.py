@@ -47,6 +47,7 @@ class CollectiveTimeout:
         self._first_iteration: int | None = None
         self._last_end: float | None = None
         self._periods: list[float] = []
+        self.in_save = False  # read by on_sigterm: a save's collectives may wait for long
 
     def iteration_done(self, iteration: int) -> None:
         """Called after each iteration (megatron's count, 1 after the first): measures the
@@ -72,15 +73,19 @@ class CollectiveTimeout:
     @contextlib.contextmanager
     def relaxed(self):
         """The launch timeout for the enclosed block (a checkpoint save), the tight one after."""
-        if self.tight_s is None:
-            yield
-            return
-        self._set(self.policy.launch_s)
+        self.in_save = True
         try:
-            yield
+            if self.tight_s is None:
+                yield
+                return
+            self._set(self.policy.launch_s)
+            try:
+                yield
+            finally:
+                self._set(self.tight_s)
+                self._last_end = time.monotonic()  # the save is not an iteration's period
         finally:
-            self._set(self.tight_s)
-            self._last_end = time.monotonic()  # the save is not an iteration's period
+            self.in_save = False
 
     def _set(self, seconds: float) -> None:
         if seconds != self.current_s:
