@@ -260,6 +260,9 @@ def parse_args(argv):
     parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                         help="without torchrun: how many processes to start (default: this "
                              "node's GPUs; 2 with --cpu)")
+    parser.add_argument("--json", default=None, metavar="FILE",
+                        help="also write every rank's measurements and the dry run's figures "
+                             "to FILE (rank 0)")
     parser.add_argument("--status-file", default=None, metavar="FILE",
                         help="write ok or slow to FILE and exit 0 (under torchrun, whose own "
                              "report of a failed rank would follow the error line)")
@@ -319,10 +322,12 @@ def check(args) -> int:
         dist.destroy_process_group()
     if rank != 0:
         return 0
+    reference = reference_for(args.gpu_type, cpu)
     lines, error = report_lines(places, [m[0] for m in every], [m[1] for m in every],
-                                [m[2] for m in every], reference_for(args.gpu_type, cpu),
-                                args.margin / 100)
+                                [m[2] for m in every], reference, args.margin / 100)
     print("\n".join(lines), flush=True)
+    if args.json:
+        _write_json(args.json, places, every, reference, error)
     if error:
         print(f"error: {error}", file=sys.stderr, flush=True)
     if args.status_file:
@@ -330,6 +335,18 @@ def check(args) -> int:
             f.write("slow" if error else "ok")
         return 0
     return 1 if error else 0
+
+
+def _write_json(path: str, places: list[Place], every: list, reference: Reference,
+                error: str | None) -> None:
+    import dataclasses
+    import json
+
+    ranks = [{**dataclasses.asdict(p), "gemm_tflops": m[0], "inside_node_gb_s": m[1],
+              "across_nodes_gb_s": m[2]} for p, m in zip(places, every)]
+    with open(path, "w") as f:
+        json.dump({"reference": dataclasses.asdict(reference), "ranks": ranks,
+                   "error": error}, f, indent=1)
 
 
 def main(argv: list[str] | None = None) -> int:

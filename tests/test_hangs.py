@@ -13,11 +13,11 @@ import signal
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from gloo_ranks import run_on_ranks
 from helpers import TINY_MODEL, parse_losses, run_entry, start_entry, wait_for_log
+from process_faults import rank_process
 from megagpt.diagnostics import hangs
 from megagpt.diagnostics.settings import TimeoutPolicy
 
@@ -160,21 +160,6 @@ def _hang_command(ckpt, layout, iters=12):
         "--save-interval", "4", "--distributed-timeout-minutes", "1",
         "--collective-timeout-floor", str(FLOOR_S), "--hidden-dropout", "0",
         "--attention-dropout", "0"]
-
-
-def rank_process(launcher: "subprocess.Popen", rank: int, timeout: float = 60) -> psutil.Process:
-    """The worker of ``rank`` under a torchrun started by ``launcher`` (its own child: the
-    worker's data-loader processes carry the same RANK)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for child in psutil.Process(launcher.pid).children():
-            try:
-                if child.environ().get("RANK") == str(rank):
-                    return child
-            except psutil.Error:
-                continue
-        time.sleep(0.1)
-    raise AssertionError(f"no rank {rank} under torchrun")
 
 
 def _stop_rank_1_at(command, tmp_path, iteration):

@@ -2,14 +2,14 @@
 ``--cpu`` launch under torchrun whose rank 1 is slowed on purpose (stopped half of every
 50 ms), then killed."""
 
+import os
 import re
 import signal
-import threading
-import time
 
 import pytest
 
 from helpers import TINY_MODEL, start_entry, wait_for_log
+from process_faults import DutyCycle, rank_process
 from megagpt.diagnostics.settings import StragglerPolicy
 from megagpt.diagnostics.stragglers import (StepSample, StragglerReport, StragglerWindow,
                                              straggler_line)
@@ -83,44 +83,8 @@ def test_the_report_speaks_when_the_slow_ranks_change_and_again_each_window():
 WIDER = ["--hidden-size", "256", "--seq-length", "128", "--max-position-embeddings", "128"]
 
 
-class DutyCycle:
-    """Stop a process for ``stopped_s`` of every ``period_s`` (SIGSTOP / SIGCONT): a rank
-    that runs at half speed, whatever it runs."""
-
-    def __init__(self, process, stopped_s=0.025, period_s=0.05):
-        self.process, self.stopped_s, self.period_s = process, stopped_s, period_s
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        import psutil
-
-        try:
-            while not self.done.is_set():
-                self.process.send_signal(signal.SIGSTOP)
-                time.sleep(self.stopped_s)
-                self.process.send_signal(signal.SIGCONT)
-                time.sleep(self.period_s - self.stopped_s)
-        except psutil.Error:
-            pass
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.done.set()
-        self.thread.join()
-        try:
-            self.process.send_signal(signal.SIGCONT)
-        except Exception:  # noqa: BLE001 - gone already
-            pass
-
-
 @pytest.mark.slow
 def test_a_slowed_rank_is_named_and_when_killed_the_run_names_it(tmp_path):
-    from test_hangs import rank_process
-
     command = TINY_MODEL + WIDER + ["--train-iters", "1000", "--collective-timeout-floor", "3",
                                     "--distributed-timeout-minutes", "1"]
     log = tmp_path / "slow.log"
@@ -136,8 +100,6 @@ def test_a_slowed_rank_is_named_and_when_killed_the_run_names_it(tmp_path):
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
-            import os
-
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert re.match(r"\[megagpt\] straggler: rank 1 \(\S+\) \+\d+ % compute per step above the "

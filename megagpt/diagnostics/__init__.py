@@ -106,7 +106,7 @@ class _StragglerReportAtLogInterval:
         # the warm-up iterations (compilation, first reads) say nothing about a rank's speed
         if iteration - self.first_iteration + 1 <= self.plan.timeout.warmup_iterations:
             return
-        if not dist.is_initialized() or dist.get_world_size() == 1:
+        if not dist.is_initialized():
             return
         if self.report is None:
             self.report = stragglers.StragglerReport(self.plan.stragglers, self.clock, log,

@@ -27,10 +27,22 @@ class OutOfMemory(UserError):
     """CUDA ran out of memory in training; the message says how far and what lowers it."""
 
 
-def is_out_of_memory(exc: BaseException) -> bool:
+def out_of_memory_in(exc: BaseException) -> BaseException | None:
+    """torch's out-of-memory error, where ``exc`` is one or was raised from one (a compiled
+    region reports a failed allocation wrapped in its own error)."""
     import torch
 
-    return isinstance(exc, torch.OutOfMemoryError)
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, torch.OutOfMemoryError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    return out_of_memory_in(exc) is not None
 
 
 @dataclass(frozen=True)
@@ -141,6 +153,10 @@ def describe(exc: BaseException, args, rank: int, iteration: int | None, peak_by
     if knobs:
         parts.append("lower it with " + ", ".join(
             f"{k.flags} (→ {_gib(k.estimate_bytes)})" for k in knobs))
+    elif estimate is not None:
+        parts.append("nothing the entry can change lowers the estimate on "
+                     f"{args.world_size} GPU{'s' if args.world_size > 1 else ''}: more GPUs "
+                     "(with a larger TP or PP), or a smaller model or sequence")
     if snapshot:
         parts.append(f"memory snapshot: {snapshot} (https://pytorch.org/memory_viz)")
     elif not getattr(args, "record_memory_history", False):
@@ -150,8 +166,10 @@ def describe(exc: BaseException, args, rank: int, iteration: int | None, peak_by
 
 
 def out_of_memory_error(exc: BaseException, args) -> OutOfMemory:
-    """The one-line error for ``exc`` on this rank."""
+    """The one-line error for ``exc`` (or the out-of-memory error under it) on this rank."""
     import torch
+
+    exc = out_of_memory_in(exc) or exc
 
     rank = int(os.environ.get("RANK", "0"))
     cuda = torch.cuda.is_available()

@@ -301,7 +301,7 @@ def _memory_snapshot_path(args) -> str | None:
 
 
 def _duration(seconds: float) -> str:
-    if seconds >= 120 and seconds % 60 == 0:
+    if seconds >= 300 and seconds % 60 == 0:
         return f"{seconds / 60:g} min"
     return f"{seconds:.0f} s" if seconds >= 100 else f"{seconds:.3g} s"
 

@@ -160,15 +160,13 @@ def _optimizer_step_parts(memory: est.MemoryEstimate) -> str:
 
 
 def diagnostics_lines(args, run: cost.RunEstimate | None) -> list[str]:
-    """What the launch records and the collective timeout it will use (``megagpt.diagnostics``),
-    the timeout worked out at the estimated step time."""
+    """The collective timeout the launch will use (``megagpt.diagnostics``; its other choices
+    are logged above), worked out at the estimated step time."""
     from megagpt.diagnostics.settings import plan_diagnostics
 
     diagnostics = plan_diagnostics(args)  # as applied at parse time
     step = run.step.seconds if run is not None else None
-    return ["diagnostics:", f"  {diagnostics.timeout.describe(step)}",
-            *(f"  {line}" for line in diagnostics.log
-              if not line.startswith("collective timeout"))]
+    return ["hangs:", f"  {diagnostics.timeout.describe(step)}"]
 
 
 def gpus(n: int) -> str:
