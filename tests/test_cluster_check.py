@@ -10,11 +10,12 @@ import sys
 
 import pytest
 
-from helpers import entry_env
+from helpers import REPO, _free_port, entry_env
 from megagpt.cluster_check import Place, Reference, reference_for, report_lines
 from process_faults import DutyCycle, rank_process
 
 H200 = reference_for("H200", cpu=False)
+EXAMPLES = REPO / "examples"
 
 
 def test_the_dry_runs_figures_are_the_step_time_models():
@@ -45,12 +46,19 @@ def test_a_slow_gpu_and_a_slow_rail_are_named_in_one_line():
     assert none is None and even[-1].startswith("check OK")
 
 
+# Two single-threaded gloo processes on a shared 2-core host differ by up to ~25 % in their
+# best burst (measured here, 2026-12-04): a margin of 30 % is above that, and below the 60 %
+# by which a rank stopped three quarters of the time falls behind the median.
+CPU_MARGIN = "30"
+
+
 def _check(tmp_path, *flags):
     """megagpt-check --cpu on 2 gloo processes (it starts torchrun itself)."""
     return subprocess.Popen([sys.executable, "-m", "megagpt.cluster_check", "--cpu",
-                             "--nproc-per-node", "2", "--json", str(tmp_path / "check.json"),
-                             *flags], cwd=tmp_path, env=entry_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                             "--nproc-per-node", "2", "--margin", CPU_MARGIN,
+                             "--json", str(tmp_path / "check.json"), *flags], cwd=tmp_path,
+                            env=entry_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
 
 
 @pytest.mark.slow
@@ -61,15 +69,27 @@ def test_a_slowed_cpu_rank_is_named_and_an_even_run_passes(tmp_path):
     assert "check OK" in out and "error:" not in err
 
     slowed = _check(tmp_path)
-    with DutyCycle(rank_process(slowed, 1)):  # stopped half of every 50 ms
+    with DutyCycle(rank_process(slowed, 1), stopped_s=0.0375):  # 3/4 of every 50 ms
         out, err = slowed.communicate(timeout=180)
     assert slowed.returncode == 1, out + err
     (line,) = [x for x in err.splitlines() if x.startswith("error:")]
     assert re.match(r"error: 1 slow: rank 1 \(\S+, node 0, local rank 1\) [0-9.]+ TFLOP/s "
-                    r"\(\d+ % below the median [0-9.]+\) \(margin 15 %\)$", line), line
+                    r"\(\d+ % below the median [0-9.]+\) \(margin 30 %\)$", line), line
     measured = json.loads((tmp_path / "check.json").read_text())
     assert [r["rank"] for r in measured["ranks"]] == [0, 1]
-    assert measured["ranks"][1]["gemm_tflops"] < 0.85 * measured["ranks"][0]["gemm_tflops"]
+    assert measured["ranks"][1]["gemm_tflops"] < 0.5 * measured["ranks"][0]["gemm_tflops"]
+
+
+@pytest.mark.slow
+def test_the_sbatch_examples_check_runs_on_every_node_and_stops_a_slow_job(tmp_path):
+    """examples/cluster_check.sh as the sbatch runs it (one node, gloo processes here)."""
+    env = entry_env({"PYTHON": sys.executable, "GPUS_PER_NODE": "2", "MASTER_PORT": str(_free_port()),
+                     "CHECK_ARGS": "--cpu", "MARGIN": CPU_MARGIN})
+    for name in ("SLURM_NNODES", "SLURM_NODEID", "SLURM_JOB_NODELIST"):
+        env.pop(name, None)
+    ok = subprocess.run(["bash", str(EXAMPLES / "cluster_check.sh")], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=180)
+    assert ok.returncode == 0 and "check OK" in ok.stdout, ok.stdout + ok.stderr
 
 
 @pytest.mark.gpu
