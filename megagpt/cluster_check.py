@@ -282,11 +282,11 @@ def _launch_under_torchrun(args, argv) -> int:
         return 2
     import tempfile
 
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     with tempfile.TemporaryDirectory(prefix="megagpt-check-") as folder:
         status = os.path.join(folder, "status")
-        command = [torchrun, "--standalone", "--nproc-per-node", str(nproc), "-m",
-                   "megagpt.cluster_check", *argv, "--status-file", status]
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", str(nproc), "-m", "megagpt.cluster_check", *argv,
+                   "--status-file", status]
         code = subprocess.call(command)
         if code == 0 and os.path.exists(status):
             with open(status) as f:

@@ -24,8 +24,9 @@ def rank_process(launcher: subprocess.Popen, rank: int, timeout: float = 60) -> 
             break  # the launcher is gone
         for child in descendants:
             try:
-                if child.environ().get("RANK") == str(rank) and \
-                        "torchrun" in " ".join(child.parent().cmdline()):
+                launcher_line = " ".join(child.parent().cmdline())
+                if child.environ().get("RANK") == str(rank) and (
+                        "torchrun" in launcher_line or "torch.distributed.run" in launcher_line):
                     return child
             except psutil.Error:
                 continue

@@ -56,7 +56,7 @@ def _check(tmp_path, *flags):
     """megagpt-check --cpu on 2 gloo processes (it starts torchrun itself)."""
     return subprocess.Popen([sys.executable, "-m", "megagpt.cluster_check", "--cpu",
                              "--nproc-per-node", "2", "--margin", CPU_MARGIN,
-                             "--json", str(tmp_path / "check.json"), *flags], cwd=tmp_path,
+                             "--json", str(tmp_path / "check.json"), *flags], cwd=REPO,
                             env=entry_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
@@ -98,7 +98,7 @@ def test_one_gpu_meets_the_dry_runs_gemm_figure(tmp_path):
 
     name = torch.cuda.get_device_name(0)
     check = subprocess.run([sys.executable, "-m", "megagpt.cluster_check", "--nproc-per-node",
-                            "1", "--json", str(tmp_path / "check.json")], cwd=tmp_path,
+                            "1", "--json", str(tmp_path / "check.json")], cwd=REPO,
                            env=entry_env(), capture_output=True, text=True, timeout=300)
     measured = json.loads((tmp_path / "check.json").read_text())
     rate = measured["ranks"][0]["gemm_tflops"]

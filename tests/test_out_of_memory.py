@@ -113,7 +113,8 @@ def test_a_launch_too_big_for_the_gpu_stops_with_one_line(tmp_path, history):
     on a GPU of 80-141 GiB."""
     flags = SHAPE_13B + ["--micro-batch-size", "48", "--global-batch-size", "48",
                          "--log-interval", "1", "--eval-iters", "0", "--train-iters", "3",
-                         "--save", str(tmp_path / "ckpt"), "--save-interval", "100"]
+                         "--save", str(tmp_path / "ckpt"), "--save-interval", "100",
+                         "--fast-compile", "off"]  # fails in its first forward, not after compiling
     if history:
         flags.append("--record-memory-history")
     out = run_entry(flags, cwd=tmp_path, timeout=600)
