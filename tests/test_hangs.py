@@ -147,17 +147,25 @@ def test_the_cause_of_a_failed_collective_in_a_few_words():
 # End to end: a launch under torchrun whose rank 1 is stopped
 # ---------------------------------------------------------------------------
 
-FLOOR_S = 3.0  # the collective timeout after the warm-up: max(floor, 10 x a ~0.1 s step)
+FLOOR_S = 3.0  # the collective timeout after the warm-up: max(floor, 10 x the warm step)
 # The stated margin: the other ranks' dumps (hangs.DUMP_WAIT_S), plus two seconds for the
 # collective in flight when the rank stopped and the report itself on a loaded machine.
 MARGIN_S = hangs.DUMP_WAIT_S + 6.0
 TORCHRUN_GRACE_S = 30  # torchrun's wait before it SIGKILLs a worker that ignores SIGTERM
 
 
-def _hang_command(ckpt, layout, iters=12):
-    return TINY_MODEL + layout + [
+# Wider layers than TINY_MODEL's: ~0.1 s of compute per step on a CPU core, so that the few
+# milliseconds a shared host's scheduler moves a rank's time stay below the straggler
+# threshold, and a stop sent on a logged iteration lands some iterations before the next save
+# (a save runs under the launch timeout, a minute here).
+WIDER = ["--hidden-size", "256", "--seq-length", "128", "--max-position-embeddings", "128"]
+SAVE_INTERVAL = 5
+
+
+def _hang_command(ckpt, layout, iters=14):
+    return TINY_MODEL + WIDER + layout + [
         "--train-iters", str(iters), "--save", str(ckpt), "--load", str(ckpt),
-        "--save-interval", "4", "--distributed-timeout-minutes", "1",
+        "--save-interval", str(SAVE_INTERVAL), "--distributed-timeout-minutes", "1",
         "--collective-timeout-floor", str(FLOOR_S), "--hidden-dropout", "0",
         "--attention-dropout", "0"]
 
@@ -167,10 +175,20 @@ def _stop_rank_1_at(command, tmp_path, iteration):
     (launcher, stopped worker, log path, stop time)."""
     log = tmp_path / "hang.log"
     proc = start_entry(command, tmp_path, log, nproc=2)
-    wait_for_log(log, rf"iteration\s+{iteration}/", proc)
     worker = rank_process(proc, 1)
+    wait_for_log(log, rf"iteration\s+{iteration}/", proc, poll=0.02)
     worker.send_signal(signal.SIGSTOP)
     return proc, worker, log, time.monotonic()
+
+
+def _tightened_timeout(text) -> float:
+    """The collective timeout after the 3 warm-up iterations, as the run logged it."""
+    match = re.search(r"collective timeout: ([\d.]+) s from iteration 4 \(the slowest warm "
+                      r"iteration took ([\d.]+) s", text)
+    assert match, text[-3000:]
+    timeout, slowest = float(match.group(1)), float(match.group(2))
+    assert timeout == pytest.approx(max(FLOOR_S, 10 * slowest), abs=0.1)
+    return timeout
 
 
 def _error_lines(text):
@@ -183,7 +201,7 @@ def test_a_stopped_tensor_parallel_rank_ends_the_run_and_the_same_command_resume
     command = _hang_command(ckpt, ["--tensor-model-parallel-size", "2"])
     proc, worker, log, stopped = _stop_rank_1_at(command, tmp_path, 6)
     try:
-        wait_for_log(log, r"(?m)^error: ", proc, timeout=FLOOR_S + MARGIN_S + 30)
+        wait_for_log(log, r"(?m)^error: ", proc, timeout=60 + MARGIN_S)
         reported = time.monotonic() - stopped
         proc.wait(timeout=TORCHRUN_GRACE_S + 30)
         ended = time.monotonic() - stopped
@@ -192,16 +210,17 @@ def test_a_stopped_tensor_parallel_rank_ends_the_run_and_the_same_command_resume
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     text = log.read_text()
-    assert reported < FLOOR_S + MARGIN_S, (reported, text[-3000:])
-    assert ended < FLOOR_S + MARGIN_S + TORCHRUN_GRACE_S + 5, ended
-    assert "collective timeout: 3 s from iteration 4" in text
+    timeout = _tightened_timeout(text)
+    assert reported < timeout + MARGIN_S, (reported, text[-3000:])
+    assert ended < timeout + MARGIN_S + TORCHRUN_GRACE_S + 5, ended
+    assert "saving checkpoint at iteration      10" not in text  # stopped between two saves
     (line,) = _error_lines(text)
     assert re.match(r"error: rank 1 did not join \w+ #\d+ of the TP group \(ranks 0, 1\): "
                     r"rank 0 waited there \(megatron/core/", line), line
-    assert "rank 0's collective timed out after 3 s" in line
+    assert f"rank 0's collective timed out after {timeout:g} s" in line
     assert "rank 1 wrote no dump (stopped, killed or unreachable)" in line
     assert f"dumps in {ckpt / 'flight_recorder'}" in line
-    assert f"The newest checkpoint, {ckpt / 'iter_0000004'}, is untouched. The same command " \
+    assert f"The newest checkpoint, {ckpt / 'iter_0000005'}, is untouched. The same command " \
            "resumes from it." in line
     assert (ckpt / "flight_recorder" / "rank_0").exists()
     assert "Traceback" not in text.split(line)[0]  # no rank's traceback before the line
@@ -209,27 +228,21 @@ def test_a_stopped_tensor_parallel_rank_ends_the_run_and_the_same_command_resume
     resumed = run_entry(command, cwd=tmp_path, nproc=2, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     losses = parse_losses(resumed.stdout)
-    assert min(losses) == 5 and max(losses) == 12, sorted(losses)
-
-
-# Wider layers than TINY_MODEL's: ~0.1 s of compute per step on a CPU core, so that the few
-# milliseconds a shared host's scheduler moves a rank's time stay below the threshold.
-WIDER = ["--hidden-size", "256", "--seq-length", "128", "--max-position-embeddings", "128"]
+    assert min(losses) == 6 and max(losses) == 14, sorted(losses)
 
 
 @pytest.mark.slow
 def test_a_stopped_data_parallel_rank_is_named_and_an_even_run_names_no_straggler(tmp_path):
-    command = _hang_command(tmp_path / "ckpt", [], iters=1000) + WIDER
-    # iteration 10 is not a save's (every 4): a save waits under the launch timeout
-    proc, worker, log, stopped = _stop_rank_1_at(command, tmp_path, 10)
+    command = _hang_command(tmp_path / "ckpt", [], iters=1000)
+    proc, worker, log, stopped = _stop_rank_1_at(command, tmp_path, 11)
     try:
-        wait_for_log(log, r"(?m)^error: ", proc, timeout=FLOOR_S + MARGIN_S + 30)
+        wait_for_log(log, r"(?m)^error: ", proc, timeout=60 + MARGIN_S)
         reported = time.monotonic() - stopped
     finally:
         worker.kill()  # what the scheduler does to a stopped process; torchrun then ends
         proc.wait(timeout=60)
     text = log.read_text()
-    assert reported < FLOOR_S + MARGIN_S, (reported, text[-3000:])
+    assert reported < _tightened_timeout(text) + MARGIN_S, (reported, text[-3000:])
     (line,) = _error_lines(text)
     assert re.match(r"error: rank 1 did not join all_reduce #\d+ of the DP group \(ranks 0, 1\)"
                     r": rank 0 waited there \(megatron/core/distributed/", line), line

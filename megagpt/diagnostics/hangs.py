@@ -223,6 +223,8 @@ def failure_cause(exc: BaseException) -> str:
         return f"timed out after {int(timed_out.group(1)) / 1000:g} s"
     if re.search(r"[Cc]onnection (closed|reset) by peer|Broken pipe", text):
         return "lost its connection to a peer"
+    if "Application timeout caused pair closure" in text:
+        return "timed out (gloo closed the connection)"
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     return first[:160]
 
@@ -275,7 +277,8 @@ def is_collective_failure(exc: BaseException) -> bool:
     text = str(exc)
     return any(marker in text for marker in (
         "gloo/transport", "Connection closed by peer", "Connection reset by peer",
-        "ProcessGroupNCCL", "NCCL communicator", "Watchdog caught collective"))
+        "caused pair closure", "ProcessGroupNCCL", "NCCL communicator",
+        "Watchdog caught collective"))
 
 
 @contextlib.contextmanager

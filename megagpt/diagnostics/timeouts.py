@@ -63,11 +63,13 @@ class CollectiveTimeout:
                 or done < self.policy.warmup_iterations:
             return
         # the first period measured is the second iteration's: the first's is the start-up
-        self.tight_s = self.policy.after_warmup(self._periods)
+        # to a tenth of a second: the value logged is the value set (and the one a timed-out
+        # collective reports)
+        self.tight_s = round(self.policy.after_warmup(self._periods), 1)
         self._set(self.tight_s)
         measured = f"the slowest warm iteration took {_duration(round(max(self._periods), 3))}" \
             if self._periods else "one warm iteration"
-        self.log(f"collective timeout: {_duration(round(self.tight_s, 1))} from iteration "
+        self.log(f"collective timeout: {_duration(self.tight_s)} from iteration "
                  f"{iteration + 1} ({measured}; was {_duration(self.policy.launch_s)})")
 
     @contextlib.contextmanager
@@ -79,11 +81,11 @@ class CollectiveTimeout:
                 yield
                 return
             self._set(self.policy.launch_s)
-            try:
-                yield
-            finally:
-                self._set(self.tight_s)
-                self._last_end = time.monotonic()  # the save is not an iteration's period
+            yield
+            # not after a failed save: its process groups may be broken, and the error is
+            # what the rank reports
+            self._set(self.tight_s)
+            self._last_end = time.monotonic()  # the save is not an iteration's period
         finally:
             self.in_save = False
 
