@@ -148,7 +148,7 @@ def active(args):
     try:
         with megatron_wrappers.wrapped(mtraining, wrappers):
             yield
-    except BaseException as exc:
+    except Exception as exc:  # not SystemExit: megatron's own exits (preemption) are its say
         if out_of_memory.is_out_of_memory(exc):
             raise out_of_memory.out_of_memory_error(exc, args) from None
         if sigterm is not None and sigterm.received:

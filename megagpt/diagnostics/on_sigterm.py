@@ -57,6 +57,8 @@ def _pending_collective(backend: str) -> int | None:
 def _reset_in_child() -> None:
     """A forked process (a data-loader worker) must not write its signals to the trainer's
     socket: the trainer would take a worker's SIGTERM for its own."""
+    if _wakeup_socket is None:
+        return  # forked while no watcher was installed: nothing of ours to undo
     try:
         signal.set_wakeup_fd(-1)
     except (ValueError, OSError):
@@ -142,7 +144,8 @@ class SigtermWatcher:
             first = _pending_collective(r.backend)
             if first is not None:
                 time.sleep(self.stuck_s)
-                if _pending_collective(r.backend) == first:
+                # a save that began meanwhile (megatron's, on SIGTERM) may wait for long
+                if _pending_collective(r.backend) == first and not self.in_save():
                     stuck = first
         if stuck is not None:
             reported = r.report(f"was still waiting {self.stuck_s:g} s after a SIGTERM (the "

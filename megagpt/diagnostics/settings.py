@@ -76,7 +76,7 @@ def add_arguments(group) -> None:
     group.add_argument("--straggler-threshold", type=float, default=DEFAULT_STRAGGLER_PERCENT,
                        metavar="PERCENT",
                        help="Name a rank whose compute per step is this much slower than the "
-                            f"median rank's (default {DEFAULT_STRAGGLER_PERCENT:g} %%; 0: no "
+                            f"median rank's (default {DEFAULT_STRAGGLER_PERCENT:g} %; 0: no "
                             "straggler report).")
     group.add_argument("--straggler-window", type=int, default=DEFAULT_STRAGGLER_WINDOW,
                        metavar="N",
