@@ -83,7 +83,8 @@ def test_a_slowed_cpu_rank_is_named_and_an_even_run_passes(tmp_path):
 @pytest.mark.slow
 def test_the_sbatch_examples_check_runs_on_every_node_and_stops_a_slow_job(tmp_path):
     """examples/cluster_check.sh as the sbatch runs it (one node, gloo processes here)."""
-    env = entry_env({"PYTHON": sys.executable, "GPUS_PER_NODE": "2", "MASTER_PORT": str(_free_port()),
+    env = entry_env({"PYTHON": sys.executable, "GPUS_PER_NODE": "2",
+                     "MASTER_PORT": str(_free_port()),
                      "CHECK_ARGS": "--cpu", "MARGIN": CPU_MARGIN})
     for name in ("SLURM_NNODES", "SLURM_NODEID", "SLURM_JOB_NODELIST"):
         env.pop(name, None)

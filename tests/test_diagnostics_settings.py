@@ -12,7 +12,6 @@ import pytest
 
 import pretrain_gpt
 from megagpt.arguments import parse_arguments
-from megagpt.diagnostics import settings
 from megagpt.diagnostics.settings import TimeoutPolicy, plan_diagnostics
 from megagpt.diagnostics.timeouts import CollectiveTimeout
 

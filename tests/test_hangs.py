@@ -18,7 +18,7 @@ import pytest
 from gloo_ranks import run_on_ranks
 from helpers import TINY_MODEL, parse_losses, run_entry, start_entry, wait_for_log
 from process_faults import rank_process
-from megagpt.diagnostics import hangs
+from megagpt.diagnostics import collective_failure, hangs
 from megagpt.diagnostics.settings import TimeoutPolicy
 
 TIGHT_S = 2.0  # the unit tests' collective timeout after their one warm-up iteration
@@ -37,10 +37,10 @@ def _tight_timeout():
     assert timeout.current_s == TIGHT_S and "2 s from iteration 2" in lines[0], lines
 
 
-def _reporter(folder, rank: int, wait_s: float) -> hangs.FailureReporter:
+def _reporter(folder, rank: int, wait_s: float) -> collective_failure.FailureReporter:
     os.makedirs(folder, exist_ok=True)
-    return hangs.FailureReporter(os.path.join(folder, "rank_"), time.time() - 1.0, rank, 2,
-                                 "gloo", dump_wait_s=wait_s)
+    return collective_failure.FailureReporter(os.path.join(folder, "rank_"), time.time() - 1.0,
+                                              rank, 2, "gloo", dump_wait_s=wait_s)
 
 
 def _failed(collective):
@@ -49,7 +49,7 @@ def _failed(collective):
     try:
         collective()
     except RuntimeError as exc:
-        assert hangs.is_collective_failure(exc), exc
+        assert collective_failure.is_collective_failure(exc), exc
         return exc, time.monotonic() - start
     raise AssertionError("the collective did not fail")
 
@@ -78,10 +78,11 @@ def _two_hangs(rank, world_size, folder):
     assert TIGHT_S - 0.5 < waited < TIGHT_S + 3, waited
     raised = reporter.exception_for(exc)
     if rank == 0:
-        assert isinstance(raised, hangs.CollectiveFailure), raised
+        assert isinstance(raised, collective_failure.CollectiveFailure), raised
         Path(first, "line.txt").write_text(str(raised))
     else:
-        assert isinstance(raised, SystemExit) and raised.code == hangs.QUIET_EXIT_STATUS
+        assert isinstance(raised, SystemExit)
+        assert raised.code == collective_failure.QUIET_EXIT_STATUS
 
     # 2. fresh groups (the ones above are out of step), the same timeout
     parallel_state.destroy_model_parallel()
@@ -99,7 +100,8 @@ def _two_hangs(rank, world_size, folder):
 
 
 def test_who_did_not_join_is_read_from_real_dumps(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "100")  # the recorder on, as megatron sets it
+    # the recorder on, as megatron turns it on
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "100")
     run_on_ranks(_two_hangs, 2, str(tmp_path))
 
     # 1. a rank elsewhere is named with the collective it waited in
@@ -134,11 +136,11 @@ def test_the_cause_of_a_failed_collective_in_a_few_words():
     timed_out = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
                              "Timed out waiting 3000ms for recv operation to complete")
     assert hangs.failure_cause(timed_out) == "timed out after 3 s"
-    assert hangs.is_collective_failure(timed_out)
+    assert collective_failure.is_collective_failure(timed_out)
     closed = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection "
                           "closed by peer [127.0.0.1]:23456")
     assert hangs.failure_cause(closed) == "lost its connection to a peer"
-    assert not hangs.is_collective_failure(RuntimeError("shape mismatch"))
+    assert not collective_failure.is_collective_failure(RuntimeError("shape mismatch"))
     assert hangs.group_label("DATA_PARALLEL_GROUP_WITH_CP_GLOO") == "DP (gloo)"
     assert hangs.ranks_text([3, 0, 1, 2]) == "0-3" and hangs.ranks_text([0, 2]) == "0, 2"
 
@@ -148,9 +150,9 @@ def test_the_cause_of_a_failed_collective_in_a_few_words():
 # ---------------------------------------------------------------------------
 
 FLOOR_S = 3.0  # the collective timeout after the warm-up: max(floor, 10 x the warm step)
-# The stated margin: the other ranks' dumps (hangs.DUMP_WAIT_S), plus two seconds for the
-# collective in flight when the rank stopped and the report itself on a loaded machine.
-MARGIN_S = hangs.DUMP_WAIT_S + 6.0
+# The stated margin: the other ranks' dumps (collective_failure.DUMP_WAIT_S), plus a few seconds
+# for the collective in flight when the rank stopped and the report itself on a loaded machine.
+MARGIN_S = collective_failure.DUMP_WAIT_S + 6.0
 TORCHRUN_GRACE_S = 30  # torchrun's wait before it SIGKILLs a worker that ignores SIGTERM
 
 

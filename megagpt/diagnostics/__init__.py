@@ -14,7 +14,7 @@ exit:
 ``stragglers``
     each rank's compute and waiting on the step that ends a log interval, gathered at the
     log interval; rank 0 names the slow ranks in a line of its own;
-``hangs`` (with ``flight_recorder``)
+``collective_failure`` (with ``flight_recorder`` and ``hangs``)
     a failed or timed-out collective becomes one ``error:`` line naming the ranks that did
     not join, the collective, its group and its sequence number, read from the dumps;
     ``on_sigterm`` does the same when a launcher's SIGTERM finds the rank stuck in one;
@@ -35,14 +35,16 @@ import sys
 import time
 
 from megagpt import megatron_wrappers
-from megagpt.diagnostics import hangs, on_sigterm, out_of_memory, stragglers, timeouts
+from megagpt.diagnostics import (collective_failure, on_sigterm, out_of_memory, stragglers,
+                                 timeouts)
 from megagpt.diagnostics.settings import DiagnosticsPlan, apply_plan, plan_diagnostics
 from megagpt.log import log
 
 __all__ = ["active", "apply_plan", "plan_diagnostics"]
 
 
-def _failure_reporter(args, plan: DiagnosticsPlan, launched_at: float) -> hangs.FailureReporter:
+def _failure_reporter(args, plan: DiagnosticsPlan, launched_at: float
+                      ) -> collective_failure.FailureReporter:
     from megagpt.resilience.checkpoint_guard import resume_hint
 
     def relaunch() -> str:
@@ -51,10 +53,10 @@ def _failure_reporter(args, plan: DiagnosticsPlan, launched_at: float) -> hangs.
         return hint + (" The same command resumes from it." if resumes and "untouched" in hint
                        else "")
 
-    return hangs.FailureReporter(plan.dump_prefix, launched_at,
-                                 int(os.environ.get("RANK", "0")),
-                                 int(os.environ.get("WORLD_SIZE", "1")),
-                                 args.distributed_backend, resume_hint=relaunch)
+    return collective_failure.FailureReporter(plan.dump_prefix, launched_at,
+                                              int(os.environ.get("RANK", "0")),
+                                              int(os.environ.get("WORLD_SIZE", "1")),
+                                              args.distributed_backend, resume_hint=relaunch)
 
 
 def _after_each_iteration(callbacks, timeout: timeouts.CollectiveTimeout,
@@ -130,19 +132,22 @@ def active(args):
     if plan.dump_prefix is not None and args.distributed_backend == "nccl":
         # torch's watchdog writes the dumps itself, into a folder it does not create
         os.makedirs(plan.dump_folder, exist_ok=True)
-        watcher = hangs.DumpWatcher(reporter, _to_stderr).start()
+        watcher = collective_failure.DumpWatcher(reporter, _to_stderr).start()
     timeout = timeouts.CollectiveTimeout(plan.timeout, log)
     sigterm = None
     if plan.dump_prefix is not None:
         sigterm = on_sigterm.SigtermWatcher(reporter, _to_stderr, lambda: timeout.in_save)
         sigterm.install()
     clock = stragglers.StepClock(args.log_interval)
-    wrappers = [  # (megatron function, owner, wrapper); composed in the ledger's order
+    report = _StragglerReportAtLogInterval(args, plan, clock)
+    # (megatron function, owner, wrapper); composed in the ledger's order, and built again
+    # whenever another owner's wrapper of the same function comes or goes: the state lives in
+    # clock, timeout and report, not in the wrappers
+    wrappers = [
         ("train_step", stragglers.__name__, clock.timing_train_step),
         ("finalize_model_grads", stragglers.__name__, clock.timing_gradient_collectives),
         ("post_training_step_callbacks", __name__,
-         lambda fn: _after_each_iteration(fn, timeout,
-                                          _StragglerReportAtLogInterval(args, plan, clock))),
+         lambda fn: _after_each_iteration(fn, timeout, report)),
         ("save_checkpoint", timeouts.__name__, _relaxed_while_saving(timeout)),
     ]
     try:
@@ -153,7 +158,7 @@ def active(args):
             raise out_of_memory.out_of_memory_error(exc, args) from None
         if sigterm is not None and sigterm.received:
             raise reporter.exception_for_termination(exc) from None
-        if hangs.is_collective_failure(exc):
+        if collective_failure.is_collective_failure(exc):
             raise reporter.exception_for(exc) from None
         raise
     finally:

@@ -8,7 +8,7 @@ handler only in the main thread, and only once it is back in Python, which a ran
 a collective is not; so the entry has Python write each signal's number to a socket
 (``signal.set_wakeup_fd``) that a thread of its own reads. On SIGTERM the thread looks at the
 flight recorder: a collective still pending after ``STUCK_S`` is stuck, and the rank reports
-it as a failed collective (``hangs.FailureReporter``: its dump, the others', one line).
+it as a failed collective (``collective_failure.FailureReporter``: its dump, the others', one line).
 
 What SIGTERM then does is unchanged: with megatron's ``--exit-signal-handler`` (on whenever
 ``--save`` is given, ``megagpt.resilience.preemption``) megatron's handler keeps it, to save at
@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 
-from megagpt.diagnostics import hangs
+from megagpt.diagnostics.collective_failure import FailureReporter
 
 # A collective still pending this long after SIGTERM is stuck: a healthy one, outside a
 # save (which runs under the launch timeout and is not looked at), completes in less.
@@ -68,7 +68,7 @@ def _reset_in_child() -> None:
 class SigtermWatcher:
     """The thread that reads the signals' socket; ``install``/``remove`` from the main thread."""
 
-    def __init__(self, reporter: hangs.FailureReporter, print_line, in_save,
+    def __init__(self, reporter: FailureReporter, print_line, in_save,
                  stuck_s: float = STUCK_S):
         self.reporter = reporter
         self.print_line = print_line

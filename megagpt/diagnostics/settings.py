@@ -109,18 +109,18 @@ class TimeoutPolicy:
 
     def describe(self, estimated_step_s: float | None = None) -> str:
         """One line for the log and the dry run."""
-        launch = _duration(self.launch_s) + " (--distributed-timeout-minutes)"
+        launch = duration_text(self.launch_s) + " (--distributed-timeout-minutes)"
         if not self.tightens:
             return f"collective timeout: {launch} throughout"
         head = f"collective timeout: {launch} for the first {self.warmup_iterations} " \
                f"iteration{'s' if self.warmup_iterations > 1 else ''} of each launch, then "
         if self.fixed_s is not None:
-            return head + f"{_duration(self.fixed_s)} (--collective-timeout)"
-        line = head + (f"max({_duration(self.floor_s)}, {STEP_TIMEOUT_MULTIPLE} × the slowest "
+            return head + f"{duration_text(self.fixed_s)} (--collective-timeout)"
+        line = head + (f"max({duration_text(self.floor_s)}, {STEP_TIMEOUT_MULTIPLE} × the slowest "
                        "warm step after the first)")
         if estimated_step_s is not None:
-            line += (f" = {_duration(self.after_warmup([estimated_step_s]))}"
-                     f" at the estimated {_duration(estimated_step_s)} step")
+            line += (f" = {duration_text(self.after_warmup([estimated_step_s]))}"
+                     f" at the estimated {duration_text(estimated_step_s)} step")
         return line
 
 
@@ -300,7 +300,7 @@ def _memory_snapshot_path(args) -> str | None:
     return os.path.join(run_folder(args), MEMORY_SNAPSHOT_FILE)
 
 
-def _duration(seconds: float) -> str:
+def duration_text(seconds: float) -> str:
     if seconds >= 300 and seconds % 60 == 0:
         return f"{seconds / 60:g} min"
     return f"{seconds:.0f} s" if seconds >= 100 else f"{seconds:.3g} s"

@@ -18,7 +18,7 @@ import time
 from datetime import timedelta
 from typing import Callable
 
-from megagpt.diagnostics.settings import TimeoutPolicy, _duration
+from megagpt.diagnostics.settings import TimeoutPolicy, duration_text
 
 
 def set_collective_timeout(seconds: float) -> None:
@@ -67,10 +67,11 @@ class CollectiveTimeout:
         # collective reports)
         self.tight_s = round(self.policy.after_warmup(self._periods), 1)
         self._set(self.tight_s)
-        measured = f"the slowest warm iteration took {_duration(round(max(self._periods), 3))}" \
-            if self._periods else "one warm iteration"
-        self.log(f"collective timeout: {_duration(self.tight_s)} from iteration "
-                 f"{iteration + 1} ({measured}; was {_duration(self.policy.launch_s)})")
+        slowest = round(max(self._periods), 3) if self._periods else None
+        measured = f"the slowest warm iteration took {duration_text(slowest)}" \
+            if slowest is not None else "one warm iteration"
+        self.log(f"collective timeout: {duration_text(self.tight_s)} from iteration "
+                 f"{iteration + 1} ({measured}; was {duration_text(self.policy.launch_s)})")
 
     @contextlib.contextmanager
     def relaxed(self):
