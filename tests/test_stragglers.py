@@ -1,6 +1,6 @@
 """Slow ranks named at the log interval: the window's arithmetic, the report's line, and a
-``--cpu`` launch under torchrun whose rank 1 is slowed on purpose (stopped half of every
-50 ms), then killed."""
+``--cpu`` launch under torchrun whose rank 1 is slowed on purpose (stopped three quarters of
+every 50 ms), then killed."""
 
 import os
 import re
@@ -92,7 +92,7 @@ def test_a_slowed_rank_is_named_and_when_killed_the_run_names_it(tmp_path):
     try:
         wait_for_log(log, r"iteration\s+2/", proc)
         worker = rank_process(proc, 1)
-        with DutyCycle(worker):
+        with DutyCycle(worker, stopped_s=0.0375):  # 3/4 of every 50 ms: a quarter speed
             match = wait_for_log(log, r"\[megagpt\] stragglers?: (rank|host) .*", proc,
                                  timeout=120)
         worker.kill()
@@ -105,7 +105,9 @@ def test_a_slowed_rank_is_named_and_when_killed_the_run_names_it(tmp_path):
     assert re.match(r"\[megagpt\] straggler: rank 1 \(\S+\) \+\d+ % compute per step above the "
                     r"median rank's", match.group(0)), match.group(0)
     excess = int(re.search(r"\+(\d+) %", match.group(0)).group(1))
-    assert excess >= 30, match.group(0)  # stopped half the time: about twice as slow
+    # a quarter speed: about 4 times the compute, (4 - 1) / (4 + 1) = 60 % above the median of
+    # two ranks (their mean)
+    assert excess >= 30, match.group(0)
     (line,) = [x for x in log.read_text().splitlines() if x.startswith("error:")]
     assert re.match(r"error: rank 1 did not join \w+ #\d+ of the (DP|world) group \(ranks 0, 1\)"
                     r": rank 0 waited there", line), line
