@@ -79,11 +79,32 @@ def layer_spec_builder(choice: LayerSpecChoice, args) -> Callable | None:
             return get_gpt_layer_with_transformer_engine_spec(
                 t.num_moe_experts, t.moe_grouped_gemm, t.qk_layernorm,
                 t.multi_latent_attention, qk_l2_norm=t.qk_l2_norm)
-        return local_decoder_block_spec(get_gpt_layer_local_spec(
+        layer = get_gpt_layer_local_spec(
             t.num_moe_experts, t.moe_grouped_gemm, t.qk_layernorm,
-            t.multi_latent_attention, normalization=t.normalization), t, vp_stage)
+            t.multi_latent_attention, normalization=t.normalization)
+        if getattr(args, "cpu", False):
+            layer = with_torch_norms(layer)
+        return local_decoder_block_spec(layer, t, vp_stage)
 
     return build
+
+
+def with_torch_norms(layer_spec):
+    """megatron's local layer spec with torch's norms in place of apex's FusedLayerNorm, which
+    megatron's local spec takes wherever apex imports and whose kernels take CUDA tensors only:
+    a ``--cpu`` run of the local spec (training, or generating from a checkpoint) on a machine
+    with apex installed stopped in its first norm ("input must be a CUDA tensor"). Both have
+    the same parameters (weight, bias), so the checkpoint is the same."""
+    from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    attention = getattr(layer_spec.submodules.self_attention, "submodules", None)
+    for owner, name in ((layer_spec.submodules, "input_layernorm"),
+                        (layer_spec.submodules, "pre_mlp_layernorm"),
+                        (attention, "q_layernorm"), (attention, "k_layernorm")):
+        if getattr(owner, name, None) is FusedLayerNorm:
+            setattr(owner, name, WrappedTorchNorm)
+    return layer_spec
 
 
 def local_decoder_block_spec(layer_spec, config, vp_stage=None):

@@ -12,13 +12,21 @@ The hooks megatron's training loop calls:
 and a ``PretrainConfigContainer``, and hands everything to ``megatron.training.pretrain``.
 """
 
+import sys
 import time
 
 _PROGRAM_START = time.time()  # before the heavy imports, for megatron's start-up report
 
+if __name__ == "__main__":
+    from megagpt.project_env import use_project_environment
+
+    use_project_environment(__file__)  # .venv's Python where this one lacks megatron
+    from megagpt.option_errors import check_early
+
+    check_early(sys.argv[1:])  # a misspelled option is named in a fraction of a second
+
 import contextlib
 import copy
-import sys
 from dataclasses import dataclass
 from functools import partial
 
@@ -37,13 +45,14 @@ from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_
 
 import gpt_builders
 from megagpt import arguments as entry_arguments
-from megagpt import compat, cpu_mode, diagnostics
-from megagpt import resilience
+from megagpt import apex_parts, compat, cpu_mode, diagnostics
+from megagpt import resilience, run_log
 from megagpt.fast_spec.lm_loss import get_output_processor
 from megagpt.fast_spec.settings import install_fast_path_patches
 from megagpt.fast_spec.spec import describe_fast_spec
 from megagpt.log import log
 from megagpt.megatron_errors import INPUT_ERRORS
+from megagpt.resilience.divergence import EVALUATION_FAULT
 from megagpt.rendezvous import default_single_process_env
 
 # A loss ten times the largest seen so far counts as a spike (--check-for-spiky-loss).
@@ -232,9 +241,12 @@ class LossChecks:
         return cls(args.check_for_nan_in_loss_and_grad, args.check_for_spiky_loss)
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, checks: LossChecks):
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, checks: LossChecks,
+              evaluating: bool = False):
     """Sum of per-token losses where loss_mask is 1, the number of such tokens, and the
-    ``lm loss`` report; the schedule divides the sum by the token count across ranks."""
+    ``lm loss`` report; the schedule divides the sum by the token count across ranks.
+    ``evaluating``: the model is in eval mode, and a NaN/Inf is the evaluation's (its
+    message says so, for ``resilience.divergence``)."""
     losses = output_tensor.view(-1).float()
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
@@ -242,14 +254,17 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, checks: Loss
     report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
 
     rerun_state_machine = get_rerun_state_machine()
+    during = EVALUATION_FAULT if evaluating else ""
     if checks.nan_and_inf:
         # The forward pass is deterministic: any NaN/Inf is a fault, not noise (tolerance 0).
         rerun_state_machine.validate_result(
             result=loss, rejection_func=torch.isnan,
-            message="found NaN in local forward loss calculation", tolerance=0.0, fatal=True)
+            message="found NaN in local forward loss calculation" + during, tolerance=0.0,
+            fatal=True)
         rerun_state_machine.validate_result(
             result=loss, rejection_func=torch.isinf,
-            message="found Inf in local forward loss calculation", tolerance=0.0, fatal=True)
+            message="found Inf in local forward loss calculation" + during, tolerance=0.0,
+            fatal=True)
     if checks.spiky_loss:
         rerun_state_machine.validate_result(
             result=loss,
@@ -281,7 +296,8 @@ def forward_step(data_iterator, model, checkpoint_activations_microbatch=None, *
     extra = {"output_processor": output_processor} if output_processor is not None else {}
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels,
                           loss_mask=loss_mask, **extra)
-    return output_tensor, partial(loss_func, loss_mask, checks=checks)
+    return output_tensor, partial(loss_func, loss_mask, checks=checks,
+                                  evaluating=not model.training)
 
 
 def get_embedding_ranks(pp_ranks: list[int]) -> list[int]:
@@ -315,6 +331,7 @@ def run(args, store=None) -> None:
     compat.megatron_linears_without_wgrad_fusion(args, compat.Installed.detect())
     # before pretrain builds the optimizer; not at parse time, so a dry run patches nothing
     install_fast_path_patches(args, log)
+    apex_parts.log_launch_line(args, log)  # after the patches, which replace some of it
     try:
         model_config, container, choice = build_configs(args)
     except INPUT_ERRORS as exc:  # megatron's config dataclasses check here
@@ -332,15 +349,24 @@ def run(args, store=None) -> None:
                    checks=LossChecks.from_args(args),
                    output_processor=get_output_processor(args))
     device_context = cpu_mode.active() if args.cpu else contextlib.nullcontext()
-    with device_context, diagnostics.active(args), resilience.active(args, container):
+    with device_context, diagnostics.active(args), resilience.active(args, container), \
+            run_log.active(args, log):
         pretrain(container, datasets_provider, ModelType.encoder_or_decoder, step,
                  get_embedding_ranks=get_embedding_ranks, store=store)
+
+
+def stopped_before_training(args, tensorboard) -> None:
+    """No empty TensorBoard event file from a launch that trained nothing."""
+    if tensorboard is not None and not hasattr(args, "curr_iteration"):
+        run_log.run_folder.discard_empty_tensorboard(args, tensorboard)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse and check the launch, then train (or, with --dry-run, print the plan)."""
     from megagpt.errors import UserError
+    from megagpt.resilience import interrupt
 
+    args = tensorboard = None
     try:
         args, plan = entry_arguments.parse_arguments_and_plan(argv)
         store = default_single_process_env()
@@ -352,7 +378,10 @@ def main(argv: list[str] | None = None) -> int:
         # the dry run's checks, with their numbers, then megatron's; all before any model
         preflight.check_layout(args, args.world_size)
         preflight.check_outputs(args)
-        entry_arguments.validate_arguments(args, device_arch=0 if args.cpu else None)
+        with run_log.argument_table_kept():  # for the run folder, not the log
+            entry_arguments.validate_arguments(args, device_arch=0 if args.cpu else None)
+        vars(args).update(run_log.quiet.argument_changes(args))
+        tensorboard = run_log.run_folder.tensorboard_before(args)
         entry_arguments.set_megatron_globals(args)
         from megatron.training import get_tokenizer
 
@@ -361,7 +390,18 @@ def main(argv: list[str] | None = None) -> int:
         run(args, store)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        stopped_before_training(args, tensorboard)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C where nothing is to be saved
+        print(f"[megagpt] {interrupt.interrupted_line(args)}", file=sys.stderr, flush=True)
+        stopped_before_training(args, tensorboard)
+        return interrupt.EXIT_STATUS
+    except SystemExit:  # megatron leaves after its exit signal's save
+        if not interrupt.pressed():
+            raise
+    if interrupt.pressed():
+        log("stopped by Ctrl-C after saving a checkpoint; the same command resumes from it")
+        return interrupt.EXIT_STATUS
     return 0
 
 

@@ -25,8 +25,11 @@ says so) at the 345M and 1.3B shapes, once per inductor setting:
                        the residual dropouts with masks hashed from each element's index and
                        a seed drawn per step, as the fast path's compiled layer runs them
                        (megagpt.fast_spec.hash_dropout; the other dropout settings: F.dropout)
+  fp8 tensorwise, fp8 delayed
+                       the four linears in FP8 (megagpt.fast_spec.fp8, hybrid format), with
+                       current or delayed scaling (not run unless named)
 
-  python bench/bench_layer.py [--shapes 345M,1.3B] [--settings default,...] [--split-sizes N,...]
+  python bench/bench_layer.py [--shapes 345M,1.3B,wide] [--settings default,...] [--split-sizes N,...]
                               [--out F.json]
 
 Each setting's forward + backward is captured as one CUDA graph; the graphs take turns,
@@ -50,6 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # hidden, heads, seq, micro-batch: docs/benchmarks.md's shapes
 SHAPES = {"345M": (1024, 16, 1024, 8), "1.3B": (2048, 16, 2048, 4),
+          # a 6.7B-wide layer (FP8's case: matmuls dominate)
+          "wide": (4096, 32, 4096, 1),
           "tiny": (128, 4, 128, 2)}  # tiny: for the GPU test of this script
 
 
@@ -85,22 +90,26 @@ def capture_layer(shape: str, inductor_options: dict) -> torch.cuda.CUDAGraph:
     options = dict(inductor_options)
     dropout = {"attn_p": options.pop("_attn_p", 0.0), "hidden_p": options.pop("_hidden_p", 0.0)}
     hashed = options.pop("_hashed", False)
+    fp8_recipe = options.pop("_fp8", None)
     # as the fast path compiles it (megagpt.fast_spec.layer.layer_function)
     fn = torch.compile(fused_layer_forward, dynamic=False, fullgraph=True, options=options)
     x, weights, main_grads, static = _layer_inputs(*SHAPES[shape])
     static.update(dropout)
     grad_out = torch.randn_like(x)
+    fp8 = _fp8_arguments(fp8_recipe, x.device)
 
     def step():
         for t in (x, *weights.values()):  # gradients assigned, not accumulated
             t.grad = None
         seeds = hash_dropout.draw_seeds(2, x.device) if hashed else None
-        out = fn(x, **weights, **static, **main_grads, dropout_seeds=seeds)
+        out = fn(x, **weights, **static, **main_grads, dropout_seeds=seeds, **fp8)
         out.backward(grad_out)
+        if "fp8_history" in fp8:
+            fp8["fp8_warm"] = True  # as FastTransformerLayer marks it after a forward
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # forward and backward compile in the first step
+    with torch.cuda.stream(side):  # forward and backward compile in the first steps
         for _ in range(3):
             step()
     torch.cuda.current_stream().wait_stream(side)
@@ -110,6 +119,19 @@ def capture_layer(shape: str, inductor_options: dict) -> torch.cuda.CUDAGraph:
     graph.replay()
     torch.cuda.synchronize()
     return graph
+
+
+def _fp8_arguments(recipe: str | None, device) -> dict:
+    """The fused function's FP8 arguments for ``recipe`` ("tensorwise", "delayed"; None:
+    none, bf16), as ``FastTransformerLayer`` passes them."""
+    if recipe is None:
+        return {}
+    from megagpt.fast_spec import fp8
+
+    r = fp8.Fp8Recipe(format="hybrid", scaling=recipe)
+    if not r.delayed:
+        return {"fp8": r}
+    return {"fp8": r, "fp8_history": fp8.new_history(r, device), "fp8_warm": False}
 
 
 def time_graphs(graphs: dict, reps: int = 10, rounds: int = 7) -> dict:
@@ -151,11 +173,30 @@ def kernel_times(graph: torch.cuda.CUDAGraph, reps: int = 5) -> dict:
 
 
 def summarise_kernels(per_kernel: dict) -> dict:
-    """Total kernel time and the part in the layer norms' backward and in reductions."""
+    """Total kernel time, the part in the layer norms' backward and in reductions, and the
+    time by kind of kernel (``kernel_kind``)."""
     total = sum(per_kernel.values())
     norm = sum(ms for name, ms in per_kernel.items()
                if "layer_norm" in name or "reduce_kernel" in name or "sum" in name)
-    return {"kernels_ms": total, "norm_and_sum_kernels_ms": norm}
+    kinds: dict = {}
+    for name, ms in per_kernel.items():
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
+    return {"kernels_ms": total, "norm_and_sum_kernels_ms": norm, "by_kind_ms": kinds}
+
+
+def kernel_kind(name: str) -> str:
+    """GEMM, attention, the FP8 cast kernel, inductor's fused kernels (norms, activations,
+    amax reductions), or other, from a CUDA kernel's name."""
+    low = name.lower()
+    if "cast_transpose" in low:  # megagpt.fast_spec.fp8_cast's kernel
+        return "fp8 cast"
+    if any(k in low for k in ("flash", "fmha", "cudnn", "attention", "sdpa")):
+        return "attention"
+    if any(k in low for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "matmul")):
+        return "gemm"
+    if low.startswith("triton") or "triton" in low:
+        return "fused (inductor)"
+    return "other"
 
 
 # named inductor settings (torch.compile options) to compare with the default
@@ -174,8 +215,11 @@ SETTINGS = {
     "hidden dropout": {"_hidden_p": 0.1},
     "hidden dropout eager random": {"_hidden_p": 0.1, "fallback_random": True},
     "hidden dropout hashed": {"_hidden_p": 0.1, "_hashed": True},
+    # the four linears in FP8 (megagpt.fast_spec.fp8), hybrid format
+    "fp8 tensorwise": {"_fp8": "tensorwise"},
+    "fp8 delayed": {"_fp8": "delayed"},
 }
-DEFAULT_SETTINGS = [name for name in SETTINGS if "dropout" not in name]
+DEFAULT_SETTINGS = [name for name in SETTINGS if "dropout" not in name and "fp8" not in name]
 
 
 def settings(names, split_sizes) -> dict:
@@ -213,10 +257,12 @@ def main(argv=None) -> dict:
             row = {"wall_ms": wall[name], **summarise_kernels(per_kernel),
                    "kernels": per_kernel}
             results[shape][name] = row
+            kinds = ", ".join(f"{kind} {ms:.3f}" for kind, ms in
+                              sorted(row["by_kind_ms"].items(), key=lambda kv: -kv[1]))
             print(f"layer {shape} {name:>14}: {row['wall_ms']:.3f} ms fwd+bwd "
-                  f"(x24 = {24 * row['wall_ms']:.2f}); kernels {row['kernels_ms']:.3f} ms, "
-                  f"of which norm backward + sums {row['norm_and_sum_kernels_ms']:.3f} ms",
-                  flush=True)
+                  f"(x24 = {24 * row['wall_ms']:.2f}); kernels {row['kernels_ms']:.3f} ms "
+                  f"({kinds}), of which norm backward + sums "
+                  f"{row['norm_and_sum_kernels_ms']:.3f} ms", flush=True)
         del graphs
         torch.cuda.empty_cache()
     if a.out:

@@ -10,6 +10,9 @@ One invocation, one GPU. For each requested path it runs
   te         pretrain_gpt.py --transformer-impl transformer_engine --fast-cuda-graphs iteration
              (TE's layers under the full-iteration graph; needs TE)
   reference  bench/reference_gpt.py   (plain PyTorch: SDPA, fused AdamW, torch.compile)
+  referencefp8
+             the same with torchao's FP8 training of its linears (tensorwise; torchao
+             importable, e.g. from TORCHAO_SITE, a folder put on its PYTHONPATH)
 
 with mock data (``--corpus``: the embedded corpus; ``--data-args``: any data flags) and
 upstream Megatron flags (``--mock-data --log-throughput --log-interval
@@ -67,10 +70,12 @@ ENTRY_PATH_FLAGS = {
     "te": ["--transformer-impl", "transformer_engine", "--fast-cuda-graphs", "iteration"],
 }
 
+# the entry's iteration line (ms/iter, TFLOP/s/GPU) or megatron's (--megatron-iteration-log)
 ITER_RE = re.compile(
-    r"iteration\s+(\d+)/\s*(\d+)\s*\|.*?elapsed time per iteration \(ms\):\s*([\d.]+)"
+    r"iteration\s+(\d+)/\s*(\d+)\s*\|.*?(?:elapsed time per iteration \(ms\)|ms/iter):"
+    r"\s*([\d.]+)"
 )
-TFLOPS_RE = re.compile(r"throughput per GPU \(TFLOP/s/GPU\):\s*([\d.]+)")
+TFLOPS_RE = re.compile(r"(?:throughput per GPU \(TFLOP/s/GPU\)|TFLOP/s/GPU):\s*([\d.]+)")
 LOSS_RE = re.compile(r"lm loss:\s*([\d.Ee+-]+)")
 MEM_RE = re.compile(r"max allocated:\s*([\d.]+)")
 SPEC_RE = re.compile(r"(layer spec:[^\n]*)")
@@ -260,20 +265,30 @@ def run_entry(a, path: str, out_dir: Path, train_iters: int, log_interval: int,
     return res
 
 
-def run_reference(a, out_dir: Path) -> dict:
+REFERENCE_PATHS = ("reference", "referencefp8")
+
+
+def run_reference(a, out_dir: Path, path: str = "reference") -> dict:
     cmd = [sys.executable, str(HERE / "reference_gpt.py"), "--shape", a.shape,
            "--iters", str(max(5, a.train_iters - a.warmup_iters)),
            "--warmup", str(a.warmup_iters), "--dropout", str(a.reference_dropout)]
-    print(f"[bench] reference: {shlex.join(cmd)}", flush=True)
+    env = None
+    if path == "referencefp8":
+        cmd += ["--fp8", "tensorwise"]
+        site = os.environ.get("TORCHAO_SITE")
+        if site:
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+                [site, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    print(f"[bench] {path}: {shlex.join(cmd)}", flush=True)
     p = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                       text=True, timeout=a.timeout)
-    (out_dir / f"reference_{a.shape}.log").write_text(p.stderr + p.stdout)
+                       text=True, timeout=a.timeout, env=env)
+    (out_dir / f"{path}_{a.shape}.log").write_text(p.stderr + p.stdout)
     lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
     if p.returncode != 0 or not lines:
-        print(f"[bench] reference failed (rc={p.returncode}):\n{p.stderr[-3000:]}", flush=True)
-        return dict(path="reference", rc=p.returncode, command=shlex.join(cmd))
+        print(f"[bench] {path} failed (rc={p.returncode}):\n{p.stderr[-3000:]}", flush=True)
+        return dict(path=path, rc=p.returncode, command=shlex.join(cmd))
     res = json.loads(lines[-1])
-    res.update(rc=0, command=shlex.join(cmd))
+    res.update(path=path, rc=0, command=shlex.join(cmd))
     return res
 
 
@@ -342,7 +357,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     for spec in a.variant:
         name, sep, flags = spec.partition("=")
-        if not sep or not name or name in ("local", "fast", "reference"):
+        if not sep or not name or name in ("local", "fast", *REFERENCE_PATHS):
             p.error(f"--variant wants NAME=FLAGS with a new name, got {spec!r}")
         ENTRY_PATH_FLAGS[name] = shlex.split(flags)
     entry_of = {}
@@ -368,9 +383,9 @@ def main(argv=None) -> int:
     if len(compare_paths) != 2:
         p.error("--compare-paths wants two paths")
     for x in paths + compare_paths:
-        if x not in ENTRY_PATH_FLAGS and x != "reference":
+        if x not in ENTRY_PATH_FLAGS and x not in REFERENCE_PATHS:
             p.error(f"unknown path {x!r}")
-    if "reference" in paths and (a.micro_batches != 1 or a.micro_batch not in (
+    if set(REFERENCE_PATHS) & set(paths) and (a.micro_batches != 1 or a.micro_batch not in (
             None, SHAPES[a.shape][4])):
         p.error("the reference runs one micro-batch of the shape's size per step: leave "
                 "--micro-batch / --micro-batches out, or 'reference' out of --paths")
@@ -407,8 +422,8 @@ def main(argv=None) -> int:
 
     results = {}
     for path in paths:
-        if path == "reference":
-            results[path] = run_reference(a, out_dir)
+        if path in REFERENCE_PATHS:
+            results[path] = run_reference(a, out_dir, path)
         else:
             results[path] = run_entry(a, path, out_dir, a.train_iters, a.log_interval)
         r = results[path]

@@ -14,6 +14,10 @@ FLOPs per iteration are megatron's count (``num_floating_point_operations``) for
 shape, written out for a dense GPT with multi-head attention; ``bench_throughput.py``
 checks it against megatron's own function.
 
+``--fp8 tensorwise`` (or ``rowwise``) is what a torchtitan user turns on for FP8: torchao's
+``convert_to_float8_training`` over the blocks' linears (the tied output layer is no
+``nn.Linear`` and stays in bf16), recipe by name; it needs torchao importable.
+
 Prints one JSON line: {"path": "reference", "ms_per_iter": ..., "tokens_per_s": ...,
 "tflops_per_gpu": ..., "peak_mem_gb": ..., "losses": [...]}.
 """
@@ -106,13 +110,28 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def to_float8_training(model: nn.Module, recipe: str) -> nn.Module:
+    """torchao's FP8 training for every ``nn.Linear`` of ``model`` (as torchtitan converts a
+    model's linears), ``recipe`` one of torchao's recipe names."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    return convert_to_float8_training(
+        model, config=config, module_filter_fn=lambda module, fqn: isinstance(module, nn.Linear))
+
+
 def run(shape="345M", iters=40, warmup=10, vocab=50257, dropout=0.1, compile_model=True,
-        seed=1234, clip_grad=1.0, log=_log) -> dict:
+        seed=1234, clip_grad=1.0, log=_log, fp8: str | None = None) -> dict:
     layers, h, heads, seq, mb = SHAPES[shape]
     vpad = pad_vocab(vocab)
     torch.manual_seed(seed)
     dev = "cuda"
     model = GPT(layers, h, heads, seq, vpad, dropout, dropout).to(dev)
+    if fp8:
+        import torchao
+
+        model = to_float8_training(model, fp8)
+        log(f"reference: torchao {torchao.__version__} FP8 training, recipe {fp8}")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=True)
     step_model = torch.compile(model) if compile_model else model
@@ -160,6 +179,7 @@ def run(shape="345M", iters=40, warmup=10, vocab=50257, dropout=0.1, compile_mod
         "losses": losses,
         "dropout": dropout,
         "compile": compile_model,
+        "fp8": fp8,
     }
 
 
@@ -170,8 +190,11 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--fp8", choices=("tensorwise", "rowwise"), default=None,
+                   help="torchao's FP8 training of the linears, this recipe")
     a = p.parse_args(argv)
-    r = run(a.shape, a.iters, a.warmup, dropout=a.dropout, compile_model=not a.no_compile)
+    r = run(a.shape, a.iters, a.warmup, dropout=a.dropout, compile_model=not a.no_compile,
+            fp8=a.fp8)
     print(json.dumps(r))
 
 

@@ -80,8 +80,22 @@ PATHS = {"local": "megatron's local spec", "fast": "fast path",
 PATH_ORDER = {"local": 0, "fast": 1, "reference": 2}
 TE_PATHS = {"fast": "the entry's default (fast spec)",
             "te": "TE's layers, full-iteration graph"}
+APEX_PATHS = {"fast": "the entry's default (fast spec)",
+              "nowrite": "default, --fast-disable grad-write (megatron's fusion kept on)",
+              "distopt": "default, --use-distributed-optimizer",
+              "megatron_optimizer": "default, --fast-disable optimizer (megatron's own step)",
+              "local": "megatron's local spec",
+              "nopersist": "local spec, --no-persist-layer-norm",
+              "nosoftmax": "local spec, --no-masked-softmax-fusion",
+              "nofusion": "local spec, --no-gradient-accumulation-fusion"}
+APEX_INSTALLS = ("apex", "without apex", "apex beside TE", "TE without apex")
 FP8_PATHS = {"te": "TE's layers, bf16", "tefp8": "TE's layers, FP8, delayed scaling",
              "tefp8cs": "TE's layers, FP8, current scaling", "fast": "fast path, bf16"}
+FAST_FP8_PATHS = {"fast": "fast path, bf16", "fp8": "fast path, FP8, delayed scaling",
+                  "fp8cs": "fast path, FP8, current scaling",
+                  "tefp8": "TE's layers, FP8, delayed scaling",
+                  "tefp8cs": "TE's layers, FP8, current scaling",
+                  "referencefp8": "plain PyTorch + torchao FP8 (tensorwise)"}
 SHAPE_ORDER = {"tiny": 0, "345M": 1, "1.3B": 2}
 PREPROCESS_TOOLS = {"baseline": "upstream-style baseline", "megagpt": "megagpt"}
 MULTI_GPU_PATHS = {"default": "single-GPU default (full-iteration graph)",
@@ -246,6 +260,62 @@ TABLES = (
         summary=lambda r: (f"{r['row']['shape']}, TE {r['row']['te']}, "
                            f"{TE_PATHS.get(r['row']['path'], r['row']['path'])}: "
                            f"{number(r['figures'].get('tflops_per_gpu'))} TFLOP/s"),
+    ),
+    Table(
+        "fp8-fast", "FP8 on the fast path, without Transformer Engine",
+        "The fast spec's FP8 linears (`--fp8-format hybrid`: e4m3 inputs and weights, e5m2 "
+        "gradients; megatron's default delayed scaling, or `--fp8-recipe tensorwise`) "
+        "against the fast path in bf16, TE's FP8 layers (under the full-iteration graph, "
+        "their fastest on one GPU) and plain PyTorch with torchao's FP8 "
+        "(`bench/reference_gpt.py --fp8 tensorwise`). One call of `bench/gpu_fp8.sh` per "
+        "column of ratios: the fast path's rows without TE importable, TE's rows with it, "
+        "in one invocation of `bench/bench_throughput.py` each; mock data, dropout 0, 40 "
+        "iterations, medians after iteration 10, TFLOP/s by megatron's count (FP8 matmuls "
+        "counted as the same FLOPs). The ratios are against rows of the same call.",
+        columns=(("shape", rowval("shape")), ("call", rowval("call")),
+                 ("path", rowval("path", FAST_FP8_PATHS)),
+                 ("ms/iter", fig("ms_per_iter")), ("TFLOP/s/GPU", fig("tflops_per_gpu")),
+                 ("vs fast bf16", fig("vs_fast_bf16", 3)),
+                 ("vs TE FP8 delayed", fig("vs_te_fp8", 3))),
+        sort=lambda r: (SHAPE_ORDER.get(r["shape"], 9), r.get("call", ""),
+                        list(FAST_FP8_PATHS).index(r["path"])
+                        if r["path"] in FAST_FP8_PATHS else 9),
+        text_columns=3,
+        summary=lambda r: (f"{r['row']['shape']} "
+                           f"{FAST_FP8_PATHS.get(r['row']['path'], r['row']['path'])}: "
+                           f"{number(r['figures'].get('ms_per_iter'))} ms/iter"),
+    ),
+    Table(
+        "apex", "With NVIDIA apex installed",
+        "The same launches with NVIDIA apex (built from its source at a release tag for the "
+        "GPU's architecture, `bench/gpu_apex_build.sh`) importable and hidden from the "
+        "process, one after the other in one run on the GPU machine (`bench/gpu_record_apex.sh OUT "
+        "speed` and `... pieces`), alone and beside Transformer Engine: bf16, mock data, "
+        "dropout 0. vs without apex = ms/iter of the same launch without apex ÷ this row's; "
+        "vs the piece on = ms/iter of the launch that keeps the piece (the default, or "
+        "megatron's local spec) ÷ this row's (above 1: faster). What megatron takes from apex "
+        "and why the fast path leaves most of it: "
+        "[speed.md](speed.md#what-a-user-of-nvidias-containers-gets).",
+        columns=(("shape", rowval("shape")), ("install", rowval("install")),
+                 ("path", rowval("path", APEX_PATHS)), ("ms/iter", fig("ms_per_iter")),
+                 ("TFLOP/s/GPU", fig("tflops_per_gpu")),
+                 ("peak MiB", lambda r: peak_memory(r["figures"])),
+                 ("vs without apex", fig("vs_without_apex", 3)),
+                 ("vs the piece on", fig("vs_piece_on", 3))),
+        sort=lambda r: (SHAPE_ORDER.get(r["shape"], 9),
+                        list(APEX_PATHS).index(r["path"]) if r["path"] in APEX_PATHS else 99,
+                        APEX_INSTALLS.index(r["install"]) if r["install"] in APEX_INSTALLS
+                        else 9),
+        summary=lambda r: (f"{r['row']['shape']}, {r['row']['install']}, "
+                           f"{APEX_PATHS.get(r['row']['path'], r['row']['path'])}: "
+                           f"{number(r['figures'].get('ms_per_iter'))} ms/iter"),
+        expected=tuple(
+            (dict(shape=shape, install=install, path="fast"),
+             "bash bench/gpu_record_apex.sh OUT speed")
+            for shape in ("345M", "1.3B") for install in ("apex", "without apex"))
+        + tuple((dict(shape="345M", install="apex", path=path),
+                 "bash bench/gpu_record_apex.sh OUT pieces")
+                for path in APEX_PATHS if path != "fast"),
     ),
     Table(
         "fp8", "FP8 with Transformer Engine",

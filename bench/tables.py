@@ -4,6 +4,9 @@
     python bench/tables.py           # (make tables) write docs/benchmarks.md and README.md's block
     python bench/tables.py --check   # exit 1 when either is not what the records give
 
+The README's cost lines come from the dry run of the 175B example (``readme_cost``);
+``--records-only`` leaves them out.
+
 One table per concern (``TABLES`` in ``bench/table_specs.py``: training on one GPU, the fast path's switches,
 several GPUs, losses against megatron's local spec, resume, preprocessing); every record
 (format: ``bench/records.py``) is one row of one table. Of the records with the same table
@@ -236,9 +239,16 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true",
                    help="exit 1 if docs/benchmarks.md or README.md differ from the records'")
     p.add_argument("--runs", default=str(RUNS), help=argparse.SUPPRESS)
+    p.add_argument("--records-only", action="store_true",
+                   help="leave out the README's cost lines (they run the dry run, seconds)")
     a = p.parse_args(argv)
     records = load(Path(a.runs))
-    outputs = {BENCHMARKS: benchmarks_text(records), README: readme_text(records)}
+    readme = readme_text(records)
+    if not a.records_only:
+        import readme_cost
+
+        readme = readme_cost.with_block(readme, readme_cost.dry_run_output())
+    outputs = {BENCHMARKS: benchmarks_text(records), README: readme}
     if a.check:
         stale = [str(path.relative_to(ROOT)) for path, text in outputs.items()
                  if path.read_text() != text]
@@ -246,7 +256,8 @@ def main(argv=None) -> int:
             print(f"{', '.join(stale)}: not what docs/figures/runs gives; run "
                   "python bench/tables.py", file=sys.stderr)
             return 1
-        print(f"docs/benchmarks.md and README.md match {len(records)} records")
+        print(f"docs/benchmarks.md and README.md match {len(records)} records"
+              + ("" if a.records_only else " and the dry run"))
         return 0
     for path, text in outputs.items():
         path.write_text(text)

@@ -11,13 +11,14 @@
 #
 # Environment:
 #   CONFIG       configs/tiny.yaml      TRAIN_ITERS  20     STOP_AT  10
-#   DEVICE_ARGS  --cpu (set to "" on a GPU machine)    PYTHON python
+#   DEVICE_ARGS  --cpu (set to "" on a GPU machine)
+#   PYTHON       the project's .venv unless set (scripts/project_python.sh: no activation needed)
 #   LAUNCHER     how pretrain_gpt.py is started, e.g. "torchrun --nproc-per-node 8" (default: python)
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(dirname "$HERE")
-PYTHON=${PYTHON:-python}
+source "$REPO/scripts/project_python.sh" "$REPO"  # PYTHON: the project's, no activation needed
 
 RUN_DIR=runs/resume
 if (($#)) && [[ $1 != "--" ]]; then RUN_DIR=$1; shift; fi

@@ -19,7 +19,7 @@ set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(dirname "$HERE")
-PYTHON=${PYTHON:-python}
+source "$REPO/scripts/project_python.sh" "$REPO"  # PYTHON: the project's, no activation needed
 
 EXTRA_ARGS=()
 if (($#)) && [[ $1 != "--" ]]; then GPUS_PER_NODE=$1; shift; fi
@@ -86,4 +86,4 @@ fi
 echo "$PLAN" | sed -n '/^layout:/,$p'
 
 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$GPUS_PER_NODE" \
-    "$REPO/pretrain_gpt.py" "${ARGS[@]}" 2>&1 | tee "$RUN_DIR/train.log"
+    "$REPO/pretrain_gpt.py" "${ARGS[@]}" 2>&1 | tee -i "$RUN_DIR/train.log"  # -i: tee outlives Ctrl-C while the trainer saves

@@ -18,14 +18,15 @@
 #                                       (DATA_PATH unset: --mock-data, random tokens)
 #   CHECKPOINT_DIR  (default runs/gpt3_175b/checkpoints)   TENSORBOARD_DIR (runs/gpt3_175b/tensorboard)
 #   GPU_TYPE        A100-80GB (default), A100-40GB, H100, H200: what the dry run plans for
-#   MASTER_PORT     6000       PYTHON  python
+#   MASTER_PORT     6000
+#   PYTHON          the project's .venv unless set (scripts/project_python.sh: no activation needed)
 #   DRY_RUN=1       only the dry run: print the plan and exit (no torchrun, no GPU needed);
 #                   passing --dry-run after -- does the same
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(dirname "$HERE")
-PYTHON=${PYTHON:-python}
+source "$REPO/scripts/project_python.sh" "$REPO"  # PYTHON: the project's, no activation needed
 GPUS_PER_NODE=8
 
 EXTRA_ARGS=()
@@ -39,6 +40,11 @@ NODE_RANK=${POSITIONAL[1]:-${SLURM_NODEID:-${NODE_RANK:-0}}}
 if [[ -n ${POSITIONAL[2]:-} ]]; then
     MASTER_ADDR=${POSITIONAL[2]}
 elif [[ -n ${SLURM_JOB_NODELIST:-} ]]; then
+    if ! command -v scontrol >/dev/null; then
+        echo "error: SLURM_JOB_NODELIST is set but scontrol is not on PATH: give the master" \
+             "address (examples/train_gpt3_175b_distributed.sh NNODES NODE_RANK MASTER_ADDR)" >&2
+        exit 2
+    fi
     # sed reads the whole list: with head, scontrol could die of SIGPIPE and pipefail stop us
     MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 else

@@ -14,7 +14,8 @@
 #   bash examples/train_tiny_cpu.sh [extra pretrain_gpt.py flags]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
+source scripts/project_python.sh "$PWD"  # PYTHON: .venv's (make venv), or $PYTHON
+PY=${PY:-$PYTHON}
 OUT=${OUT:-runs/tiny_cpu}
 
 corpus() { "$PY" -m megagpt.data.corpus --get "$1"; }
@@ -44,7 +45,7 @@ OUTPUT_ARGS=(
 
 mkdir -p "$OUT"
 "$PY" pretrain_gpt.py --cpu "${MODEL_ARGS[@]}" "${DATA_ARGS[@]}" "${TRAINING_ARGS[@]}" \
-    "${OUTPUT_ARGS[@]}" "$@" 2>&1 | tee "$OUT/train.log"
+    "${OUTPUT_ARGS[@]}" "$@" 2>&1 | tee -i "$OUT/train.log"  # -i: tee outlives Ctrl-C while the trainer saves
 
 PROMPT=${PROMPT:-"ROMEO:"}
 echo

@@ -21,7 +21,8 @@ import sys
 from typing import Callable
 
 from megagpt import compat, cpu_mode, megatron_wrappers
-from megagpt.config_file import ConfigFileError, expand_config_file, load_config_mapping, flag_name
+from megagpt.config_file import (ConfigFileError, expand_config_file, flag_name,
+                                 load_config_mapping, split_config_option)
 from megagpt.errors import UserError
 from megagpt.gpus import gpu_type_names
 from megagpt.log import log
@@ -48,11 +49,14 @@ def add_entry_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--allow-data-tokenizer-mismatch", action="store_true",
                        help="Train on data whose tokenizer record names another tokenizer "
                             "than this run's (ids must still fit the vocabulary).")
+    from megagpt.diagnostics import settings as diagnostics_settings
     from megagpt.fast_spec.settings import add_fast_path_arguments
+    from megagpt.resilience import checkpoint_integrity
+    from megagpt.run_log import run_folder
 
     add_fast_path_arguments(group)
-    from megagpt.diagnostics import settings as diagnostics_settings
-
+    checkpoint_integrity.add_arguments(group)
+    run_folder.add_arguments(group)
     diagnostics_settings.add_arguments(group)
     return parser
 
@@ -117,11 +121,16 @@ def _known_flags(extra_args_provider) -> set[str]:
 
 
 def _check_config_keys(path: str, extra_args_provider) -> None:
+    from megagpt.option_errors import config_entries, unknown_option_message
+
     known = _known_flags(extra_args_provider)
-    unknown = [k for k in load_config_mapping(path) if flag_name(k) not in known]
-    if unknown:
-        raise ConfigFileError(f"--config {path}: unknown option(s): "
-                              + ", ".join(flag_name(k) for k in unknown))
+    entries = config_entries(path)
+    unknown = [flag_name(k) for k in load_config_mapping(path) if flag_name(k) not in known]
+    if unknown:  # each with its line and the closest options
+        raise ConfigFileError("; ".join(
+            unknown_option_message(flag, known, entries, given_on_command_line=False)
+            if flag in entries else f"--config {path}: {flag}: unknown option"
+            for flag in unknown))
 
 
 def parse_arguments(argv: list[str] | None = None,
@@ -137,17 +146,24 @@ def parse_arguments_and_plan(argv: list[str] | None = None,
 
     compat.quiet_fallback_warnings()
     argv = list(sys.argv[1:] if argv is None else argv)
+    command_line = split_config_option(argv)[1]
     argv, config_path = expand_config_file(argv)
+    file_argv = argv[:len(argv) - len(command_line)]  # the --config file's, first
     from megagpt.fast_spec.settings import check_replaced_flags
 
     check_replaced_flags(argv)
     if config_path is not None:
         _check_config_keys(config_path, extra_args_provider)
 
+    from megagpt import option_errors
+
     def provider(parser):
         add_entry_arguments(parser)
         parser = extra_args_provider(parser) if extra_args_provider else parser
         _escape_stray_percent_signs(parser)
+        # one line, not the usage, for a bad option; and the option list for the next launch
+        option_errors.raise_one_line(parser, argv, config_path, file_argv)
+        option_errors.OptionCache().write(option_errors.describe_options(parser))
         return parser
 
     from megagpt.megatron_errors import INPUT_ERRORS

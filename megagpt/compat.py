@@ -184,10 +184,8 @@ def check_required_packages(args, installed: Installed) -> None:
             "megatron's local attention (DotProductAttention) cannot split a sequence across "
             "ranks. Install it (pip install 'megagpt[te]') or use tensor/pipeline/data "
             "parallelism instead.")
-    if getattr(args, "fp8", None) and not installed.transformer_engine:
-        raise MissingDependencyError(
-            f"--fp8-format {args.fp8} needs Transformer Engine (its FP8 linears and scaling "
-            "recipes); install it (pip install 'megagpt[te]') or train in bf16")
+    if getattr(args, "fp8", None):
+        _check_fp8(args, installed)
     if (getattr(args, "layernorm_zero_centered_gamma", False)
             and not installed.transformer_engine and not installed.apex):
         # megatron's torch LayerNorm asserts on it while the model is built, in megatron's
@@ -233,6 +231,28 @@ def check_required_packages(args, installed: Installed) -> None:
                 "the fast spec is not used in this run (--no-fast-spec, --spec, MoE or "
                 "another reason the log gives). Use the fast spec, install Transformer "
                 "Engine (pip install 'megagpt[te]'), or drop --sequence-parallel.")
+
+
+def _check_fp8(args, installed: Installed) -> None:
+    """``--fp8-format``: a GPU with FP8 tensor cores, and layers that run it — the fast
+    spec's FP8 linears, or Transformer Engine's."""
+    from megagpt.fast_spec.fp8_support import fp8_hardware_reason, fp8_shape_reason
+    from megagpt.fast_spec.spec import fast_spec_unsupported_reason
+
+    hardware = fp8_hardware_reason(args)
+    if hardware is not None:
+        raise UserError(f"--fp8-format {args.fp8}: {hardware}")
+    shape = fp8_shape_reason(args)
+    if shape is not None:
+        raise UserError(f"--fp8-format {args.fp8}: {shape}")
+    if installed.transformer_engine:
+        return  # megagpt.layer_impl picks TE's FP8 layers where the fast spec cannot
+    reason = fast_spec_unsupported_reason(args)
+    if reason is not None:
+        raise MissingDependencyError(
+            f"--fp8-format {args.fp8}: the fast spec's FP8 linears cannot run this launch "
+            f"({reason.removeprefix(f'--fp8-format {args.fp8} on the fast spec: ')}); "
+            "Transformer Engine's FP8 layers can (pip install 'megagpt[te]')")
 
 
 def adapt_args_to_installed(args, argv: Iterable[str], installed: Installed,
@@ -491,3 +511,6 @@ def quiet_fallback_warnings() -> None:
     """megatron warns once per module that TE/apex are missing; Installed.summary says it once."""
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(are|is) not installed.*")
     warnings.filterwarnings("ignore", message=r".*Apex is not installed.*")
+    from megagpt.run_log import quiet
+
+    quiet.install()  # the other messages that do not apply to this install

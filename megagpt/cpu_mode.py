@@ -271,7 +271,8 @@ _UNSUPPORTED = (
     ("bf16", "--bf16: bfloat16 training needs a GPU (megatron's mixed-precision optimizer "
              "checks for CUDA tensors); CPU mode trains in fp32"),
     ("fp16", "--fp16: half-precision training needs a GPU; CPU mode trains in fp32"),
-    ("fp8", "--fp8-format: FP8 needs Transformer Engine on a GPU"),
+    ("fp8", "--fp8-format: FP8 needs a GPU with FP8 tensor cores (compute capability 8.9 "
+            "or later: H100, H200, L40S)"),
     ("use_torch_fsdp2", "--use-torch-fsdp2: megatron builds torch FSDP2's device mesh on CUDA"),
     ("moe_grouped_gemm", "--moe-grouped-gemm: the grouped GEMM kernels need a GPU"),
 )

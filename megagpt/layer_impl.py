@@ -11,8 +11,12 @@ the flag is not given, the entry picks instead, by what ran faster for the layou
   graphs, while TE's layers fuse their norms into the linears and can overlap the
   tensor-parallel collectives (``--tp-comm-overlap``): TE's spec (not measured: it needs
   several GPUs);
-- whatever only TE's layers can run (FP8, context parallelism, multi-latent attention, ...)
-  gets TE's spec, and so does a launch that asks for it by name;
+- whatever only TE's layers can run (FP4, FP8 recipes other than tensorwise and delayed
+  scaling, context parallelism, multi-latent attention, ...) gets TE's spec, and so does a
+  launch that asks for it by name;
+- FP8 (``--fp8-format``) without tensor and pipeline parallelism runs in the fast spec's
+  FP8 linears (``fast_spec.fp8``), which measured faster than TE's FP8 layers on one GPU
+  (docs/speed.md, "FP8"); under tensor or pipeline parallelism in TE's;
 - ``--spec local`` (megatron's spelling of its local spec) gets megatron's local modules.
 
 ``choose_transformer_impl`` decides from the parsed arguments and what is installed, without
@@ -52,8 +56,12 @@ def needs_transformer_engine(args, installed) -> str | None:
     it as well)."""
     from megagpt.fast_spec.spec import fast_spec_unsupported_reason
 
-    if getattr(args, "fp8", None) or getattr(args, "fp4", None):
-        return "FP8/FP4 training runs in TE's linears"
+    if getattr(args, "fp4", None):
+        return "FP4 training runs in TE's linears"
+    if getattr(args, "fp8", None) and (_size(args, "tensor_model_parallel_size") > 1
+                                       or _size(args, "pipeline_model_parallel_size") > 1):
+        # the fast spec's FP8 layer runs eagerly there, as its bf16 layer does (below)
+        return "FP8 under tensor or pipeline parallelism: TE's FP8 layers"
     if _size(args, "context_parallel_size") > 1:
         return "context parallelism needs TE's attention"
     if getattr(args, "multi_latent_attention", False):
@@ -100,6 +108,11 @@ def choose_transformer_impl(args, given: set[str], installed) -> ImplChoice:
             TRANSFORMER_ENGINE,
             f"tensor x pipeline parallel {tp} x {pp}: the fast spec's layer would run "
             f"eagerly, outside CUDA graphs; {FLAG} local asks for it")
+    if getattr(args, "fp8", None):
+        return ImplChoice(
+            LOCAL, "FP8 without tensor or pipeline parallelism: the fast spec's FP8 linears "
+            "measured faster than TE's FP8 layers here (docs/speed.md, \"FP8\"); "
+            f"{FLAG} transformer_engine asks for TE's")
     return ImplChoice(
         LOCAL, "no tensor or pipeline parallelism: the fast spec measured faster than TE's "
         f"layers here (docs/speed.md); {FLAG} transformer_engine asks for TE's")

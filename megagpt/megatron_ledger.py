@@ -127,6 +127,29 @@ LEDGER: tuple[Change, ...] = (
            "diverged model is never saved; outside the snapshot's wrapper (no snapshot of a "
            "save that is refused)", PRETRAIN + ", when the gradient-norm guard is on",
            "42e813b3aa30"),
+    Change(T + "save_checkpoint", WRAPS, "megagpt.resilience.checkpoint_integrity",
+           "a shard overwritten in place keeps its length and loads as raw tensor bytes; the "
+           "files' checksums, recorded after each persistent save, let a load tell a damaged "
+           "checkpoint; outermost, so that the configuration snapshot is among the files "
+           "hashed", PRETRAIN, "42e813b3aa30"),
+    Change(T + "print_rank_last", WRAPS, "megagpt.run_log",
+           "training_log prints its 300-character iteration line through it; the wrapper "
+           "prints this entry's line from the same figures, with tokens/s, MFU and the time "
+           "left, and records them for the run's plot; any other text passes", PRETRAIN,
+           "888f2c02a721"),
+    Change(T + "training_log", RELIES_ON, "megagpt.run_log.iteration_line",
+           "the entry's iteration line is read from the one training_log builds: its fields "
+           "are named and formatted there", PRETRAIN, "7e7ebec01bcf",
+           needle="log_string += ' iteration {:8d}/{:8d} |'.format(iteration, args.train_iters)"),
+    Change(T + "report_memory", REPLACES, "megagpt.run_log",
+           "on the CPU torch.cuda's memory counters are all 0, and megatron reports them "
+           "after the first iterations and around every save", "with --cpu, " + PRETRAIN,
+           "471d75cba957"),
+    Change("megatron.training.arguments._print_args", WRAPS, "megagpt.run_log.run_folder",
+           "validate_args prints every argument (about 830 lines, most of a short run's log); "
+           "the table goes to the run folder, and to the log with --print-arguments",
+           "around megatron's validate_args in pretrain_gpt.main (run_log.argument_table_kept), "
+           "undone after", "c69a5f5d3f0c"),
     Change("megatron.training.checkpointing.schedule_async_save", WRAPS,
            "megagpt.resilience.async_save",
            "an asynchronous save's request takes finalize functions only before it is "
@@ -137,6 +160,12 @@ LEDGER: tuple[Change, ...] = (
            "megatron reports a bad checkpoint with a stack trace from torch.distributed or a "
            "bare sys.exit(); the wrapper makes it one line naming the checkpoint", PRETRAIN,
            "ee0f61114e6f"),
+    Change(T + "load_checkpoint", WRAPS, "megagpt.resilience.checkpoint_integrity",
+           "megatron loads a damaged shard of the right length without noticing; the files "
+           "are checked against their checksums first (a damaged checkpoint is set aside for "
+           "the previous intact one), and the loaded weights for NaN and Inf after; outside "
+           "the one-line errors' wrapper, which then names the checkpoint chosen here",
+           PRETRAIN, "ee0f61114e6f"),
     Change("megatron.core.optimizer.optimizer.FP32Optimizer.load_state_dict", WRAPS,
            "megagpt.resilience.precision_change",
            "a checkpoint of megatron's bf16/fp16 optimizer keeps its parameter groups' settings "
@@ -518,6 +547,11 @@ LEDGER: tuple[Change, ...] = (
     Change("megatron.training.arguments._add_tokenizer_args", RELIES_ON,
            "megagpt.data.tokenizers", "the preprocessing tool takes megatron's own tokenizer "
            "flags", PARSE, "f63941a6c5da"),
+    Change("megatron.training.dist_signal_handler.DistributedSignalHandler", RELIES_ON,
+           "megagpt.resilience.interrupt",
+           "Ctrl-C sets the handler's _signal_received, as its own SIGTERM handler does, so that "
+           "megatron's loop saves and exits after the iteration", LAUNCH, "bd8e98c3239d",
+           needle="self._signal_received = True"),
     Change("megatron.training.global_vars._set_signal_handler", RELIES_ON,
            "megagpt.resilience.preemption",
            "installs the exit-signal handler megatron would have installed, when --save turns "

@@ -1,10 +1,13 @@
 """Loss, learning rate and throughput against iteration, for one run or several, into a PNG.
 
-    python -m megagpt.plots runs/a/train.log runs/b/tensorboard --labels a b --out runs.png
-    python tools/plot_runs.py ...                      (the same command)
+    python tools/plot_runs.py runs/a/checkpoints runs/b/train.log --labels a b --out runs.png
+    python -m megagpt.plots ...                        (the same command)
 
-A run is a training log (the text megatron prints: ``iteration N/M | ... | lm loss: ... |``),
-a TensorBoard folder (``--tensorboard-dir``) or one of its event files. Several runs are drawn
+A run is a run folder (its ``--save`` folder, where the entry appends each logged
+iteration's figures to ``iterations.jsonl``), a training log (the text megatron prints, or
+the entry's: ``iteration N/M | lm loss: ... |``), a TensorBoard folder (``--tensorboard-dir``)
+or one of its event files. The entry draws ``training.png`` into the run folder at the end
+of every launch; this draws it on request, for one run or several. Several runs are drawn
 over each other with their labels: a resumed run over the original, two configs, two machines.
 
 Throughput is TFLOP/s per GPU when every run logged it (``--log-throughput``; in TensorBoard
@@ -47,11 +50,14 @@ class Run:
 # ---------------------------------------------------------------------------
 
 _ITERATION = re.compile(r"\biteration\s+(\d+)/\s*\d+\s*\|(.*)")
-_LOG_FIELDS = {  # field name in megatron's log line -> Run attribute
+_LOG_FIELDS = {  # field name in megatron's log line, or the entry's -> Run attribute
     "lm loss": "loss",
     "learning rate": "lr",
+    "lr": "lr",
     "throughput per GPU (TFLOP/s/GPU)": "tflops",
+    "TFLOP/s/GPU": "tflops",
     "elapsed time per iteration (ms)": "iteration_ms",
+    "ms/iter": "iteration_ms",
     "global batch size": "batch",
 }
 _TB_TAGS = {"lm loss": "loss", "learning-rate": "lr", "throughput": "tflops",
@@ -88,6 +94,29 @@ def read_tensorboard(path: Path, run: Run) -> None:
             getattr(run, attr).update({e.step: e.value * scale for e in acc.Scalars(tag)})
 
 
+RECORDS = "iterations.jsonl"  # megagpt.run_log.iteration_line's, in a run folder
+_RECORD_FIELDS = {"loss": "loss", "lr": "lr", "tflops": "tflops", "ms": "iteration_ms",
+                  "batch": "batch"}
+
+
+def read_records(path: Path, run: Run) -> None:
+    """The entry's iteration records (one JSON object per logged iteration, appended by
+    every launch of a run): a later record for an iteration wins, as a resumed run logs
+    again the iterations after its checkpoint."""
+    import json
+
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+            iteration = int(record["iteration"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by a kill
+        for key, attr in _RECORD_FIELDS.items():
+            value = record.get(key)
+            if isinstance(value, (int, float)) and value == value:  # NaN stays out
+                getattr(run, attr)[iteration] = float(value)
+
+
 def _is_tensorboard(path: Path) -> bool:
     if path.is_dir():
         return any(path.rglob("events.out.tfevents.*"))
@@ -98,12 +127,18 @@ def load_run(source: str, label: str | None = None) -> Run:
     path = Path(source)
     if not path.exists():
         raise PlotError(f"{source}: no such file or folder")
-    run = Run(label or (path.parent.name if path.name in ("train.log", "tensorboard")
+    run = Run(label or (path.parent.name if path.name in ("train.log", "tensorboard",
+                                                          "checkpoints", RECORDS)
                         else path.stem), source)
-    if _is_tensorboard(path):
+    if path.is_dir() and (path / RECORDS).is_file():
+        read_records(path / RECORDS, run)
+    elif path.name == RECORDS:
+        read_records(path, run)
+    elif _is_tensorboard(path):
         read_tensorboard(path, run)
     elif path.is_dir():
-        raise PlotError(f"{source}: a folder without TensorBoard event files")
+        raise PlotError(f"{source}: a folder without {RECORDS} (a run's --save folder has it) "
+                        "or TensorBoard event files")
     else:
         read_log(path, run)
     if not run.loss and not run.lr:

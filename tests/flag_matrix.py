@@ -17,7 +17,8 @@ as written, except for two things the device decides (``launch``):
 A row either trains (exit 0, losses logged for iterations 1-3, no traceback) or is refused by
 design: exit 2, one ``error:`` line containing ``refused``, before any model is built. The
 refusals are those of a plain install (no Transformer Engine, no apex), on any device; where
-TE is installed the rows marked ``te_changes`` train (or meet the layout's refusal) instead.
+TE is installed the rows marked ``te_changes`` train (or meet the layout's refusal) instead,
+and where apex is the rows marked ``apex_changes`` train.
 ``ci`` marks the selection ``make test`` runs; ``MEGAGPT_FLAG_MATRIX=all`` runs every row.
 """
 
@@ -52,9 +53,18 @@ class Row:
     # (None: it trains there)
     te_changes: bool = False
     refused_with_te: str | None = None
+    # refused on the CPU alone: a GPU (one with FP8 tensor cores, for FP8) trains it
+    refused_on_cpu_only: bool = False
+    # where NVIDIA apex is installed the row trains (its norms take what torch's do not)
+    apex_changes: bool = False
 
-    def expected_refusal(self, te_installed: bool) -> str | None:
-        return self.refused_with_te if (te_installed and self.te_changes) else self.refused
+    def expected_refusal(self, te_installed: bool, apex_installed: bool = False,
+                         device: str = "cpu") -> str | None:
+        if self.refused_on_cpu_only and device != "cpu":
+            return None
+        if te_installed and self.te_changes:
+            return self.refused_with_te
+        return None if (apex_installed and self.apex_changes) else self.refused
 
 
 def _f(text: str) -> tuple[str, ...]:
@@ -91,7 +101,8 @@ ROWS: tuple[Row, ...] = (
     Row("rope_partial_qk_norm", _f("--position-embedding-type rope --rotary-percent 0.5 "
                                    "--qk-layernorm --squared-relu"), ci=True),
     Row("layernorm_1p", _f("--apply-layernorm-1p"),
-        refused="--apply-layernorm-1p needs Transformer Engine or apex", te_changes=True),
+        refused="--apply-layernorm-1p needs Transformer Engine or apex", te_changes=True,
+        apex_changes=True),
     Row("moe", _f("--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 "
                   "--moe-token-dispatcher-type alltoall --disable-bias-linear"), ci=True),
     Row("moe_with_linear_bias", _f("--num-experts 4 --moe-router-topk 2"),
@@ -140,8 +151,12 @@ ROWS: tuple[Row, ...] = (
     Row("bf16", _f("--bf16 --attention-softmax-in-fp32 --accumulate-allreduce-grads-in-fp32")),
     Row("fp16", _f("--fp16 --initial-loss-scale 4096 --loss-scale-window 100 "
                    "--apply-query-key-layer-scaling"), ci=True),
+    # the fast spec's FP8 linears (delayed scaling, megatron's default recipe), and current
+    # scaling; on a GPU with FP8 tensor cores both train, TE installed or not
     Row("fp8", _f("--bf16 --fp8-format hybrid"),
-        refused="--fp8-format hybrid needs Transformer Engine", te_changes=True),
+        refused="FP8 needs a GPU with FP8 tensor cores", refused_on_cpu_only=True),
+    Row("fp8_tensorwise", _f("--bf16 --fp8-format e4m3 --fp8-recipe tensorwise"),
+        refused="FP8 needs a GPU with FP8 tensor cores", refused_on_cpu_only=True),
     # --- data -------------------------------------------------------------------------
     Row("real_data_split", _f("--data-path DATA --split 90,5,5 --tokenizer-type NullTokenizer "
                               "--vocab-size 512 --num-workers 1 --eval-interval 2 "

@@ -31,6 +31,7 @@ def entry_env(env: dict | None = None) -> dict:
     shared by the trainer, its data workers and often a second rank), unbuffered output."""
     merged = dict(os.environ)
     merged.setdefault("OMP_NUM_THREADS", "1")
+    merged.setdefault("MEGAGPT_NO_PLOT", "1")  # a second of matplotlib per run; see test_run_log
     merged["PYTHONUNBUFFERED"] = "1"
     merged.update(env or {})
     return merged
@@ -215,3 +216,22 @@ def call_tool(main, args: list[str]) -> subprocess.CompletedProcess:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         status = main(args)
     return subprocess.CompletedProcess(args, status, out.getvalue(), err.getvalue())
+
+
+def overwrite_weight(ckpt_dir, name: str, value: float = float("nan"), count: int = 1000) -> str:
+    """Overwrite ``count`` float32 values in the middle of tensor ``name`` of a distributed
+    checkpoint folder, in place (the file keeps its length), as a bad disk or a stray write
+    would. Returns the shard's file name."""
+    import numpy as np
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(ckpt_dir)).read_metadata()
+    found = [info for index, info in metadata.storage_data.items() if index.fqn == name]
+    if not found:
+        raise LookupError(f"{name} is not in {ckpt_dir}")
+    info = found[0]
+    with open(Path(ckpt_dir) / info.relative_path, "r+b") as f:
+        # past torch.save's header of the tensor's record, inside its values
+        f.seek(info.offset + info.length // 2 // 4 * 4)
+        f.write(np.full(count, value, dtype=np.float32).tobytes())
+    return info.relative_path

@@ -55,7 +55,7 @@ def main() -> int:
 
     for change in LEDGER:  # every module the installers reach is loaded before the snapshot
         importlib.import_module(split_target(change.target)[0])
-    from megagpt import arguments, compat, cpu_mode, diagnostics, resilience
+    from megagpt import arguments, compat, cpu_mode, diagnostics, resilience, run_log
     from megagpt.preflight import schedule_check
     from megagpt.fast_spec import async_step, capture_watchdog, flat_adam, grad_write, optim
 
@@ -92,10 +92,11 @@ def main() -> int:
          "1"])
     args.check_for_nan_in_loss_and_grad = False  # as the CUDA graph leaves it: the guard on
     args.entry_argv = []
-    with cpu_mode.active(), resilience.active(args), diagnostics.active(args):
+    with cpu_mode.active(), resilience.active(args), diagnostics.active(args), \
+            run_log.active(args, lambda line: None):
         report["pretrain"] = changed(launched, megatron_attributes())
         report["registered"]["pretrain"] = registered()
-    with arguments._device_arch_for_validation(9):
+    with arguments._device_arch_for_validation(9), run_log.argument_table_kept():
         report["validation"] = changed(launched, megatron_attributes())
         report["registered"]["validation"] = registered()
     with schedule_check.global_args(args):

@@ -181,8 +181,11 @@ def test_bench_layer_settings_and_kernel_summary():
         "void at::native::reduce_kernel<128, 4>": 0.125,
         "triton_red_fused_sum_4": 0.5,
         "triton_poi_fused_gelu_view_2": 1.0,
+        "_cast_transpose_kernel": 0.5,
     })
-    assert summary == {"kernels_ms": 3.875, "norm_and_sum_kernels_ms": 0.875}
+    assert summary == {"kernels_ms": 4.375, "norm_and_sum_kernels_ms": 0.875,
+                       "by_kind_ms": {"gemm": 2.0, "fused (inductor)": 1.75, "other": 0.125,
+                                      "fp8 cast": 0.5}}
 
 
 @pytest.mark.gpu

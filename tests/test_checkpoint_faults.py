@@ -15,8 +15,10 @@ from argparse import Namespace
 import pytest
 import yaml
 
-from helpers import TINY_MODEL, parse_losses, run_entry, start_entry, wait_for_log
+from helpers import (TINY_MODEL, overwrite_weight, parse_losses, run_entry, start_entry,
+                     wait_for_log)
 from megagpt.resilience import checkpoint_guard as guard
+from megagpt.resilience import checksums
 from megagpt.resilience.checkpoint_guard import CheckpointError, incompleteness, plan_load
 
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
@@ -113,6 +115,85 @@ def test_no_complete_checkpoint_names_each_problem(ckpt):
     message = str(err.value)
     assert ckpt in message and "iter_0000008: metadata.json is missing" in message
     assert "iter_0000004: shard __0_0.distcp is missing" in message
+
+
+# A weight of the tiny model, stored as float32 in the first shard
+WEIGHT = "decoder.layers.mlp.linear_fc1.weight"
+
+
+def test_every_saved_file_has_its_checksum(saved):
+    for i in (4, 8):
+        folder = it_dir(str(saved), i)
+        recorded = checksums.read_manifest(folder)
+        assert sorted(recorded) == checksums.checkpoint_files(folder)
+        assert {"__0_0.distcp", ".metadata", "metadata.json", "megagpt_config.yaml"} <= \
+            set(recorded)
+        assert checksums.verify(folder)[0] is None
+
+
+def test_bytes_overwritten_in_place_are_named_where_completeness_sees_nothing(ckpt):
+    shard_name = overwrite_weight(it_dir(ckpt, 8), WEIGHT)
+    assert incompleteness(it_dir(ckpt, 8)) is None  # the length is unchanged
+    mismatch, _ = checksums.verify(it_dir(ckpt, 8))
+    assert (mismatch.name, str(mismatch)) == (shard_name, (
+        f"{it_dir(ckpt, 8)}/{shard_name} does not match the checksum recorded when it was "
+        "saved (its bytes changed since)"))
+    snapshot = os.path.join(it_dir(ckpt, 4), "megagpt_config.yaml")
+    with open(snapshot, "a") as f:
+        f.write("# edited\n")
+    assert "megagpt_config.yaml is " in str(checksums.verify(it_dir(ckpt, 4))[0])
+    with open(os.path.join(it_dir(ckpt, 4), checksums.MANIFEST), "w") as f:
+        f.write("{")
+    assert "megagpt_checksums.json is unreadable (JSONDecodeError" in str(
+        checksums.verify(it_dir(ckpt, 4))[0])
+
+
+def test_each_rank_hashes_its_own_shards_and_rank_0_the_rest():
+    names = [".metadata", "__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "metadata.json",
+             "mp_rank_00/model_optim_rng.pt"]
+    assert checksums.written_by(names, 0) == [".metadata", "__0_0.distcp", "__0_1.distcp",
+                                              "metadata.json", "mp_rank_00/model_optim_rng.pt"]
+    assert checksums.written_by(names, 1) == ["__1_0.distcp"]
+    shares = [checksums.share_of(names, r, 4) for r in range(4)]
+    assert sorted(sum(shares, [])) == sorted(names)  # each file checked once
+
+
+def test_the_tools_take_the_newest_intact_checkpoint_or_name_the_damaged_file(ckpt, capsys):
+    from megagpt.inference.checkpoint import CheckpointError as ToolCheckpointError
+    from megagpt.inference.checkpoint import checkpoint_folder
+
+    shard_name = overwrite_weight(it_dir(ckpt, 8), WEIGHT)
+    assert checkpoint_folder(ckpt) == it_dir(ckpt, 4)
+    assert f"iter_0000008: damaged: {it_dir(ckpt, 8)}/{shard_name} does not match" in \
+        capsys.readouterr().err
+    assert os.path.isdir(it_dir(ckpt, 8))  # a tool moves nothing
+    with pytest.raises(ToolCheckpointError, match=rf"--load {re.escape(it_dir(ckpt, 8))} is "
+                                                  rf"damaged: .*{shard_name} does not match"):
+        checkpoint_folder(it_dir(ckpt, 8))
+
+
+def test_a_damaged_configuration_snapshot_is_named_not_taken_for_a_missing_one(ckpt):
+    from megagpt.inference.checkpoint import CheckpointError as ToolCheckpointError
+    from megagpt.inference.checkpoint import read_saved_config
+    from megagpt.resilience import config_snapshot
+
+    snapshot = os.path.join(it_dir(ckpt, 8), "megagpt_config.yaml")
+    args = _args_like(it_dir(ckpt, 8), load=ckpt, save=ckpt, ckpt_step=None)
+    with open(snapshot, "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00\xff: [ {")
+    with pytest.raises(config_snapshot.SnapshotError, match=rf"{re.escape(snapshot)} is "
+                                                            r"unreadable"):
+        config_snapshot.read(it_dir(ckpt, 8))
+    with pytest.raises(ToolCheckpointError, match=rf"{re.escape(snapshot)} is unreadable"):
+        read_saved_config(it_dir(ckpt, 8))
+    lines = []  # with checksums, loading names the damage and takes iteration 4
+    guard.prepare_load(args, lines.append)
+    assert any(f"{snapshot} is unreadable" in line for line in lines)
+    os.remove(os.path.join(it_dir(ckpt, 8), checksums.MANIFEST))
+    with pytest.raises(CheckpointError, match=rf"--load {re.escape(it_dir(ckpt, 8))}: "
+                                              rf"{re.escape(snapshot)} is unreadable"):
+        guard.prepare_load(args, lines.append)
 
 
 def test_load_path_without_checkpoint(tmp_path):
@@ -274,12 +355,77 @@ def test_bad_checkpoints_stop_with_one_line(ckpt, tmp_path):
     assert sorted(parse_losses(proc.stdout)) == [9, 10]
 
 
+def test_a_damaged_checkpoint_gives_way_to_the_previous_intact_one_unless_asked_for(ckpt):
+    """What loading does (checkpoint_integrity.choose_intact, one process): in the run's own
+    --save the damaged newest checkpoint is moved aside and the tracker and --ckpt-step point
+    at the previous one; elsewhere nothing moves; asked for by --ckpt-step, or with nothing
+    earlier, it is one error naming the file."""
+    from megagpt.resilience.checkpoint_integrity import choose_intact
+
+    shard_name = overwrite_weight(it_dir(ckpt, 8), WEIGHT)
+    mismatch = (f"{it_dir(ckpt, 8)}/{shard_name} does not match the checksum recorded when it "
+                "was saved (its bytes changed since)")
+    elsewhere = Namespace(ckpt_format="torch_dist", save=None, ckpt_step=None, entry_argv=[])
+    lines = []
+    assert choose_intact(elsewhere, ckpt, lines.append) == it_dir(ckpt, 4)
+    assert elsewhere.ckpt_step == 4 and guard.saved_iterations(ckpt) == [4, 8]
+    assert f"{mismatch}; left where it is (not this run's --save)" in lines[0]
+    asked = Namespace(ckpt_format="torch_dist", save=ckpt, ckpt_step=8,
+                      entry_argv=["--ckpt-step", "8"])
+    with pytest.raises(CheckpointError) as caught:
+        choose_intact(asked, ckpt, lines.append)
+    assert str(caught.value) == (f"--load {it_dir(ckpt, 8)} is damaged: {mismatch}; "
+                                 "--ckpt-step asked for it")
+    own = Namespace(ckpt_format="torch_dist", save=ckpt, ckpt_step=None, entry_argv=[])
+    assert choose_intact(own, ckpt, lines.append) == it_dir(ckpt, 4)
+    assert guard.saved_iterations(ckpt) == [4] and guard.read_tracker(ckpt) == 4
+    assert own.ckpt_step == 4 and "moved to" in lines[-2]
+    overwrite_weight(it_dir(ckpt, 4), WEIGHT)
+    with pytest.raises(CheckpointError, match="no earlier complete checkpoint is there"):
+        choose_intact(own, ckpt, lines.append)
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_resumes(ckpt, tmp_path):
+    """A shard of iteration 8 overwritten in place: the same command resumes from 4, names
+    the file and moves iteration 8 aside."""
+    shard_name = overwrite_weight(it_dir(ckpt, 8), WEIGHT)
+    base = TINY_MODEL + NO_DROPOUT + ["--train-iters", "8", "--save", ckpt, "--load", ckpt,
+                                      "--save-interval", "4"]
+    resumed = run_entry(base, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert (f"resume: {it_dir(ckpt, 8)} is damaged: {it_dir(ckpt, 8)}/{shard_name} does not "
+            "match") in resumed.stdout
+    assert f"checksums: {it_dir(ckpt, 4)} matches them" in resumed.stdout
+    assert sorted(parse_losses(resumed.stdout)) == [5, 6, 7, 8]
+    assert os.listdir(os.path.join(ckpt, guard.SET_ASIDE))[0].startswith("iter_0000008-")
+    assert checksums.verify(it_dir(ckpt, 8))[0] is None  # saved again, whole
+
+
+@pytest.mark.slow
+def test_weights_that_are_not_finite_are_the_checkpoints_fault_before_any_step(ckpt, tmp_path):
+    """Without checksums to catch it (an upstream checkpoint), a NaN in the weights is named
+    at load, as the checkpoint's, not 'divergence at iteration N' after the first step."""
+    os.remove(os.path.join(it_dir(ckpt, 8), checksums.MANIFEST))
+    overwrite_weight(it_dir(ckpt, 8), WEIGHT)
+    proc = run_entry(TINY_MODEL + NO_DROPOUT + ["--train-iters", "10", "--load", ckpt,
+                                                "--override-opt_param-scheduler"], cwd=tmp_path)
+    line = _one_line_error(proc)
+    assert line == (f"error: --load {it_dir(ckpt, 8)} holds weights that are not finite "
+                    f"({WEIGHT.replace('layers.', 'layers.0.')} holds 1,000 NaN): the "
+                    "checkpoint is damaged, or was saved by a run that had diverged; relaunch "
+                    "with --ckpt-step 4 to resume from the newest earlier one")
+    assert "has none (megagpt_checksums.json" in proc.stdout
+    assert parse_losses(proc.stdout) == {}
+
+
 @pytest.mark.slow
 def test_mismatch_found_by_megatrons_loader_is_one_line_too(ckpt, tmp_path):
     """Without our snapshot (a checkpoint from upstream's entry) megatron finds the shape
     mismatch itself, deep in torch.distributed; the entry still says it in one line."""
     for i in (4, 8):
-        os.remove(os.path.join(it_dir(ckpt, i), "megagpt_config.yaml"))
+        for name in ("megagpt_config.yaml", checksums.MANIFEST):
+            os.remove(os.path.join(it_dir(ckpt, i), name))
     proc = run_entry(TINY_MODEL + NO_DROPOUT + ["--train-iters", "10", "--hidden-size", "128",
                                                 "--load", ckpt], cwd=tmp_path)
     line = _one_line_error(proc)
@@ -412,6 +558,17 @@ def test_divergence_default_and_message():
     error = divergence.divergence_error(fault, Namespace(curr_iteration=6), "Hint.")
     assert str(error).startswith("divergence at iteration 7: inf "
                                  "(found Inf in local forward loss calculation)")
+    # found while evaluating: the weights of the iteration evaluated, no batch to skip; a
+    # launch that trained nothing (its run had finished) evaluates the loaded checkpoint's
+    fault = RuntimeError("Rank 0, node vm, device 0, iteration 1: Unexpected result nan "
+                         "(message='found NaN in local forward loss calculation"
+                         f"{divergence.EVALUATION_FAULT}')")
+    for done, loaded, at in ((0, 40, 40), (49, 40, 50), (99, 0, 100)):
+        error = str(divergence.divergence_error(
+            fault, Namespace(curr_iteration=done, iteration=loaded), "Hint."))
+        assert error.startswith(f"the validation loss is nan at iteration {at} (found NaN in "
+                                "local forward loss calculation during evaluation)"), error
+        assert "--iterations-to-skip" not in error
     assert divergence.divergence_error(RuntimeError("CUDA out of memory"),
                                        Namespace(curr_iteration=6), "") is None
 

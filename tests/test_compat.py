@@ -2,6 +2,7 @@
 
 import argparse
 import inspect
+import re
 
 import pytest
 
@@ -56,14 +57,21 @@ LAYER_CHOICES = [
      "tensor x pipeline parallel 2 x 1"),
     (["--pipeline-model-parallel-size", "4"], TE_WITHOUT_APEX, "transformer_engine",
      "1 x 4"),
-    (["--fp8-format", "hybrid"], TE_WITHOUT_APEX, "transformer_engine", "FP8"),
+    (["--fp8-format", "hybrid", "--bf16"], TE_WITHOUT_APEX, "local",
+     "FP8 linears measured faster than TE's FP8"),
+    (["--fp8-format", "hybrid"], TE_WITHOUT_APEX, "transformer_engine", "add --bf16"),
+    (["--fp8-format", "hybrid", "--bf16", "--fp8-recipe", "mxfp8"], TE_WITHOUT_APEX,
+     "transformer_engine", "--fp8-recipe mxfp8"),
+    (["--fp8-format", "hybrid", "--bf16", "--tensor-model-parallel-size", "2"],
+     TE_WITHOUT_APEX, "transformer_engine", "FP8 under tensor or pipeline parallelism"),
     (["--context-parallel-size", "2"], TE_WITHOUT_APEX, "transformer_engine",
      "context parallelism"),
     (["--multi-latent-attention"], TE_WITHOUT_APEX, "transformer_engine", "multi-latent"),
     (["--num-experts", "4"], TE_WITHOUT_APEX, "transformer_engine", "MoE"),
     (["--window-size", "128,0"], TE_WITHOUT_APEX, "transformer_engine", "sliding-window"),
     (["--apply-layernorm-1p"], TE_WITHOUT_APEX, "transformer_engine", "layernorm-1p"),
-    (["--apply-layernorm-1p"], EVERYTHING, "local", "measured faster"),
+    # the fast spec's norms are torch's, which have no zero-centred gamma
+    (["--apply-layernorm-1p"], EVERYTHING, "transformer_engine", "layernorm-1p"),
 ]
 
 
@@ -208,10 +216,37 @@ def test_settings_megatrons_torch_norm_and_local_experts_cannot_run_are_refused_
     compat.check_required_packages(args, EVERYTHING)
     compat.check_required_packages(megatron_defaults(["--num-experts", "4",
                                                       "--disable-bias-linear"]), NOTHING)
-    args = megatron_defaults(["--fp8-format", "hybrid"])
-    with pytest.raises(compat.MissingDependencyError, match="--fp8-format hybrid needs"):
-        compat.check_required_packages(args, NOTHING)
-    compat.check_required_packages(args, EVERYTHING)
+    # FP8: the fast spec's linears run it without TE; what they cannot run needs TE's
+    compat.check_required_packages(megatron_defaults(["--fp8-format", "hybrid", "--bf16"]),
+                                   NOTHING)
+    for flags, attrs, needle in (
+            (["--fp8-recipe", "mxfp8"], {}, "--fp8-recipe mxfp8"),
+            (["--num-experts", "4", "--disable-bias-linear"], {}, "MoE experts"),
+            (["--recompute-activations"], {}, "activation recompute"),
+            ([], {"fast_spec": False}, "--no-fast-spec")):  # the entry's own option
+        args = megatron_defaults(["--fp8-format", "hybrid", "--bf16", *flags])
+        vars(args).update(attrs)
+        with pytest.raises(compat.MissingDependencyError,
+                           match=f"--fp8-format hybrid: the fast spec's FP8 linears cannot run "
+                                 f"this launch \\(.*{re.escape(needle)}.*Transformer Engine's FP8"):
+            compat.check_required_packages(args, NOTHING)
+        compat.check_required_packages(args, EVERYTHING)  # TE's FP8 layers run it
+
+
+@pytest.mark.parametrize("flags, attrs, needle", [
+    ([], {"gpu_type": "A100-80GB"}, "A100-80GB (--gpu-type) has no FP8 tensor cores"),
+    ([], {"cpu": True}, "FP8 needs a GPU with FP8 tensor cores"),
+    (["--hidden-size", "72", "--num-attention-heads", "4"], {},
+     "--hidden-size is 72, not a multiple of 16"),
+    (["--seq-length", "36", "--max-position-embeddings", "36", "--micro-batch-size", "1"], {},
+     "tokens per micro-batch (--seq-length x --micro-batch-size) is 36"),
+])
+def test_fp8_where_no_layers_can_run_it_is_refused_with_or_without_te(flags, attrs, needle):
+    args = megatron_defaults(["--fp8-format", "hybrid", "--bf16", *flags])
+    vars(args).update(attrs)  # the entry's own options
+    for installed in (NOTHING, EVERYTHING):
+        with pytest.raises(compat.UserError, match=re.escape(needle)):
+            compat.check_required_packages(args, installed)
 
 
 def _sequential_experts_step(args):

@@ -253,8 +253,11 @@ def test_missing_tokenizer_file_is_one_line(tmp_path, gpt2, capsys):
                  "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
                  str(tmp_path / "none.json"), "--merge-file", gpt2.merge_file])
     assert code == 2
+    from megagpt.data.tokenizer_files import GPT2_FILES_HINT
+
     assert capsys.readouterr().err.strip() == (
-        f"error: --vocab-file {tmp_path / 'none.json'}: no such file (tokenizer GPT2BPETokenizer)")
+        f"error: --vocab-file {tmp_path / 'none.json'}: no such file (tokenizer GPT2BPETokenizer)"
+        + GPT2_FILES_HINT)
     assert not (tmp_path / "out").exists()
 
 

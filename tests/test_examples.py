@@ -1,6 +1,7 @@
 """The examples run as shipped: the launch scripts' dry runs (no torchrun, no GPU), the SLURM
 path with stand-ins for srun/scontrol, the minimal loop and the resume script on the CPU."""
 
+import json
 import os
 import re
 import subprocess
@@ -110,14 +111,70 @@ def test_minimal_loop_trains_and_round_trips_a_checkpoint_on_cpu(tmp_path):
 @pytest.mark.slow
 def test_resume_script_continues_from_the_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    result = run_script("resume.sh", run_dir, env={"TRAIN_ITERS": "6", "STOP_AT": "3"})
+    result = run_script("resume.sh", run_dir, env={"TRAIN_ITERS": "6", "STOP_AT": "3",
+                                                   "MEGAGPT_NO_PLOT": "0"})
     assert result.returncode == 0, result.stdout[-3000:]
     first = parse_losses((run_dir / "first.log").read_text())
     resumed_text = (run_dir / "resumed.log").read_text()
     resumed = parse_losses(resumed_text)
     assert sorted(first) == [1, 2, 3] and sorted(resumed) == [4, 5, 6]
-    # The resumed run starts where the first stopped: 3 steps × 4 samples already consumed.
-    assert re.search(r"iteration +4/ +6 \| consumed samples: +16 \|", resumed_text)
+    # The resumed run starts where the first stopped: 3 steps × 4 samples already consumed,
+    # as the run folder's records of the two launches say.
+    assert re.search(r"iteration +4/6 \| lm loss: ", resumed_text)
+    records = [json.loads(line) for line in
+               (run_dir / "checkpoints" / "iterations.jsonl").read_text().splitlines()]
+    assert [(r["iteration"], r["consumed_samples"]) for r in records] == [
+        (i, 4 * i) for i in range(1, 7)]
+    assert (run_dir / "checkpoints" / "training.png").read_bytes()[:4] == b"\x89PNG"
     assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
     png = run_dir / "resume.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _bare_shell_env() -> dict:
+    """A shell as a new terminal gives one after ``make demo``: no activated environment, the
+    system's python3 (without megatron) first on PATH."""
+    return {"HOME": os.environ.get("HOME", "/root"), "PATH": "/usr/bin:/bin",
+            "OMP_NUM_THREADS": "1", "MEGAGPT_NO_PLOT": "1",
+            **{k: v for k, v in os.environ.items() if k.startswith("MEGAGPT_CACHE")}}
+
+
+@pytest.mark.slow
+def test_readme_commands_work_from_a_shell_without_the_project_environment(tmp_path):
+    """The examples and the tools find the project's .venv themselves."""
+    env = _bare_shell_env()
+    bare = subprocess.run(["bash", "-c", "command -v python3 && python3 -c 'import megatron'"],
+                          env=env, capture_output=True, text=True)
+    if not bare.stdout.strip():
+        pytest.skip("no python3 on the system PATH to stand for a new shell's")
+    assert bare.returncode != 0, "the system python3 has megatron: not a bare shell"
+    example = subprocess.run(["bash", str(EXAMPLES / "train_gpt345m.sh"), "1"], cwd=tmp_path,
+                             env={**env, "DRY_RUN": "1", "DATA_PATH": "mock"},
+                             capture_output=True, text=True, timeout=300)
+    assert example.returncode == 0, example.stderr[-3000:]
+    assert "dry run OK: 1 GPU, 354.87M parameters" in example.stdout
+    tool = subprocess.run(["python3", str(REPO / "tools" / "perplexity.py"), "--help"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert tool.returncode == 0 and "usage: tools/perplexity.py" in tool.stdout, tool.stderr
+    assert "has no megatron-core: running with" in tool.stderr
+    entry = subprocess.run(["python3", str(REPO / "pretrain_gpt.py"), "--cpu", "--hiden-size",
+                            "3"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert entry.returncode == 2
+    assert entry.stderr.splitlines()[-1] == ("error: --hiden-size: unknown option (did you mean "
+                                             "--hidden-size?); pretrain_gpt.py --help lists "
+                                             "them all")
+
+
+def test_the_slurm_path_off_a_cluster_says_what_to_run():
+    env = _bare_shell_env()
+    result = subprocess.run(["bash", str(EXAMPLES / "train_gpt3_175b.sbatch")], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: srun not found: this file is submitted to SLURM")
+    result = subprocess.run(["bash", str(EXAMPLES / "train_gpt3_175b_distributed.sh"), "2", "0"],
+                            env={**env, "SLURM_JOB_NODELIST": "gpu[1-2]"}, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: SLURM_JOB_NODELIST is set but scontrol is not on "
+                                    "PATH")

@@ -126,6 +126,21 @@ TABLE = {
                         hidden_dropout=0.0), {
             "CUDA graph": ("full iteration", "one GPU"),
         }),
+    # --fp8-format: the fast spec's FP8 linears where they run, TE's FP8 layers elsewhere
+    "1 GPU, FP8": ([], NO_TE, dict(fp8="hybrid", fp8_recipe="delayed"), {
+        "layers": ("fast", "not installed"),
+        "FP8": ("hybrid, delayed scaling, fast spec", "not installed"),
+        "CUDA graph": ("full iteration", "one GPU"),
+    }),
+    "1 GPU, FP8, TE installed": ([], TE, dict(fp8="e4m3", fp8_recipe="tensorwise"), {
+        "layers": ("fast", "FP8 linears measured faster than TE's FP8 layers"),
+        "FP8": ("e4m3, tensorwise scaling, fast spec", "measured faster"),
+    }),
+    "TP 2, FP8, TE installed": ([], TE, dict(world_size=4, tensor_model_parallel_size=2,
+                                             fp8="hybrid", fp8_recipe="delayed"), {
+        "layers": ("transformer_engine", "FP8 under tensor or pipeline parallelism"),
+        "FP8": ("hybrid, delayed scaling, Transformer Engine's layers", "FP8 under tensor"),
+    }),
     "--no-fast-spec": (["--no-fast-spec"], NO_TE, {}, {
         "layers": ("local", "disabled by --no-fast-spec"),
         "fused layer": (False, "the fast spec is not used"),
@@ -311,3 +326,32 @@ def test_the_switches_are_the_ones_megatron_sets(monkeypatch, backend):
                              flash_attention_version=None)
     LanguageModule._set_attention_backend(SimpleNamespace(config=config))
     assert tuple(os.environ.get(name) for name in TE_SWITCH_NAMES) == TE_SWITCHES[backend]
+
+
+def test_fp8_on_the_fast_spec_leaves_megatrons_fp8_unset_and_reaches_the_layers():
+    """megatron's FP8 path is Transformer Engine's: the plan moves --fp8-format to the fast
+    spec's own switch, which the layer spec turns into every fused layer's FP8 recipe."""
+    from megagpt.fast_spec.fp8 import Fp8Recipe
+    from megagpt.fast_spec.spec import fused_layer_options
+
+    args = launch(fp8="hybrid", fp8_recipe="tensorwise", fp8_margin=1)
+    plan = plan_fast_path(args, NO_TE, {})
+    assert getattr(args, "fp8") == "hybrid"  # planning changes nothing
+    apply_plan(plan, args, environ={})
+    assert args.fp8 is None and args.fast_fp8 == "hybrid"
+    assert fused_layer_options(args).fp8 == Fp8Recipe(format="hybrid", scaling="tensorwise",
+                                                      margin=1)
+    assert any("FP8 linears" in line for line in plan.log)
+    bf16 = launch()
+    apply_plan(plan_fast_path(bf16, NO_TE, {}), bf16, environ={})
+    assert fused_layer_options(bf16).fp8 is None
+
+
+@pytest.mark.parametrize("attrs, needle", [
+    (dict(spec=["local"]), "megatron's local modules have no FP8.*--spec local"),
+    (dict(overlap_param_gather=True, use_distributed_optimizer=True),
+     "cannot run here: .*--overlap-param-gather"),
+])
+def test_fp8_where_the_fused_layer_cannot_run_is_refused(attrs, needle):
+    with pytest.raises(UserError, match=needle):
+        plan_of(fp8="hybrid", **attrs)

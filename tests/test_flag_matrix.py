@@ -76,6 +76,12 @@ def _te_installed() -> bool:
     return Installed.detect().transformer_engine
 
 
+def _apex_installed() -> bool:
+    from megagpt.compat import Installed
+
+    return Installed.detect().apex
+
+
 def _gpus() -> int:
     import torch
 
@@ -125,9 +131,11 @@ def test_row_trains_or_is_refused_in_one_line(row, matrix_results):
     result = matrix_results[row.name]
     out = result["out"]
     assert "Traceback" not in out, _context(result)
-    refusal = row.expected_refusal(_te_installed())
+    refusal = row.expected_refusal(_te_installed(), _apex_installed(), DEVICE)
     if refusal is None:
         assert result["rc"] == 0, _context(result)
+        if _apex_installed():  # what the launch takes from apex, said once
+            assert out.count("apex: what this launch takes from it:") == 1, _context(result)
         losses = parse_losses(out)
         assert sorted(losses) == [1, 2, 3], _context(result)
         assert all(math.isfinite(loss) for loss in losses.values()), _context(result)

@@ -75,4 +75,4 @@ def test_a_run_folder_whose_checkpoints_are_all_incomplete_says_why(tmp_path):
 def test_a_flag_megatron_cannot_parse_is_its_one_line():
     with pytest.raises(model_flags.ModelFlagsError) as caught:
         model_flags.parse_model_args(["--num-layers", "two", "--cpu"], cpu=True)
-    assert str(caught.value) == "argument --num-layers: invalid int value: 'two'"
+    assert str(caught.value) == "--num-layers two: not a whole number"

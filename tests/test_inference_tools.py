@@ -158,11 +158,16 @@ def test_a_checkpoint_of_tes_layers_generates_without_te(work, trained):
         pytest.skip("TE is installed here: the replay would run TE's layers")
     te_run = work / "as_if_te"
     shutil.copytree(trained["gpt2"], te_run)
+    from megagpt.resilience import checksums
+
     for snapshot in te_run.rglob("megagpt_config.yaml"):
         saved = yaml.safe_load(snapshot.read_text())
         saved["entry"]["argv"] += ["--transformer-impl", "transformer_engine",
                                    "--fast-cuda-graphs", "iteration", "--no-fast-hash-dropout"]
         snapshot.write_text(yaml.safe_dump(saved))
+        folder = str(snapshot.parent)  # the checksums such a run recorded for its files
+        checksums.write_manifest(folder, checksums.digest_files(
+            folder, checksums.checkpoint_files(folder))[0])
 
     def greedy(ckpt) -> list[int]:
         out = run_tool("generate", ["--load", str(ckpt), "--cpu", "--greedy", "--json",

@@ -13,6 +13,7 @@ import pytest
 
 from helpers import run_entry
 from megagpt.data.preprocess import preprocess
+from megagpt.data.tokenizer_files import GPT2_FILES_HINT
 
 pytestmark = pytest.mark.slow
 
@@ -110,7 +111,8 @@ def test_missing_vocab_file(tmp_path, gpt2):
         line = one_error_line(run_entry(MOCK + ["--tokenizer-type", "GPT2BPETokenizer",
                                                 "--vocab-file", "/missing", "--merge-file",
                                                 gpt2.merge_file, *extra], cwd=tmp_path))
-        assert line == "error: --vocab-file /missing: no such file (tokenizer GPT2BPETokenizer)"
+        assert line == ("error: --vocab-file /missing: no such file (tokenizer "
+                        "GPT2BPETokenizer)" + GPT2_FILES_HINT)
 
 
 def test_unreadable_tokenizer_file_is_one_line(tmp_path, gpt2):
@@ -294,3 +296,19 @@ def test_resume_under_another_schedule_names_the_flags_that_allow_it(tmp_path):
     resumed = run_entry(longer + ["--load", "ckpt", "--override-opt_param-scheduler"],
                         cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
+
+
+def test_a_refused_launch_leaves_no_empty_tensorboard_file(tmp_path):
+    """megatron opens its TensorBoard writer (an event file) with its globals, before the data
+    and the checkpoint are checked: a launch refused then leaves nothing behind, and a folder
+    that was there keeps what it held."""
+    tensorboard = tmp_path / "tb"
+    one_error_line(run_entry(TINY + NULL_512 + ["--data-path", str(tmp_path / "none"),
+                                                "--tensorboard-dir", str(tensorboard)],
+                             cwd=tmp_path))
+    assert not tensorboard.exists()
+    tensorboard.mkdir()
+    (tensorboard / "notes.txt").write_text("mine")
+    one_error_line(run_entry(MOCK + ["--load", str(tmp_path / "nothing"), "--tensorboard-dir",
+                                     str(tensorboard)], cwd=tmp_path))
+    assert [p.name for p in tensorboard.iterdir()] == ["notes.txt"]

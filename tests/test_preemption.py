@@ -1,4 +1,5 @@
-"""Preemption: SIGTERM saves a checkpoint and exits 0; the same command continues.
+"""Preemption: SIGTERM saves a checkpoint and exits 0, Ctrl-C saves and exits 130; the same
+command continues.
 
 Real processes: the signal is sent to the training process (or, under torchrun, to the
 whole process group, as SLURM does) once the log shows a few iterations.
@@ -7,13 +8,14 @@ whole process group, as SLURM does) once the log shows a few iterations.
 import os
 import re
 import signal
+import time
 from argparse import Namespace
 
 import pytest
 
 from helpers import TINY_MODEL, parse_losses, start_entry, wait_for_log
 from megagpt.resilience import checkpoint_guard as guard
-from megagpt.resilience import preemption
+from megagpt.resilience import interrupt, preemption
 
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 
@@ -68,6 +70,75 @@ def test_sigterm_under_torchrun_saves_on_every_rank(tmp_path):
     stopped = guard.read_tracker(str(ckpt))
     assert stopped == max(parse_losses(text))
     assert guard.incompleteness(guard.iteration_dir(str(ckpt), stopped)) is None
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_like_sigterm_and_a_second_ctrl_c_exits_at_once(tmp_path):
+    """Ctrl-C reaches the whole foreground process group (trainer and data-loader workers),
+    as a terminal sends it. The first saves after the iteration and exits 130, and the same
+    command continues; pressed twice, the run exits at once during the save (the first save
+    of a process takes seconds: it starts megatron's writer manager), saving nothing."""
+    ckpt = tmp_path / "ckpt"
+    command = TINY_MODEL + NO_DROPOUT + ["--train-iters", "1000", "--save", str(ckpt),
+                                         "--load", str(ckpt), "--save-interval", "1000"]
+    log = tmp_path / "first.log"
+    proc = start_entry(command, tmp_path, log)
+    try:
+        wait_for_log(log, r"iteration\s+3/", proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert proc.returncode == 130, text[-3000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    assert "[megagpt] Ctrl-C: saving a checkpoint after this iteration" in text
+    assert "stopped by Ctrl-C after saving a checkpoint" in text
+    stopped = max(parse_losses(text))
+    assert _saved_at(text) == stopped and guard.read_tracker(str(ckpt)) == stopped
+    assert guard.incompleteness(guard.iteration_dir(str(ckpt), stopped)) is None
+
+    log = tmp_path / "second.log"
+    proc = start_entry(command, tmp_path, log)
+    try:
+        wait_for_log(log, rf"iteration\s+{stopped + 2}/", proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        wait_for_log(log, r"saving checkpoint at iteration", proc)
+        time.sleep(1.5 * interrupt.SECOND_PRESS_AFTER)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert min(parse_losses(text)) == stopped + 1, text[-3000:]  # it had resumed
+    assert proc.returncode == 130, text[-3000:]
+    assert "Ctrl-C again: exiting now, without saving" in text
+    assert "successfully saved checkpoint" not in text
+    # the trainer leaves without a traceback; a helper process megatron's save was starting
+    # (multiprocessing's spawn, re-importing the entry) gets the terminal's Ctrl-C too, and
+    # may print its own interruption
+    for traceback in text.split("Traceback (most recent call last):")[1:]:
+        assert traceback.lstrip().startswith('File "<string>", line 1, in <module>') and \
+            "spawn_main" in traceback.split("\n", 3)[2], traceback[:500]
+    assert guard.read_tracker(str(ckpt)) == stopped  # the last complete save stands
+
+
+def test_ctrl_c_before_training_or_without_save_interrupts_at_once_in_one_line(tmp_path):
+    """No checkpoint to write: the line says so (the handler is megatron's SIGTERM one only
+    where the run saves)."""
+    from megagpt.resilience.interrupt import interrupted_line
+
+    started = Namespace(save=None, curr_iteration=7)
+    assert interrupted_line(started) == ("interrupted (Ctrl-C) after 7 iterations; nothing "
+                                         "saved (no --save)")
+    assert "before training started" in interrupted_line(Namespace(save="/c"))
+    assert interrupt.install(Namespace(save=None, exit_signal_handler=False,
+                                       exit_signal=signal.SIGTERM), print) is None
+    handler = interrupt.CtrlC(Namespace(save="/c"), print)
+    with pytest.raises(KeyboardInterrupt):  # before the training loop: at once
+        handler(signal.SIGINT, None)
 
 
 def test_signal_handler_is_on_whenever_the_run_saves():

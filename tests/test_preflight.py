@@ -3,6 +3,7 @@ output and exit codes, and the same checks on a real launch."""
 
 import contextlib
 import io
+import re
 
 import pytest
 import yaml
@@ -314,6 +315,17 @@ def test_search_layouts_ranks_the_fitting_layouts_and_places_the_launch(capsys):
     assert code == 0
     assert "layouts (the 5 fastest of" in out and "  1. TP " in out
     assert "  as launched: TP 1 × PP 1 × DP 4, micro-batch 2, recompute none" in out
+    # each layout with the flags that launch it, which megatron then accepts
+    first = re.search(r"  1\. TP (\d+) × PP (\d+) × DP \d+, micro-batch (\d+).*\n.*\n"
+                      r"     flags: (.*)\n", out)
+    tp, pp, micro_batch, flags = first.groups()
+    assert flags.startswith(f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size "
+                            f"{pp} --micro-batch-size {micro_batch}")
+    pasted = [t for t in flags.split(" (and")[0].split()]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert pretrain_gpt.main([*TINY, "--num-layers", "4", "--global-batch-size", "16",
+                                  "--dry-run-world-size", "4", "--gpu-type", "A100-40GB",
+                                  *pasted]) == 0
 
 
 def test_full_recompute_keeps_only_layer_inputs():

@@ -5,6 +5,7 @@ to the log, and bench outputs become records."""
 
 import copy
 import json
+import re
 import shlex
 import shutil
 import sys
@@ -22,7 +23,20 @@ import tables  # noqa: E402
 def test_the_committed_docs_are_what_the_records_give():
     """Fails when a record was added or changed without running ``python bench/tables.py``
     (or the docs were edited by hand)."""
-    assert tables.main(["--check"]) == 0
+    assert tables.main(["--check", "--records-only"]) == 0
+
+
+@pytest.mark.slow
+def test_the_readmes_cost_lines_are_what_the_dry_run_prints_today():
+    """The README's estimate of the 175B example and its layout search, from that dry run
+    (bench/readme_cost.py): fails when the step model changes and make tables was not run."""
+    import readme_cost
+
+    output = readme_cost.dry_run_output()
+    block = readme_cost.block(output)
+    assert block in (REPO / "README.md").read_text()
+    assert "  per iteration   " in block and "whole run" in block and "GPU-hours" in block
+    assert re.search(r"its best \(TP \d+ × PP \d+ × DP \d+, .*\) is [\d.]+ % faster", block)
 
 
 def test_every_record_is_valid_and_every_known_table_has_rows():

@@ -11,6 +11,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megagpt.project_env import use_project_environment  # noqa: E402
+
+use_project_environment(__file__)  # .venv's Python where this one lacks megatron
+
 from megagpt.inference.perplexity import main  # noqa: E402
 
 if __name__ == "__main__":

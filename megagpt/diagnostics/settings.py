@@ -10,8 +10,9 @@ iterations, which depends on the measured step time) is done by ``megagpt.diagno
 training-time hooks from the plan's policies, which the plan carries.
 
 The choices:
-  - torch's flight recorder on, its dumps written into the run's own folder (``--save``'s
-    ``flight_recorder/``), through megatron's ``--flight-recorder-dump-path`` (megatron
+  - torch's flight recorder on, its dumps written into the run's own folder (``--save``, else
+    ``--tensorboard-dir``: ``flight_recorder/`` there), through megatron's
+    ``--flight-recorder-dump-path`` (megatron
     then sets ``TORCH_FR_DUMP_TEMP_FILE``, ``TORCH_NCCL_TRACE_BUFFER_SIZE`` and
     ``TORCH_NCCL_DUMP_ON_TIMEOUT`` before it creates the process groups);
   - the collective timeout: ``--distributed-timeout-minutes`` for the warm-up iterations
@@ -200,8 +201,12 @@ def apply_plan(plan: DiagnosticsPlan, args, environ: Optional[MutableMapping[str
 
 
 def run_folder(args) -> str | None:
-    """Where a run keeps what it writes besides the log: its --save directory."""
-    return args.save or None
+    """Where a run keeps what it writes besides the log (``megagpt.run_log``'s run folder:
+    ``--save``, else ``--tensorboard-dir``)."""
+    from megagpt.run_log.run_folder import run_folder as folder_of
+
+    folder = folder_of(args)
+    return str(folder) if folder is not None else None
 
 
 def _flight_recorder(args, environ) -> tuple[str | None, str, list]:
@@ -223,8 +228,8 @@ def _flight_recorder(args, environ) -> tuple[str | None, str, list]:
     else:
         folder = os.path.join(run_folder(args) or ".", FLIGHT_RECORDER_FOLDER)
         prefix = os.path.join(folder, DUMP_FILE_PREFIX)
-        why = "the run's folder, --save" if run_folder(args) else \
-            "the working directory: no --save"
+        why = "the run's folder" if run_folder(args) else \
+            "the working directory: no --save or --tensorboard-dir"
         changes.append(("flight_recorder_dump_path", prefix))
     size = buffer_size or str(args.flight_recorder_trace_buffer_size)
     line = (f"flight recorder: on, the last {size} collectives of every process group; a hang "

@@ -44,6 +44,8 @@ from megatron.core.tensor_parallel.layers import (
     linear_with_grad_accumulation_and_async_allreduce,
 )
 from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
@@ -56,6 +58,7 @@ from megatron.core.utils import make_viewless_tensor
 
 from megagpt import model_math
 
+from . import fp8 as fp8_linears
 from . import grad_write, hash_dropout
 from .attention import SDPADotProductAttention, sdpa_kernels_only
 
@@ -69,17 +72,21 @@ class FusedLayerOptions:
     ``compile``: ``torch.compile`` the fused function (``compile_options``: its keyword
     arguments, as ``(name, value)`` pairs); ``hash_dropout``: a compiled layer's residual
     dropouts take their masks from ``hash_dropout`` rather than ``F.dropout``
-    (``--fast-disable hash-dropout``).
+    (``--fast-disable hash-dropout``); ``fp8``: the four linears in FP8 (``fp8.py``; None:
+    in the parameters' dtype).
     """
 
     compile: bool = False
     compile_options: tuple = ()
     hash_dropout: bool = True
+    fp8: Optional[fp8_linears.Fp8Recipe] = None
 
     @classmethod
     def make(cls, compile: bool = False, options: Optional[dict] = None,
-             hash_dropout: bool = True) -> "FusedLayerOptions":
-        return cls(bool(compile), tuple(sorted((options or {}).items())), bool(hash_dropout))
+             hash_dropout: bool = True,
+             fp8: Optional[fp8_linears.Fp8Recipe] = None) -> "FusedLayerOptions":
+        return cls(bool(compile), tuple(sorted((options or {}).items())), bool(hash_dropout),
+                   fp8)
 
 
 # One compiled function per compile setting, shared by every layer that runs under it
@@ -131,22 +138,33 @@ class _LinearIntoMainGrad(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-def _linear(x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Optional[Tensor]
-            ) -> Tensor:
+def _linear(x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Optional[Tensor],
+            fp8_step: Optional[fp8_linears.Fp8Step] = None, linear: int = 0) -> Tensor:
+    if fp8_step is not None:
+        return fp8_linears.fp8_linear(x, w, b, main_grad, fp8_step, linear)
     if main_grad is None:
         return F.linear(x, w, b)
     return _LinearIntoMainGrad.apply(x, w, b, main_grad)
 
 
 def _column_linear(x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Optional[Tensor],
-                   tp_group, sequence_parallel: bool) -> Tensor:
+                   tp_group, sequence_parallel: bool,
+                   fp8_step: Optional[fp8_linears.Fp8Step] = None, linear: int = 0) -> Tensor:
     """A column-parallel linear. Under tensor parallelism megatron's own linear function
     does what its ColumnParallelLinear does: the input's gradient all-reduced across the
     ranks in backward, overlapped with the weight-gradient GEMM; with sequence parallelism
     the input gathered along the sequence first (its gradient reduce-scattered back).
-    Weight-gradient fusion is not used under tensor parallelism."""
+    Weight-gradient fusion is not used under tensor parallelism. In FP8 the same
+    collectives are megatron's mappings around the FP8 linear of this rank's shard."""
     if tp_group is None:
-        return _linear(x, w, b, main_grad)
+        return _linear(x, w, b, main_grad, fp8_step, linear)
+    if fp8_step is not None:
+        if sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True,
+                                                     group=tp_group)
+        else:
+            x = copy_to_tensor_model_parallel_region(x, group=tp_group)
+        return fp8_linears.fp8_linear(x, w, b, None, fp8_step, linear)
     return linear_with_grad_accumulation_and_async_allreduce(
         x, w, b, gradient_accumulation_fusion=False, allreduce_dgrad=not sequence_parallel,
         sequence_parallel=sequence_parallel, tp_group=tp_group)
@@ -211,6 +229,9 @@ def fused_layer_forward(
     sequence_parallel: bool = False,
     dropout_seeds: Optional[Tensor] = None,
     attention_kernels: Optional[tuple] = None,
+    fp8: Optional[fp8_linears.Fp8Recipe] = None,
+    fp8_history: Optional[Tensor] = None,
+    fp8_warm: bool = False,
 ) -> Tensor:
     """One dense pre-norm GPT layer on ``x`` of shape [s, b, h]; megatron's layouts.
 
@@ -224,9 +245,13 @@ def fused_layer_forward(
     projection and fc2, as megatron's parallel linears do. ``dropout_seeds``: two int32
     seeds, one per residual dropout, whose masks then come from ``hash_dropout`` (None:
     ``F.dropout``). ``attention_kernels``: the SDPA kernels attention may use
-    (``--attention-backend``; None: torch picks)."""
+    (``--attention-backend``; None: torch picks). ``fp8``: the four linears in FP8
+    (``fp8.py``), ``fp8_history`` the layer's amax history under delayed scaling (updated in
+    place) and ``fp8_warm`` whether an earlier forward has recorded it."""
+    step = None if fp8 is None else fp8_linears.start_step(fp8, fp8_history, fp8_warm)
     y = model_math.norm(x, ln1_w, ln1_b, eps, rms)
-    qkv = _column_linear(y, qkv_w, qkv_b, qkv_main_grad, tp_group, sequence_parallel)
+    qkv = _column_linear(y, qkv_w, qkv_b, qkv_main_grad, tp_group, sequence_parallel,
+                         step, fp8_linears.QKV)
     s, b = qkv.shape[0], qkv.shape[1]  # the whole sequence, also under sequence parallelism
     q, k, v = model_math.split_qkv(qkv, groups, q_per_group, head_dim)
     if rope is not None:
@@ -241,16 +266,16 @@ def fused_layer_forward(
     o = _attention(q, k, v, attn_p if training else 0.0, scale, tp_group, sequence_parallel,
                    attention_kernels)
     o = o.permute(2, 0, 1, 3).reshape(s, b, groups * q_per_group * head_dim)
-    a = _row_parallel_output(_linear(o, proj_w, None, proj_main_grad), tp_group,
-                             sequence_parallel)
+    a = _row_parallel_output(_linear(o, proj_w, None, proj_main_grad, step, fp8_linears.PROJ),
+                             tp_group, sequence_parallel)
     if proj_b is not None:
         a = a + proj_b
     x = x + _residual_dropout(a, hidden_p, training, dropout_seeds, 0)
     y = model_math.norm(x, ln2_w, ln2_b, eps, rms)
     f = model_math.activation(_column_linear(y, fc1_w, fc1_b, fc1_main_grad, tp_group,
-                                             sequence_parallel), act)
-    m = _row_parallel_output(_linear(f, fc2_w, None, fc2_main_grad), tp_group,
-                             sequence_parallel)
+                                             sequence_parallel, step, fp8_linears.FC1), act)
+    m = _row_parallel_output(_linear(f, fc2_w, None, fc2_main_grad, step, fp8_linears.FC2),
+                             tp_group, sequence_parallel)
     if fc2_b is not None:
         m = m + fc2_b
     return x + _residual_dropout(m, hidden_p, training, dropout_seeds, 1)
@@ -314,8 +339,22 @@ class FastTransformerLayer(TransformerLayer):
         super().__init__(*args, **kwargs)
         self.fused_options = fused_options or FusedLayerOptions()
         self.fused_unsupported_reason = self._static_fused_check()
+        if self.fused_unsupported_reason is not None and self.fused_options.fp8 is not None:
+            # FP8 runs in the fused function's linears only: megatron's layer would train
+            # this layer in bf16 while the launch asked for FP8
+            from megagpt.errors import UserError
+
+            raise UserError(f"--fp8-format on the fast spec: layer {self.layer_number} cannot "
+                            f"run the fused layer ({self.fused_unsupported_reason}), where "
+                            "FP8 runs; Transformer Engine's layers run FP8 there "
+                            "(--transformer-impl transformer_engine)")
         if self.fused_unsupported_reason is not None and self.layer_number == 1:
             logger.info("fast spec: fused layer off: %s", self.fused_unsupported_reason)
+        # delayed FP8 scaling: this layer's amax history (fp8.py), made on its first forward
+        # on the input's device; not a buffer, so the state dict is the bf16 model's
+        self._fp8_history: Optional[Tensor] = None
+        self._fp8_warm = False
+        self._fp8_fallback_logged = False
 
     # ---- when the fused path applies -------------------------------------------------
     def _static_fused_check(self) -> Optional[str]:
@@ -443,6 +482,12 @@ class FastTransformerLayer(TransformerLayer):
             )
             if dynamic_ok:
                 return self._fused_forward(hidden_states, rope), kwargs.get("context")
+        if (self.fused_options.fp8 is not None and self.training
+                and not self._fp8_fallback_logged):
+            self._fp8_fallback_logged = True
+            logger.warning("fast spec: layer %d: a training forward with inputs the fused layer "
+                           "does not take (packed sequences, an attention bias, ...) runs "
+                           "megatron's layer, in bf16, not FP8", self.layer_number)
         return super().forward(*args, **kwargs)
 
     def fused_arguments(self, rope: Optional[Tensor]):
@@ -491,6 +536,14 @@ class FastTransformerLayer(TransformerLayer):
             for name, w in weights.items():
                 consts[name] = w.main_grad
                 grad_write.mark_written_by_gemm(w)
+        recipe = self.fused_options.fp8
+        if recipe is not None:
+            consts["fp8"] = recipe
+            if recipe.delayed:
+                if self._fp8_history is None:
+                    self._fp8_history = fp8_linears.new_history(recipe, att.linear_qkv.weight.device)
+                consts["fp8_history"] = self._fp8_history
+                consts["fp8_warm"] = self._fp8_warm
         return tensors, consts
 
     def wgrad_mode(self, weights) -> Optional[str]:
@@ -541,6 +594,9 @@ class FastTransformerLayer(TransformerLayer):
                            "running it eagerly", type(e).__name__, str(e)[:300])
             compile_failed(self.fused_options)
             out = fused_layer_forward(hidden_states, *tensors, **consts)
+        if consts.get("fp8_history") is not None and consts["training"] \
+                and torch.is_grad_enabled():
+            self._fp8_warm = True  # this forward recorded the amaxes the next one scales by
         return make_viewless_tensor(inp=out, requires_grad=out.requires_grad, keep_graph=True)
 
 

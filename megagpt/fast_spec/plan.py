@@ -170,6 +170,37 @@ def _fused_layer(p: _Planner) -> None:
         p.choose("fused layer", True, "the fast spec's default")
 
 
+def _fp8(p: _Planner) -> None:
+    """``--fp8-format``: in TE's layers, or in the fast spec's FP8 linears (``fp8.py``),
+    which take it off megatron's ``fp8`` (megatron's FP8 path is TE's) into ``fast_fp8``."""
+    fmt = p.get("fp8", None)
+    if not fmt:
+        p.choose("FP8", "off", "--fp8-format not given")
+        return
+    if p.te():
+        p.choose("FP8", f"{fmt}, {p.get('fp8_recipe', 'delayed')} scaling, Transformer "
+                 "Engine's layers", p.get("transformer_impl_reason", "TE's layers"))
+        return
+    if not p.fast():
+        why = layer_path(p.v)[1].removeprefix("megatron's local modules; fast spec off: ")
+        raise UserError(f"--fp8-format {fmt}: megatron's local modules have no FP8 without "
+                        f"Transformer Engine, and the fast spec's cannot run here: {why}")
+    if not p.v.fast_spec_fused_layer:
+        raise UserError(f"--fp8-format {fmt}: FP8 runs in the fast spec's fused layer, which "
+                        "this launch turns off (--overlap-param-gather or --fast-disable "
+                        "fused-layer)")
+    from .fp8_support import recipe_from_args
+
+    recipe = recipe_from_args(p.v)
+    p.set("fast_fp8", fmt)
+    p.set("fp8", None)
+    p.log(f"fast spec: FP8 linears ({recipe.describe()}): QKV, projection, fc1 and fc2 "
+          "through torch._scaled_mm; embeddings, attention, the output layer and the loss in "
+          "bf16; weights, gradients and checkpoints as in bf16")
+    p.choose("FP8", f"{fmt}, {recipe.scaling} scaling, fast spec",
+             p.get("transformer_impl_reason", "the fast spec's FP8 linears"))
+
+
 def _full_iteration_graph(p: _Planner) -> None:
     asked = p.v.fast_cuda_graph
     impl = p.get("cuda_graph_impl", "none")
@@ -351,6 +382,17 @@ def _bf16_grad_buffer(p: _Planner) -> None:
 
 def _grad_write(p: _Planner) -> None:
     asked = p.v.fast_grad_write
+    unused = (s.wgrad_fusion_unused_reason(p.v)
+              if asked is not False and p.get("gradient_accumulation_fusion", False) else None)
+    if unused is not None:
+        # on by megatron's default where apex's kernel imports: it would keep gradients
+        # added into a zeroed buffer while nothing of this launch uses the kernel
+        p.set("gradient_accumulation_fusion", False)
+        if s.grad_write_unsupported_reason(p.v) is None:
+            p.log(f"fast path: --no-gradient-accumulation-fusion: {unused}; they are written "
+                  "into megatron's buffer instead (--fast-disable grad-write keeps the fusion)")
+        else:
+            del p.decided["gradient_accumulation_fusion"]
     reason = s.grad_write_unsupported_reason(p.v)
     if asked is None:
         p.set("fast_grad_write", reason is None)
@@ -448,7 +490,7 @@ def _optimizer(p: _Planner) -> None:
 
 
 STEPS: tuple[Callable[[_Planner], None], ...] = (
-    _switch_defaults, _layers, _attention_kernels, _fused_layer, _full_iteration_graph,
+    _switch_defaults, _layers, _attention_kernels, _fused_layer, _fp8, _full_iteration_graph,
     _layer_graphs, _graph_choices, _nccl_connect, _bf16_grad_buffer, _grad_write,
     _attention_mask, _compile, _lm_loss, _optimizer,
 )

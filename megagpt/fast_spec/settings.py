@@ -64,6 +64,7 @@ SWITCH_DEFAULTS = (
     ("fast_flat_adam", True),
     ("fast_bf16_grad_buffer", None),
     ("fast_grad_write", None),
+    ("fast_fp8", None),  # --fp8-format, where the plan gives it to the fast spec's linears
 )
 
 # --fast-cuda-graphs -> (fast_cuda_graph, fast_layer_graphs); None: the plan decides
@@ -343,6 +344,22 @@ def bf16_grad_buffer_unsupported_reason(args) -> Optional[str]:
     if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
         return "FSDP"
     return None
+
+
+def wgrad_fusion_unused_reason(args) -> Optional[str]:
+    """Why megatron's gradient-accumulation fusion (apex's ``fused_weight_gradient_mlp_cuda``
+    in megatron's own linear layers) has nothing to fuse in this launch (None: some of
+    megatron's linears run their own backward): the fast spec's fused layers form their weight
+    gradients themselves, and its chunked LM loss forms the output layer's."""
+    if not fast_path_selected(args) or not getattr(args, "fast_spec_fused_layer", True):
+        return None
+    from .lm_loss import get_output_processor
+
+    if (get_output_processor(args) is None
+            or (getattr(args, "tensor_model_parallel_size", 1) or 1) != 1
+            or getattr(args, "sequence_parallel", False) or getattr(args, "use_mup", False)):
+        return None  # megatron's output layer runs (lm_loss.fused_lm_head_unsupported_reason)
+    return "the fast spec's fused layers and chunked LM loss form their weight gradients"
 
 
 def grad_write_unsupported_reason(args) -> Optional[str]:

@@ -69,8 +69,18 @@ def fast_spec_unsupported_reason(args) -> Optional[str]:
         return "sliding-window attention (--window-size)"
     if _get(args, "use_kitchen", False):
         return "--use-kitchen"
-    if _get(args, "fp8", None) or _get(args, "fp4", None):
-        return "FP8/FP4 training needs Transformer Engine"
+    if _get(args, "fp4", None):
+        return "FP4 training needs Transformer Engine"
+    if _get(args, "fp8", None):
+        from .fp8_support import fast_fp8_unsupported_reason
+
+        fp8_reason = fast_fp8_unsupported_reason(args)
+        if fp8_reason is not None:
+            return f"--fp8-format {args.fp8} on the fast spec: {fp8_reason}"
+    if _get(args, "layernorm_zero_centered_gamma", False):
+        # megatron's WrappedTorchNorm asserts on it; apex's FusedLayerNorm (megatron's local
+        # spec) and TE's norms have it
+        return "--apply-layernorm-1p: torch's norms have no zero-centred gamma"
     if megatron_local_spec_asked(args):
         return "--spec local asks for megatron's local spec"
     if _get(args, "spec", None):
@@ -119,10 +129,14 @@ def get_fast_gpt_layer_spec(args) -> ModuleSpec:
 
 
 def fused_layer_options(args) -> FusedLayerOptions:
-    """What every fused layer of this run is built with (``FusedLayerOptions``)."""
+    """What every fused layer of this run is built with (``FusedLayerOptions``); FP8 where
+    the fast path's plan gave the launch's ``--fp8-format`` to the fast spec (``fast_fp8``)."""
+    from .fp8_support import recipe_from_args
+
     return FusedLayerOptions.make(
         compile=compile_requested(args),
-        hash_dropout=bool(_get(args, "fast_hash_dropout", True)))
+        hash_dropout=bool(_get(args, "fast_hash_dropout", True)),
+        fp8=recipe_from_args(args) if _get(args, "fast_fp8", None) else None)
 
 
 def compile_requested(args) -> bool:

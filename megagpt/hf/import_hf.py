@@ -202,7 +202,7 @@ def _write_checkpoint(args, hf_weights: dict, target: str, rows: int, vocab: int
     from megagpt.inference import loading
     from megagpt.inference.architecture import Architecture
     from megagpt.inference.world import megatron_world
-    from megagpt.resilience import config_snapshot
+    from megagpt.resilience import checksums, config_snapshot
     from megagpt.resilience.checkpoint_guard import TRACKER
 
     release = os.path.join(folder, TRACKER_RELEASE)
@@ -232,6 +232,9 @@ def _write_checkpoint(args, hf_weights: dict, target: str, rows: int, vocab: int
     # the snapshot's layout is the one the vocabulary was padded for (what loads it)
     args.tensor_model_parallel_size = tensor_parallel
     config_snapshot.write(release, args, 0)
+    # the loader checks the files against these, as it does a training run's checkpoints
+    checksums.write_manifest(release, checksums.digest_files(
+        release, checksums.checkpoint_files(release))[0])
     with open(os.path.join(folder, TRACKER), "w") as f:
         f.write(TRACKER_RELEASE)
 

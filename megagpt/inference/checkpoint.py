@@ -3,19 +3,24 @@
 ``--load`` may name a run's ``--save`` directory (its tracker file names the iteration), one
 ``iter_XXXXXXX`` folder, or a ``release`` checkpoint (``tools/import_hf.py`` writes those).
 In a run directory the tracker's iteration is used when it is complete, else the newest
-complete one below it (``checkpoint_guard``'s rule for resuming). Nothing here imports torch
-beyond what ``checkpoint_guard`` needs to read an index: a bad ``--load`` fails in a second.
+complete one below it (``checkpoint_guard``'s rule for resuming). The folder's files are then
+checked against the checksums recorded at save (``resilience.checksums``): in a run directory
+a damaged checkpoint gives way to the newest earlier intact one, with a line on stderr (the
+tools only read: nothing is moved); a damaged folder named itself is an error naming the
+file. Nothing here imports torch beyond what ``checkpoint_guard`` needs to read an index: a
+bad ``--load`` fails in a second (and in the time its checksums take).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import yaml
 
 from megagpt.errors import UserError
-from megagpt.resilience import checkpoint_guard, config_snapshot
+from megagpt.resilience import checkpoint_guard, checksums, config_snapshot
 
 RELEASE = "release"
 
@@ -50,7 +55,7 @@ def _is_checkpoint_folder(path: str) -> bool:
 
 
 def checkpoint_folder(load: str) -> str:
-    """The complete checkpoint folder ``load`` names (see the module docstring)."""
+    """The complete, intact checkpoint folder ``load`` names (see the module docstring)."""
     if not os.path.exists(load):
         raise CheckpointError(f"--load {load}: no such directory")
     if not os.path.isdir(load):
@@ -71,14 +76,19 @@ def checkpoint_folder(load: str) -> str:
                 f"--load {load}: no checkpoint there (no {checkpoint_guard.TRACKER}, no "
                 f"iter_* folders); give a training run's --save directory or one iter_* folder")
         else:
-            folder = _newest_complete(load, tracker)
+            return _newest_intact(load, tracker)
     problem = checkpoint_guard.incompleteness(folder)
     if problem is not None:
         raise CheckpointError(f"--load {folder}: not a complete checkpoint ({problem})")
+    mismatch, _ = checksums.verify(folder)
+    if mismatch is not None:
+        raise CheckpointError(f"--load {folder} is damaged: {mismatch}")
     return folder
 
 
-def _newest_complete(load: str, tracker: int | None) -> str:
+def _newest_intact(load: str, tracker: int | None) -> str:
+    """The newest complete checkpoint of a run directory whose files match their checksums
+    (at or below the tracker's iteration)."""
     ceiling = tracker if isinstance(tracker, int) else float("inf")
     candidates = [i for i in checkpoint_guard.saved_iterations(load) if i <= ceiling]
     problems = []
@@ -86,14 +96,23 @@ def _newest_complete(load: str, tracker: int | None) -> str:
         folder = checkpoint_guard.iteration_dir(load, iteration)
         problem = checkpoint_guard.incompleteness(folder)
         if problem is None:
-            return folder
+            mismatch, _ = checksums.verify(folder)
+            if mismatch is None:
+                if problems and any("damaged" in p for p in problems):
+                    print(f"[megagpt] {'; '.join(problems)}: using {folder}, the newest "
+                          "intact checkpoint", file=sys.stderr, flush=True)
+                return folder
+            problem = f"damaged: {mismatch}"
         problems.append(f"iter_{iteration:07d}: {problem}")
     raise CheckpointError(f"--load {load}: no complete checkpoint ({'; '.join(problems)})")
 
 
 def read_saved_config(folder: str) -> SavedConfig | None:
     """The configuration saved beside the checkpoint in ``folder``, or None without one."""
-    entry = config_snapshot.read(folder)
+    try:
+        entry = config_snapshot.read(folder)
+    except config_snapshot.SnapshotError as exc:
+        raise CheckpointError(f"--load {folder}: {exc}") from None
     if entry is None:
         return None
     with open(os.path.join(folder, config_snapshot.FILENAME)) as f:

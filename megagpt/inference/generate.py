@@ -1,6 +1,6 @@
 """Complete prompts with a trained checkpoint.
 
-    python tools/generate.py --load CKPT --prompt "To be, or not" [--max-new-tokens 64]
+    python tools/generate.py --load CKPT --prompt "To be, or not" [--prompt ...] [--max-new-tokens 64]
         [--greedy | --temperature T --top-k K --top-p P --seed S] [--json] [--cpu]
         [--prompts FILE.jsonl] [--engine auto|megatron|kv] [megatron model flags ...]
 
@@ -35,8 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a training run's --save directory, an iter_* folder or an imported "
                         "checkpoint")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", default=None, help="the prompt text (empty: an unconditional "
-                                                    "sample from the end-of-document token)")
+    src.add_argument("--prompt", action="append", default=None,
+                     help="the prompt text (empty: an unconditional sample from the "
+                          "end-of-document token); given several times, several prompts")
     src.add_argument("--prompts", default=None, metavar="FILE.jsonl",
                      help='one {"prompt": "..."} per line')
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")

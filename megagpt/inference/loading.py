@@ -115,6 +115,13 @@ def load_weights(model, folder: str) -> None:
         raise
     except BaseException as exc:  # noqa: BLE001 - torch.distributed.checkpoint raises anything
         raise CheckpointError(f"cannot load the model from {folder}: {_one_line(exc)}") from exc
+    from megagpt.resilience.checkpoint_integrity import describe_nonfinite, nonfinite_tensors
+
+    bad = nonfinite_tensors(model.named_parameters())
+    if bad:  # a loss of nan later would not say where it came from
+        raise CheckpointError(f"--load {folder} holds weights that are not finite "
+                              f"({describe_nonfinite(bad)}): the checkpoint is damaged, or was "
+                              "saved by a run that had diverged")
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)

@@ -122,6 +122,11 @@ def without_launch_flags(argv: list[str], parser: argparse.ArgumentParser | None
     return kept
 
 
+def known_flags() -> list[str]:
+    """Every option megatron's parser and the entry's take."""
+    return list(_parser()._option_string_actions)
+
+
 def unknown_flags(tokens: list[str]) -> list[str]:
     """The options in ``tokens`` that neither megatron nor the entry knows."""
     actions = _parser()._option_string_actions
@@ -164,6 +169,7 @@ def parse_model_args(argv: list[str], cpu: bool) -> argparse.Namespace:
     """Parse and validate ``argv`` with the entry's parser; filled in where a model-only
     command line leaves megatron's training settings unset."""
     from megagpt import arguments as entry_arguments
+    from megagpt.option_errors import OptionError
 
     chatter = io.StringIO()
     try:
@@ -177,6 +183,8 @@ def parse_model_args(argv: list[str], cpu: bool) -> argparse.Namespace:
             if args.train_iters is None and args.train_samples is None:
                 args.train_iters = 1
             entry_arguments.validate_arguments(args, device_arch=0 if cpu else None)
+    except OptionError as exc:  # a flag or value the parser does not take, in one line
+        raise ModelFlagsError(str(exc)) from None
     except SystemExit as exc:  # argparse's own error, printed into the chatter
         lines = [ln for ln in chatter.getvalue().splitlines() if "error:" in ln]
         raise ModelFlagsError(lines[-1].split("error:", 1)[1].strip() if lines

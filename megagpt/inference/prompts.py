@@ -39,7 +39,11 @@ def from_file(path: str) -> list[Prompt]:
     return prompts
 
 
-def gather(prompt: str | None, prompts_file: str | None) -> list[Prompt]:
+def gather(prompt: str | list[str] | None, prompts_file: str | None) -> list[Prompt]:
+    """The prompts of ``--prompts FILE``, else of each ``--prompt`` (none: one empty)."""
     if prompts_file is not None:
         return from_file(prompts_file)
-    return [Prompt(prompt or "", "--prompt")]
+    texts = [prompt] if isinstance(prompt, str) else list(prompt or [""])
+    if len(texts) == 1:
+        return [Prompt(texts[0], "--prompt")]
+    return [Prompt(text, f"--prompt #{i}") for i, text in enumerate(texts, 1)]

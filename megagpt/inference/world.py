@@ -41,13 +41,30 @@ def run_tool(build_parser, run, argv=None) -> int:
 
     from megagpt.errors import UserError
 
+    from megagpt import option_errors
+
     quiet_megatron()
-    opts, overrides = build_parser().parse_known_args(argv)
+    parser = build_parser()
+    option_errors.raise_one_line(parser, list(sys.argv[1:] if argv is None else argv), None, [])
     try:
+        opts, overrides = parser.parse_known_args(argv)
+        unknown_overrides(overrides, parser)
         return run(opts, overrides)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def unknown_overrides(overrides: list[str], parser) -> None:
+    """An option neither the tool nor megatron knows, as one line with the closest ones."""
+    from megagpt import option_errors
+    from megagpt.inference import model_flags
+
+    unknown = model_flags.unknown_flags(overrides)
+    if unknown:
+        known = [*parser._option_string_actions, *model_flags.known_flags()]
+        raise option_errors.OptionError("; ".join(option_errors.unknown_option_message(
+            flag, known, {}, program=parser.prog) for flag in unknown))
 
 
 @contextlib.contextmanager

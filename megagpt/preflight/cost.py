@@ -28,6 +28,14 @@ def _cuda_graph(args) -> bool:
                 or getattr(args, "external_cuda_graph", False))
 
 
+def fp8_linears(args, path: str) -> bool:
+    """Whether the layers' linears run in FP8: TE's under ``--fp8-format``, the fast spec's
+    where the plan gave it the format (``fast_fp8``)."""
+    if path == "te":
+        return getattr(args, "fp8", None) is not None
+    return path == "fast" and bool(getattr(args, "fast_fp8", None))
+
+
 def _grad_bytes(args) -> int:
     return est.bytes_per_parameter(args)[1]
 
@@ -57,7 +65,7 @@ def shape_of(args) -> StepShape:
         overlap_grad_reduce=bool(args.overlap_grad_reduce),
         overlap_param_gather=bool(args.overlap_param_gather),
         tp_comm_overlap=bool(getattr(args, "tp_comm_overlap", False)),
-        precision=precision, fp8=path == "te" and getattr(args, "fp8", None) is not None,
+        precision=precision, fp8=fp8_linears(args, path),
         path=path, flash_attention=path != "local", fused_softmax=fused_softmax(args),
         softmax_in_fp32=softmax_in_fp32(args), cuda_graph=_cuda_graph(args),
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,

@@ -232,12 +232,40 @@ def layer_activation_bytes(args, recompute: str) -> float:
              + 2 * fc1_out / h + 2 * args.ffn_hidden_size / h)  # activation and fc2 inputs
     from megagpt.preflight.launch_path import launch_path
 
-    unfused = launch_path(args) == "local"  # megatron's DotProductAttention: the scores in memory
+    path = launch_path(args)
+    unfused = path == "local"  # megatron's DotProductAttention: the scores in memory
     scores = score_bytes_per_element(args) * heads * seq / h \
         if unfused and recompute != "selective" else 0.0
+    if _fp8_linears(args, path):
+        # the GEMMs keep their inputs in FP8 for the weight gradients: the QKV and fc1 inputs
+        # (norm outputs) and the fc2 input in 1 byte instead of 2; the projection's input is
+        # also attention's output, which attention's backward keeps in 16-bit beside it
+        replicated -= 2
+        split += 1 - args.ffn_hidden_size / h
+    weights = _fp8_weight_copy_bytes(args, path)
     if sp:
-        return sbh * (replicated + split + scores) / tp
-    return sbh * (replicated + (split + scores) / tp)
+        return sbh * (replicated + split + scores) / tp + weights
+    return sbh * (replicated + (split + scores) / tp) + weights
+
+
+def _fp8_linears(args, path: str) -> bool:
+    from megagpt.preflight.cost import fp8_linears
+
+    return fp8_linears(args, path)
+
+
+def _fp8_weight_copy_bytes(args, path: str) -> float:
+    """Under FP8, the transposed FP8 copy of each linear weight that a layer's forward keeps
+    for its input-gradient GEMM: 1 byte per weight of the layer on this TP rank."""
+    if not _fp8_linears(args, path):
+        return 0.0
+    h, heads = args.hidden_size, args.num_attention_heads
+    head_dim = args.kv_channels or h // heads
+    groups = args.num_query_groups if args.group_query_attention else heads
+    fc1_out = args.ffn_hidden_size * (2 if args.swiglu else 1)
+    weights = (h * (heads + 2 * groups) * head_dim + heads * head_dim * h + h * fc1_out
+               + args.ffn_hidden_size * h)
+    return float(weights) / args.tensor_model_parallel_size
 
 
 def in_flight_microbatches(args, num_microbatches: int) -> float:

@@ -42,6 +42,23 @@ class Layout:
         return (f"TP {self.tp} × PP {self.pp} × DP {self.dp}, micro-batch {self.micro_batch}{v}, "
                 f"recompute {self.recompute}")
 
+    def flags(self) -> str:
+        """The megatron flags that launch this layout (DP follows from the GPU count), and
+        the recompute flags a launch must leave out for it."""
+        flags = [f"--tensor-model-parallel-size {self.tp}",
+                 f"--pipeline-model-parallel-size {self.pp}",
+                 f"--micro-batch-size {self.micro_batch}"]
+        if self.virtual_stages > 1:
+            flags.append(f"--num-virtual-stages-per-pipeline-rank {self.virtual_stages}")
+        if self.recompute == "full":
+            flags.append("--recompute-granularity full --recompute-method uniform "
+                         "--recompute-num-layers 1")
+        elif self.recompute == "selective":
+            flags.append("--recompute-granularity selective")
+        else:
+            flags.append("(and no --recompute-* flags)")
+        return " ".join(flags)
+
 
 @dataclass(frozen=True)
 class Ranked:
@@ -138,6 +155,7 @@ def search_lines(plan) -> list[str]:
         lines.append(f"  {i}. {r.layout.describe()}: {cost.human_duration(r.step.seconds)} per "
                      f"iteration, {est.gib(r.memory.total)} per GPU")
         lines.append(f"     {cost.breakdown(r.step)}")
+        lines.append(f"     flags: {r.layout.flags()}")
     own = launch_layout(args)
     best = ranked[0].step.seconds
     if plan.run is not None:

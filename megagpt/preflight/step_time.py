@@ -66,6 +66,17 @@ FLASH_DROPOUT_S_PER_ELEMENT = 0.82e-12
 HIDDEN_PASSES = 26
 FFN_PASSES = 5
 GLU_PASSES = 8
+# FP8 linears (the fast spec's, TE's): each of the four GEMM inputs is cast once forward (read
+# 2 bytes, write the row-major and the transposed copies, 1 byte each: 4), each output
+# gradient has its amax read and is cast backward (2 + 4: 6), and every weight is cast once per
+# micro-batch (4 bytes per parameter). FP8 GEMMs: the measured rate against bf16's, the
+# layers' GEMM kernels of one wide layer (8 x 4096, sequence 4096) on one H200, 3.16 ms in
+# FP8 against 5.99 in bf16 (bench/bench_layer.py, 2026-12-04): 1.90x the 16-bit rate, where
+# the datasheet gives 2x.
+FP8_CAST_BYTES_FORWARD = 4
+FP8_CAST_BYTES_BACKWARD = 6
+FP8_WEIGHT_CAST_BYTES = 4
+FP8_RATE_OVER_16BIT = 1.90
 # Bytes per element of the [tokens, vocab/TP] logits beyond the GEMM: megatron's
 # vocab_parallel_cross_entropy (fp32 cast, max, exp, sum, gradient, cast back): 44; the fast
 # path's chunked, compiled loss reads the 16-bit logits and writes their gradient: 6.
@@ -200,28 +211,49 @@ class _Kernels:
         self.shape, self.gpu = shape, gpu
         self.peak = gpu.dense_16bit_tflops * 1e12 if shape.precision != "fp32" else \
             gpu.dense_16bit_tflops * 1e12 / 2  # fp32 runs on TF32 tensor cores: half the rate
-        self.gemm_peak = (gpu.tensor_tflops(shape.fp8) * 1e12 if shape.precision != "fp32"
-                          else self.peak)
+        self.gemm_peak = self.peak
+        self.fp8_gemm_peak = (self.peak * FP8_RATE_OVER_16BIT if shape.fp8 and gpu.fp8_tflops
+                              else self.peak)
         self.hbm = gpu.hbm_gb_s * 1e9 * HBM_EFFICIENCY
         self.tokens = shape.micro_batch * shape.seq // shape.cp  # per GPU of a TP group
 
     # matrix products
-    def gemm(self, m: int, n: int, k: int, count: int = 1) -> float:
-        """One [m, k] × [k, n] product (``count`` of them): arithmetic plus operand traffic."""
-        operand = 1 if self.shape.fp8 else self.shape.element_bytes
+    def gemm(self, m: int, n: int, k: int, count: int = 1, fp8: bool = False) -> float:
+        """One [m, k] × [k, n] product (``count`` of them): arithmetic plus operand traffic;
+        ``fp8``: a layer linear's product where the launch runs them in FP8."""
+        fp8 = fp8 and self.shape.fp8
+        operand = 1 if fp8 else self.shape.element_bytes
         flops = 2 * m * n * k * count
         traffic = (operand * (m * k + k * n) + self.shape.element_bytes * m * n) * count
-        return flops / (self.gemm_peak * self.gpu.gemm_efficiency) + traffic / self.hbm
+        peak = self.fp8_gemm_peak if fp8 else self.gemm_peak
+        return flops / (peak * self.gpu.gemm_efficiency) + traffic / self.hbm
 
     def layer_gemms_forward(self) -> float:
         s, t = self.shape, self.shape.tp
         qkv_out = (s.heads + 2 * s.query_groups) * s.head_dim // t
         fc1_out = s.ffn * (2 if s.glu else 1) // t
         n = self.tokens
-        return (self.gemm(n, qkv_out, s.hidden) + self.gemm(n, s.hidden, s.heads * s.head_dim // t)
-                + self.gemm(n, fc1_out, s.hidden) + self.gemm(n, s.hidden, s.ffn // t))
+        return (self.gemm(n, qkv_out, s.hidden, fp8=True)
+                + self.gemm(n, s.hidden, s.heads * s.head_dim // t, fp8=True)
+                + self.gemm(n, fc1_out, s.hidden, fp8=True)
+                + self.gemm(n, s.hidden, s.ffn // t, fp8=True))
+
+    def fp8_casts(self) -> tuple[float, float]:
+        """(forward, backward) seconds of one layer's FP8 casts (0 without FP8)."""
+        s, t = self.shape, self.shape.tp
+        if not s.fp8:
+            return 0.0, 0.0
+        qkv_out = (s.heads + 2 * s.query_groups) * s.head_dim // t
+        fc1_out = s.ffn * (2 if s.glu else 1) // t
+        inputs = self.tokens * (2 * s.hidden + s.heads * s.head_dim // t + s.ffn // t)
+        gradients = self.tokens * (qkv_out + 2 * s.hidden + fc1_out)
+        weights = s.hidden * (qkv_out + s.heads * s.head_dim // t + fc1_out) \
+            + s.ffn // t * s.hidden
+        forward = (inputs * FP8_CAST_BYTES_FORWARD + weights * FP8_WEIGHT_CAST_BYTES) / self.hbm
+        return forward, gradients * FP8_CAST_BYTES_BACKWARD / self.hbm
 
     def logits_forward(self) -> float:
+        # the output layer stays in 16-bit under FP8, as megatron's and TE's defaults keep it
         return self.gemm(self.tokens, self.shape.vocab // self.shape.tp, self.shape.hidden)
 
     # core attention
@@ -326,6 +358,8 @@ def estimate_step(shape: StepShape, gpu: GpuSpec, params_per_gpu: float,
     gemm_f = k.layer_gemms_forward()
     attn_f, attn_b = k.attention()
     elem_f, elem_b = k.elementwise()
+    cast_f, cast_b = k.fp8_casts()
+    elem_f, elem_b = elem_f + cast_f, elem_b + cast_b
     tp_f, tp_b = k.tp_communication()
 
     # one layer, one micro-batch: forward and backward (the backward's GEMMs are the

@@ -3,15 +3,16 @@
 Two entry points for ``pretrain_gpt``:
 
 ``prepare(args)``
-    before megatron's globals are set: preemption defaults (``preemption``) and the
-    checks of ``--load`` (``checkpoint_guard``); raises ``UserError`` subclasses with a
+    before megatron's globals are set: preemption defaults (``preemption``), Ctrl-C as the
+    exit signal (``interrupt``) and the checks of ``--load`` (``checkpoint_guard``); raises ``UserError`` subclasses with a
     one-line message naming the problem and the path.
 
 ``active(args, container)``
     a context manager around ``megatron.training.pretrain`` that installs the contained
     adaptations of megatron's training loop: resume fidelity (``fidelity``), the resolved
     configuration beside every checkpoint (``config_snapshot``), load errors as one-line
-    messages (``checkpoint_guard``), a bf16/fp16 checkpoint resumed in fp32
+    messages (``checkpoint_guard``), checksums of every checkpoint file recorded at save and
+    checked before a load, and the loaded weights checked (``checkpoint_integrity``), a bf16/fp16 checkpoint resumed in fp32
     (``precision_change``), and with the gradient-norm guard the divergence checks
     (``divergence``). Each wraps one function of megatron (``megatron.training.training``'s,
     or ``FP32Optimizer.load_state_dict``) through ``megagpt.megatron_wrappers`` (in the order
@@ -26,14 +27,15 @@ import contextlib
 
 from megagpt import megatron_wrappers
 from megagpt.log import log
-from megagpt.resilience import (checkpoint_guard, config_snapshot, divergence, fidelity,
-                                precision_change, preemption)
+from megagpt.resilience import (checkpoint_guard, checkpoint_integrity, config_snapshot,
+                                divergence, fidelity, interrupt, precision_change, preemption)
 
 
 def prepare(args) -> None:
     """Launch-time decisions about saving, loading, signals and faults (every rank, after
     megatron's globals are set, before ``pretrain`` initialises torch.distributed)."""
     preemption.apply_defaults(args, log)
+    interrupt.install(args, log)  # Ctrl-C saves as the exit signal does
     divergence.apply_defaults(args, getattr(args, "entry_argv", None), log)
     checkpoint_guard.prepare_load(args, log)
 
@@ -51,6 +53,10 @@ def active(args, container=None):
          lambda fn: config_snapshot.writing_snapshot(fn, args, container)),
         ("load_checkpoint", checkpoint_guard.__name__,
          lambda fn: checkpoint_guard.one_line_load_errors(fn, args)),
+        ("save_checkpoint", checkpoint_integrity.__name__,
+         lambda fn: checkpoint_integrity.recording_checksums(fn, args, log)),
+        ("load_checkpoint", checkpoint_integrity.__name__,
+         lambda fn: checkpoint_integrity.verifying_checksums(fn, args, log)),
     ]
     if divergence.needs_grad_norm_guard(args, getattr(args, "entry_argv", None)):
         guard = divergence.GradNormGuard(lambda: checkpoint_guard.resume_hint(args),

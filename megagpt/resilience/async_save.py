@@ -81,25 +81,40 @@ def adapt_args(args, given_flags: set[str], log: Callable[[str], None],
         log(f"async save: {writer}{worker}" + (f"; {why}" if why else ""))
 
 
+# The finalize functions asked for by the save wrappers now running, outermost first.
+_PENDING: list[Callable[[], None]] = []
+
+
 @contextlib.contextmanager
 def finalize_adds(fn: Callable[[], None]):
     """Add ``fn`` to the finalize functions of the asynchronous save scheduled inside.
 
     The request's finalize functions run in the trainer once the writer has finished
     (after ``metadata.json`` and the tracker); they cannot be added after scheduling
-    (megatron freezes the request), so the scheduling call is wrapped.
+    (megatron freezes the request), so the scheduling call is wrapped. Save wrappers nest
+    (the configuration snapshot inside, the checksums outside, in the ledger's order):
+    the innermost one's function runs first, as it would after a synchronous save.
     """
     import megatron.training.checkpointing as mckpt
 
     from megagpt import megatron_wrappers
 
-    def adding_fn(original):
+    def adding_pending(original):
         @functools.wraps(original)
         def schedule_async_save(request):
-            request.add_finalize_fn(fn)
+            for pending in reversed(_PENDING):
+                request.add_finalize_fn(pending)
             return original(request)
 
         return schedule_async_save
 
-    with megatron_wrappers.wrapped(mckpt, [("schedule_async_save", __name__, adding_fn)]):
-        yield
+    _PENDING.append(fn)
+    try:
+        if len(_PENDING) > 1:  # an outer save wrapper has the scheduling wrapped already
+            yield
+            return
+        with megatron_wrappers.wrapped(mckpt, [("schedule_async_save", __name__,
+                                                adding_pending)]):
+            yield
+    finally:
+        _PENDING.remove(fn)

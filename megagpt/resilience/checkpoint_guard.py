@@ -388,11 +388,19 @@ def prepare_load(args, log: Callable[[str], None]) -> LoadPlan | None:
         log(f"resume: {plan.reason}")
         return plan
     ckpt_dir = iteration_dir(plan.root, plan.iteration)
-    blocking, layout = compare_with_run(ckpt_dir, args)
+    try:
+        blocking, layout = compare_with_run(ckpt_dir, args)
+        optimizer = optimizer_state_mismatch(ckpt_dir, args)
+    except config_snapshot.SnapshotError as exc:
+        if not _has_checksums(ckpt_dir):
+            raise CheckpointError(f"--load {ckpt_dir}: {exc}") from None
+        # the checksums name the damage when megatron is about to load, and a checkpoint
+        # before it loads instead (checkpoint_integrity)
+        log(f"resume: {exc}; not compared with this run")
+        blocking, layout, optimizer = [], [], None
     if blocking:
         raise CheckpointError(f"--load {ckpt_dir} was saved for another model: "
                               + "; ".join(blocking))
-    optimizer = optimizer_state_mismatch(ckpt_dir, args)
     if optimizer:
         raise CheckpointError(optimizer)
     load_into_te_layers(ckpt_dir, args, log)
@@ -412,6 +420,12 @@ def prepare_load(args, log: Callable[[str], None]) -> LoadPlan | None:
         log("resume: parallel layout changed (" + ", ".join(layout)
             + "); the distributed checkpoint format reshards on load")
     return plan
+
+
+def _has_checksums(ckpt_dir: str) -> bool:
+    from megagpt.resilience.checksums import MANIFEST
+
+    return os.path.isfile(os.path.join(ckpt_dir, MANIFEST))
 
 
 def resume_hint(args) -> str:

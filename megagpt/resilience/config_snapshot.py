@@ -19,6 +19,8 @@ import os
 
 import yaml
 
+from megagpt.errors import UserError
+
 FILENAME = "megagpt_config.yaml"
 
 # Arguments that fix the shapes of the saved tensors, or the meaning of the token ids.
@@ -94,18 +96,29 @@ def write(checkpoint_dir: str, args, iteration: int, container=None) -> str:
     return path
 
 
+class SnapshotError(UserError, ValueError):
+    """A checkpoint's snapshot is there but cannot be read; the message names the file."""
+
+
 def read(checkpoint_dir: str) -> dict | None:
-    """The snapshot's ``entry`` section, or None when the checkpoint has none."""
+    """The snapshot's ``entry`` section, or None when the checkpoint has none; a snapshot
+    that is there but does not parse (damaged, edited) is a SnapshotError, not a missing one."""
     path = os.path.join(checkpoint_dir, FILENAME)
     if not os.path.isfile(path):
         return None
     try:
         with open(path) as f:
             snapshot = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError):
-        return None  # an edited or damaged snapshot: leave the checks to megatron's loader
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise SnapshotError(f"{path} is unreadable{where} ({type(exc).__name__}): the "
+                            "checkpoint's configuration is damaged") from None
     entry = snapshot.get("entry") if isinstance(snapshot, dict) else None
-    return entry if isinstance(entry, dict) else None
+    if not isinstance(entry, dict):
+        raise SnapshotError(f"{path} has no 'entry' mapping: the checkpoint's configuration is "
+                            "damaged or was edited")
+    return entry
 
 
 def writing_snapshot(save_checkpoint, args, container=None):

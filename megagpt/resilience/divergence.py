@@ -36,6 +36,10 @@ from megagpt.errors import UserError
 _FAULT = re.compile(r"iteration #?(\d+): Unexpected result (\S+) \(message='([^']*)'\)")
 
 
+# What pretrain_gpt.loss_func adds to its check's message when the model is in eval mode.
+EVALUATION_FAULT = " during evaluation"
+
+
 class DivergenceError(UserError, RuntimeError):
     """The loss or the gradients became NaN or Inf; the message names the iteration."""
 
@@ -77,17 +81,33 @@ def divergence_error(exc: BaseException, args, resume_hint: str) -> DivergenceEr
     The iteration is the training log's number (``args.curr_iteration`` + 1, the one
     ``--iterations-to-skip`` takes); megatron's own message counts one higher after a
     (re)start, because ``train`` sets the state machine's 0-based counter to the
-    iteration already done and the first step increments it again.
+    iteration already done and the first step increments it again. A fault found while
+    evaluating is the evaluation's: no batch to skip, and the iteration is the one whose
+    weights were evaluated (``evaluation_iteration``).
     """
     fault = fault_of(exc)
     if fault is None:
         return None
     result, what = fault
+    if what.endswith(EVALUATION_FAULT):
+        return DivergenceError(
+            f"the validation loss is {result} at iteration {evaluation_iteration(args)} "
+            f"({what}): the weights trained so far give a loss that is not finite on the "
+            f"validation data; the run stopped. {resume_hint}")
     iteration = int(getattr(args, "curr_iteration", 0)) + 1
     return DivergenceError(
         f"divergence at iteration {iteration}: {result} ({what}); the run stopped without "
         f"saving. {resume_hint} To step over that batch, relaunch with "
         f"--iterations-to-skip {iteration}.")
+
+
+def evaluation_iteration(args) -> int:
+    """The iteration whose weights an evaluation ran on: the iterations done in this
+    launch (megatron sets ``curr_iteration`` before each step, and to 0 before training),
+    or the loaded checkpoint's when this launch trained none (its final evaluation of a
+    run that had finished)."""
+    done = int(getattr(args, "curr_iteration", 0) or 0) + 1
+    return max(done, int(getattr(args, "iteration", 0) or 0))
 
 
 def needs_grad_norm_guard(args, argv) -> bool:

@@ -1,0 +1,272 @@
+"""FP8 linears for the fast spec's fused layer, through torch's ``_scaled_mm`` (no TE).
+
+What one linear computes under megatron's ``--fp8-format`` (x: [M, K] input, w: [N, K]):
+
+  forward  y  = (x8 / s_x) (w8 / s_w)^T + b     e4m3 x e4m3, cuBLAS's fast accumulation,
+                                                the bias in the GEMM's epilogue
+  dgrad    dx = (g8 / s_g) (w8 / s_w)           g8 e5m2 under ``hybrid``, e4m3 under ``e4m3``
+  wgrad    dw = (g8 / s_g)^T (x8 / s_x)         written into ``main_grad`` where the layer
+                                                writes its gradients (``grad_write``)
+
+Every tensor has one scale, s = fp8_max / amax / 2^margin (megatron's ``--fp8-margin``),
+so that its largest value lands at the format's largest. The two recipes differ in where
+amax comes from:
+
+- ``tensorwise`` (TE's current scaling): the amax of the tensor itself, a reduction over it
+  before the cast can start;
+- ``delayed`` (megatron's default, TE's delayed scaling): for inputs and weights, the amax
+  recorded by the layer's earlier forwards (``--fp8-amax-history-len``,
+  ``--fp8-amax-compute-algo``), so the cast needs no reduction before it and records this
+  step's amax in the same pass. A layer's first forward has no history and scales by the
+  tensor's own amax. Output gradients are
+  scaled by their own amax under both recipes: a gradient's range is known only once
+  backward has made it, and scaling it from earlier steps' would tie the scale to state
+  written in backward.
+
+The backward GEMMs read the FP8 operands transposed (cuBLAS's FP8 GEMM takes its first
+operand row-major and its second column-major): each cast writes both layouts in one pass
+(``fp8_cast``).
+Weights, biases, main gradients and the optimizer are untouched, so a checkpoint is the
+bf16 model's. ``emulate`` runs the same quantisation with the products in float32
+(dequantise, then matmul): for tests where ``_scaled_mm`` cannot run; a GPU test holds it
+against the real kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import fp8_cast
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+FP8_MAX = fp8_cast.FP8_MAX
+
+# The fused layer's linears, in the order it runs them; each owns two columns of the amax
+# history: its input's and its weight's.
+QKV, PROJ, FC1, FC2 = range(4)
+LINEARS = 4
+HISTORY_COLUMNS = 2 * LINEARS
+
+FORMATS = ("e4m3", "hybrid")
+RECIPES = ("tensorwise", "delayed")
+AMAX_ALGOS = ("most_recent", "max")
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """How the fused layer's linears run in FP8 (megatron's fp8 arguments)."""
+
+    format: str = "hybrid"  # --fp8-format
+    scaling: str = "delayed"  # --fp8-recipe
+    margin: int = 0  # --fp8-margin
+    history_len: int = 1  # --fp8-amax-history-len
+    amax_algo: str = "most_recent"  # --fp8-amax-compute-algo
+    wgrad: bool = True  # --no-fp8-wgrad: the weight gradient's GEMM in bf16
+    emulate: bool = False  # float32 products of the dequantised operands (tests)
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ValueError(f"FP8 format {self.format!r}: one of {FORMATS}")
+        if self.scaling not in RECIPES:
+            raise ValueError(f"FP8 recipe {self.scaling!r}: one of {RECIPES}")
+        if self.amax_algo not in AMAX_ALGOS:
+            raise ValueError(f"amax algorithm {self.amax_algo!r}: one of {AMAX_ALGOS}")
+        if self.history_len < 1:
+            raise ValueError("the amax history holds at least one step")
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return E5M2 if self.format == "hybrid" else E4M3
+
+    @property
+    def delayed(self) -> bool:
+        return self.scaling == "delayed"
+
+    def describe(self) -> str:
+        grads = "e5m2" if self.format == "hybrid" else "e4m3"
+        history = ("the forward before's amax" if self.history_len == 1 else
+                   f"the {self.amax_algo.replace('_', ' ')} amax of the last "
+                   f"{self.history_len} forwards")
+        scaling = (f"delayed scaling ({history}; gradients by their own)" if self.delayed
+                   else "current scaling")
+        wgrad = "" if self.wgrad else "; weight gradients in bf16"
+        return f"{self.format}: e4m3 inputs and weights, {grads} gradients, {scaling}{wgrad}"
+
+
+# ---- scales -------------------------------------------------------------------------------
+
+def scale_from_amax(amax: Tensor, dtype: torch.dtype, margin: int) -> Tensor:
+    """fp8_max / amax / 2^margin in float32; 1 where amax is 0 (an all-zero tensor)."""
+    amax = amax.float()
+    scale = FP8_MAX[dtype] / torch.clamp(amax, min=1e-30) / (2.0 ** margin)
+    return torch.where(amax > 0, scale, torch.ones_like(scale))
+
+
+def new_history(recipe: Fp8Recipe, device) -> Tensor:
+    """An empty amax history for one layer: [history_len, HISTORY_COLUMNS], float32."""
+    return torch.zeros(recipe.history_len, HISTORY_COLUMNS, dtype=torch.float32, device=device)
+
+
+def delayed_scales(history: Tensor, recipe: Fp8Recipe) -> Tensor:
+    """The scale of every history column from the steps recorded so far."""
+    amax = history[0] if recipe.amax_algo == "most_recent" else history.amax(dim=0)
+    return scale_from_amax(amax, E4M3, recipe.margin)
+
+
+def advance_history(history: Tensor) -> None:
+    """Make room for this step's amaxes in row 0 (the oldest row drops out)."""
+    if history.shape[0] > 1:
+        history.copy_(torch.roll(history, 1, dims=0))
+        history[0].zero_()
+
+
+@dataclass(frozen=True)
+class Fp8Step:
+    """One layer forward's FP8 state: the recipe, the layer's amax history (delayed
+    scaling; None for current scaling) and the scales read from it before this forward
+    (None: scale each tensor by its own amax, as on a layer's first forward)."""
+
+    recipe: Fp8Recipe
+    history: Optional[Tensor] = None
+    scales: Optional[Tensor] = None
+
+
+def start_step(recipe: Fp8Recipe, history: Optional[Tensor], warm: bool) -> Fp8Step:
+    """The FP8 state of a layer forward: under delayed scaling the scales from the
+    history (``warm``: a forward has recorded it) and the history advanced to this step."""
+    if not recipe.delayed or history is None:
+        return Fp8Step(recipe)
+    scales = delayed_scales(history, recipe) if warm else None
+    advance_history(history)
+    return Fp8Step(recipe, history, scales)
+
+
+def operand_scale(t: Tensor, column: int, step: Fp8Step) -> Tensor:
+    """The e4m3 scale of ``t`` (an input or a weight): from the history where the step has
+    read one, else from ``t``'s own amax (a reduction before the cast)."""
+    if step.scales is not None:
+        return step.scales[column]
+    return scale_from_amax(t.detach().abs().amax(), E4M3, step.recipe.margin)
+
+
+def record_amax(step: Fp8Step, column: int, amax: Tensor) -> None:
+    """``amax`` (the cast's, of this step's tensor) into the history's newest row."""
+    if step.history is not None:
+        step.history[0, column] = amax[0]
+
+
+def cast(t: Tensor, column: int, step: Fp8Step, transpose: bool):
+    """(t8, t8 transposed or empty, scale) of ``t`` ([M, K]) in e4m3, its amax recorded."""
+    scale = operand_scale(t, column, step)
+    q, q_t, amax = fp8_cast.cast_transpose(t.detach(), scale.reshape(1), E4M3, transpose)
+    record_amax(step, column, amax)
+    return q, q_t, scale
+
+
+# ---- the GEMMs ----------------------------------------------------------------------------
+
+def scaled_mm(a8: Tensor, b8: Tensor, a_inv: Tensor, b_inv: Tensor, bias: Optional[Tensor],
+              out_dtype: torch.dtype, fast_accum: bool, emulate: bool) -> Tensor:
+    """(a8 * a_inv) @ (b8 * b_inv) + bias in ``out_dtype``; a8 row-major, b8 column-major."""
+    if emulate:
+        out = (a8.float() * a_inv) @ (b8.float() * b_inv)
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(out_dtype)
+    return torch._scaled_mm(a8, b8, a_inv, b_inv, bias=bias, out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)
+
+
+@torch.library.custom_op("megagpt::fp8_wgrad_into_main_grad", mutates_args=("main_grad",))
+def fp8_wgrad_into_main_grad(g8_t: Tensor, x8_t: Tensor, g_inv: Tensor, x_inv: Tensor,
+                             main_grad: Tensor, weight_dtype: torch.dtype,
+                             emulate: bool) -> Tensor:
+    """``main_grad = (g8_t * g_inv) @ (x8_t * x_inv)^T``, the GEMM's output written straight
+    into the gradient buffer (g8_t: [N, M], x8_t: [K, M], both row-major); returns a
+    placeholder weight gradient for autograd to hand on (as the bf16 path's)."""
+    if emulate:
+        main_grad.copy_((g8_t.float() * g_inv) @ (x8_t.float() * x_inv).t())
+    else:
+        torch._scaled_mm(g8_t, x8_t.t(), g_inv, x_inv, out_dtype=main_grad.dtype,
+                         use_fast_accum=False, out=main_grad)
+    return torch.empty(main_grad.shape, dtype=weight_dtype, device=main_grad.device)
+
+
+@fp8_wgrad_into_main_grad.register_fake
+def _(g8_t, x8_t, g_inv, x_inv, main_grad, weight_dtype, emulate):
+    return main_grad.new_empty(main_grad.shape, dtype=weight_dtype)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """``x @ w^T + b`` from the FP8 casts of x and w (``fp8_linear``), all three GEMMs in
+    FP8 (module docstring); x and w come in for autograd to route their gradients."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Optional[Tensor],
+                x8: Tensor, x8_t: Tensor, x_scale: Tensor, w8: Tensor, w8_t: Tensor,
+                w_scale: Tensor, recipe: Fp8Recipe) -> Tensor:
+        lead = x.shape[:-1]
+        x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
+        y = scaled_mm(x8, w8.t(), x_inv, w_inv, b, x.dtype, True, recipe.emulate)
+        # backward reads w8 column-major (dgrad) and x8 column-major (wgrad): the casts'
+        # transposed copies, row-major
+        kept = x8_t if recipe.wgrad else x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(kept, w8_t, x_inv, w_inv)
+        # not a saved tensor: every view of the gradient buffer shares one version counter
+        ctx.main_grad = main_grad
+        ctx.recipe = recipe
+        ctx.has_bias = b is not None
+        ctx.lead = lead
+        ctx.weight_dtype = w.dtype
+        return y.view(*lead, w.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        kept, w8_t, x_inv, w_inv = ctx.saved_tensors
+        recipe: Fp8Recipe = ctx.recipe
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        g_scale = scale_from_amax(g2.abs().amax(), recipe.grad_dtype, recipe.margin)
+        wgrad = ctx.needs_input_grad[1] and recipe.wgrad
+        g8, g8_t, _ = fp8_cast.cast_transpose(g2, g_scale.reshape(1), recipe.grad_dtype,
+                                              wgrad)
+        g_inv = g_scale.reciprocal()
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = scaled_mm(g8, w8_t.t(), g_inv, w_inv, None, grad_out.dtype, False,
+                               recipe.emulate).view(*ctx.lead, w8_t.shape[0])
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = _weight_gradient(ctx, g2, g8_t, g_inv, kept, x_inv)
+        grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
+
+
+def _weight_gradient(ctx, g2: Tensor, g8_t: Tensor, g_inv: Tensor, kept: Tensor,
+                     x_inv: Tensor) -> Tensor:
+    recipe: Fp8Recipe = ctx.recipe
+    if not recipe.wgrad:  # --no-fp8-wgrad: kept is the bf16 input
+        if ctx.main_grad is not None:
+            # the bf16 path's op (fast_spec.layer registers it; that module runs this one)
+            return torch.ops.megagpt.wgrad_into_main_grad(g2, kept, ctx.main_grad)
+        return g2.t() @ kept
+    if ctx.main_grad is not None:
+        return torch.ops.megagpt.fp8_wgrad_into_main_grad(
+            g8_t, kept, g_inv, x_inv, ctx.main_grad, ctx.weight_dtype, recipe.emulate)
+    return scaled_mm(g8_t, kept.t(), g_inv, x_inv, None, ctx.weight_dtype, False,
+                     recipe.emulate)
+
+
+def fp8_linear(x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Optional[Tensor],
+               step: Fp8Step, linear: int) -> Tensor:
+    """``x @ w^T + b`` (x: [..., K], w: [N, K]) in FP8 for the layer's ``linear``
+    (QKV, PROJ, FC1, FC2); ``main_grad``: the weight's gradient buffer to write into."""
+    x2 = x.reshape(-1, x.shape[-1])
+    x8, x8_t, x_scale = cast(x2, 2 * linear, step, transpose=step.recipe.wgrad)
+    w8, w8_t, w_scale = cast(w, 2 * linear + 1, step, transpose=True)
+    return _Fp8Linear.apply(x, w, b, main_grad, x8, x8_t, x_scale, w8, w8_t, w_scale,
+                            step.recipe)
