@@ -215,7 +215,7 @@ def test_a_stopped_tensor_parallel_rank_ends_the_run_and_the_same_command_resume
     timeout = _tightened_timeout(text)
     assert reported < timeout + MARGIN_S, (reported, text[-3000:])
     assert ended < timeout + MARGIN_S + TORCHRUN_GRACE_S + 5, ended
-    assert "saving checkpoint at iteration      10" not in text  # stopped between two saves
+    assert not re.search(r"saving checkpoint at iteration\s+10 ", text)  # stopped between saves
     (line,) = _error_lines(text)
     assert re.match(r"error: rank 1 did not join \w+ #\d+ of the TP group \(ranks 0, 1\): "
                     r"rank 0 waited there \(megatron/core/", line), line
@@ -246,9 +246,11 @@ def test_a_stopped_data_parallel_rank_is_named_and_an_even_run_names_no_straggle
     text = log.read_text()
     assert reported < _tightened_timeout(text) + MARGIN_S, (reported, text[-3000:])
     (line,) = _error_lines(text)
-    assert re.match(r"error: rank 1 did not join all_reduce #\d+ of the DP group \(ranks 0, 1\)"
-                    r": rank 0 waited there \(megatron/core/distributed/", line), line
+    # where rank 0 waits depends on when the stop lands: the gradients' all-reduce (DP), or
+    # the world's all-gather of megatron's exit-signal flag at the end of the iteration
+    assert re.match(r"error: rank 1 did not join \w+ #\d+ of the (DP|world) group \(ranks 0, 1\)"
+                    r": rank 0 waited there \(megatron/", line), line
     before = text.split(line)[0]
     # reports from iteration 4 (after the 3 warm-up ones), a window of 5 full from iteration 8
-    assert "iteration        9/" in before
+    assert re.search(r"iteration\s+9/", before)
     assert not re.search(r"\[megagpt\] stragglers?: (rank|host)", before), before[-3000:]
