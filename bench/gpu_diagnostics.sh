@@ -24,7 +24,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu
 $PY -c 'import torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)' >> "$OUT/gpu.txt" 2>&1
 
 echo "== 1. GPU tests: out of memory, the GEMM rate against the dry run's figure"
-MEGAGPT_FAILURE_LOG="$OUT/gpu_test_failures.txt" timeout 150 $PY -m pytest -q -s -m gpu \
+MEGAGPT_FAILURE_LOG="$OUT/gpu_test_failures.txt" timeout 240 $PY -m pytest -q -s -m gpu \
     -p no:cacheprovider tests/test_out_of_memory.py tests/test_cluster_check.py \
     > "$OUT/gpu_tests.txt" 2>&1
 tail -3 "$OUT/gpu_tests.txt"; grep -h "GEMM\|^error: CUDA out of memory" "$OUT/gpu_tests.txt" | cut -c1-400
