@@ -41,12 +41,14 @@ def add_entry_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="Train on data whose tokenizer record names another tokenizer "
                             "than this run's (ids must still fit the vocabulary).")
     from megagpt.fast_path_flags import add_fast_path_arguments
+    from megagpt.diagnostics import settings as diagnostics_settings
     from megagpt.resilience import checkpoint_integrity
     from megagpt.run_log import run_folder
 
     add_fast_path_arguments(group)
     checkpoint_integrity.add_arguments(group)
     run_folder.add_arguments(group)
+    diagnostics_settings.add_arguments(group)
     return parser
 
 

@@ -49,6 +49,7 @@ LAUNCHED = "around megatron.training.pretrain (launch.megatron_changes), undone 
 FAST_LAUNCH = LAUNCHED + ": the fast path's step, as the launch chose it (train_step)"
 PRETRAIN = LAUNCHED + ": resilience.active"
 CPU_PRETRAIN = LAUNCHED + ", with --cpu: cpu_mode.active"
+DIAGNOSTICS = LAUNCHED + ": diagnostics.active"
 CPU_TE_KERNELS = CPU_PRETRAIN + ", where megatron bound TE's or apex's kernels"
 CPU_GENERATING = ("with --cpu, around megatron.core.inference's generation in the tools "
                   "(cpu_mode.generating), undone after")
@@ -177,6 +178,43 @@ LEDGER: tuple[Change, ...] = (
            "with megatron's in-step NaN checks off (the CUDA graph) a NaN or Inf gradient "
            "norm stops the run, read one iteration late so the check never idles the GPU",
            PRETRAIN + ", when the gradient-norm guard is on", "1823abf71532"),
+    # --- diagnostics: hangs, stragglers, out of memory (megagpt.diagnostics) ------------------
+    Change(T + "train_step", WRAPS, "megagpt.diagnostics.stragglers",
+           "the step that ends each log interval is timed (the device synchronised at its "
+           "start and end) for the straggler report; outside the divergence guard's wrapper, "
+           "so its host read of the gradient norm counts in the step", DIAGNOSTICS,
+           "1823abf71532"),
+    Change(T + "finalize_model_grads", WRAPS, "megagpt.diagnostics.stragglers",
+           "on the timed step, its start ends the forward and backward passes (a rank's "
+           "compute) and its length is the gradient collectives (where a rank waits for the "
+           "slowest)", DIAGNOSTICS, "3f44cc8723b8"),
+    Change(T + "train", RELIES_ON, "megagpt.diagnostics.stragglers",
+           "train() hands the schedule this module's finalize_model_grads when no other is "
+           "set: the wrapper above is what the schedule calls", DIAGNOSTICS, "c8da3b7e0943",
+           needle="config.finalize_model_grads_func = finalize_model_grads"),
+    Change(T + "post_training_step_callbacks", WRAPS, "megagpt.diagnostics",
+           "run after every iteration with its count: the collective timeout's warm-up and, at "
+           "the log interval, the straggler report's all-gather", DIAGNOSTICS, "5cc914494319"),
+    Change(T + "save_checkpoint", WRAPS, "megagpt.diagnostics.timeouts",
+           "a save writes for as long as the file system needs between its collectives: it "
+           "runs under the launch timeout, the tightened one comes back after; outermost, so "
+           "the divergence guard's check runs under it too", DIAGNOSTICS, "42e813b3aa30"),
+    Change("megatron.core.parallel_state.update_pg_timeout", RELIES_ON,
+           "megagpt.diagnostics.timeouts",
+           "sets the timeout of every process group megatron made (after a barrier)",
+           DIAGNOSTICS, "6d470006602b", needle="_set_pg_timeout(timeout, group)"),
+    Change("megatron.training.initialize._initialize_distributed", RELIES_ON,
+           "megagpt.diagnostics.settings",
+           "turns torch's flight recorder on from --flight-recorder-dump-path (dump path, "
+           "buffer, dump on timeout, stack traces) before it creates the process groups; a "
+           "directory gets the prefix _dump_, anything else is the prefix",
+           "by the launch's writer (diagnostics.settings.choose_diagnostics), read by megatron at its "
+           "process-group set-up", "e01f2e4468d6", needle="'TORCH_NCCL_DUMP_ON_TIMEOUT'"),
+    Change("megatron.training.utils.utils.start_memory_history_recording", RELIES_ON,
+           "megagpt.diagnostics.out_of_memory",
+           "with --record-memory-history its out-of-memory observer writes "
+           "<--memory-snapshot-path>_oom_rank-<rank>: the out-of-memory line names that file",
+           DIAGNOSTICS, "72c39fbbc438", needle='filename = f"{base}_oom_rank-{rank}{ext}"'),
     Change(T + "initialize_megatron", WRAPS, "megagpt.cpu_mode",
            "it asserts CUDA unless allow_no_cuda=True, which pretrain does not pass",
            CPU_PRETRAIN, "1894d53ca729",
@@ -456,6 +494,10 @@ LEDGER: tuple[Change, ...] = (
            "megagpt.cpu_mode",
            "activation recompute restores the CUDA generator state it saved; in CPU mode there "
            "is none to restore", CPU_PRETRAIN, "dea947ca0b7d"),
+    Change("megatron.core.parallel_state.update_pg_timeout", COVERS, "megagpt.cpu_mode",
+           "the collective timeout tightened after the warm-up (megagpt.diagnostics.timeouts) "
+           "synchronises CUDA first: CPU mode's stand-in", CPU_PRETRAIN, "6d470006602b",
+           needle="torch.cuda.synchronize()"),
     Change(T + "training_log", COVERS, "megagpt.cpu_mode",
            "--log-memory-to-tensorboard: torch.cuda.memory_stats reports zeros for the "
            "counters megatron logs", CPU_PRETRAIN, "7e7ebec01bcf",

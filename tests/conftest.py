@@ -17,7 +17,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # module left for last keeps one core idle while the other finishes it.
 LONGEST_FIRST = ("test_launch_errors", "test_checkpoint_faults", "test_inference_tools",
                  "test_parallel_layouts", "test_layouts_bench", "test_flag_matrix",
-                 "test_examples", "test_fast_spec", "test_resume", "test_preemption")
+                 "test_examples", "test_fast_spec", "test_resume", "test_preemption",
+                 # half of its three minutes waits on timeouts: overlapped with the others
+                 "test_hangs")
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:

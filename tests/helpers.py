@@ -110,8 +110,10 @@ def start_entry(args: list[str], cwd, log_path, env: dict | None = None,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def wait_for_log(log_path, pattern: str, proc: subprocess.Popen, timeout: float = 180):
-    """Wait until ``pattern`` (a regex) appears in the log; the match, or AssertionError."""
+def wait_for_log(log_path, pattern: str, proc: subprocess.Popen, timeout: float = 180,
+                 poll: float = 0.2):
+    """Wait until ``pattern`` (a regex) appears in the log, looking every ``poll`` seconds;
+    the match, or AssertionError."""
     import time
 
     deadline = time.monotonic() + timeout
@@ -121,7 +123,7 @@ def wait_for_log(log_path, pattern: str, proc: subprocess.Popen, timeout: float 
             return match
         if proc.poll() is not None:
             break
-        time.sleep(0.2)
+        time.sleep(poll)
     tail = Path(log_path).read_text()[-3000:]
     raise AssertionError(f"{pattern!r} not in the log (exit status {proc.poll()}):\n{tail}")
 

@@ -12,15 +12,18 @@ pieces wrap one megatron function the one entered first is inside, next to megat
      full-iteration graph's capture; gradients written; the optimizer's kernels; the flat
      AdamW step; the asynchronous step (outside the flat step's ``setup_model_and_optimizer``:
      it reads the optimizer that one has finished);
-  3. resilience (``resilience.active``): resume fidelity (outside the asynchronous step's
+  3. the diagnostics (``diagnostics.active``): the collective timeout tightened after the
+     warm-up and relaxed during saves, the straggler report, a failed collective, a hang or
+     an out-of-memory error as one line;
+  4. resilience (``resilience.active``): resume fidelity (outside the asynchronous step's
      ``training_log``: it rebinds the arguments megatron's function receives), the
      configuration snapshot, one-line load errors, a mixed-precision checkpoint resumed in
      fp32, and where the launch's NaN check is the gradient norm the divergence guard
      (outside the snapshot's ``save_checkpoint``: no snapshot of a save it refuses);
-  4. Ctrl-C as megatron's exit signal where the run saves (``resilience.interrupt``), and the
+  5. Ctrl-C as megatron's exit signal where the run saves (``resilience.interrupt``), and the
      run's log and files (``run_log.active``: the iteration line through megatron's
      ``print_rank_last``, megatron's argument table and the plot in the run folder);
-  5. CPU mode (``cpu_mode.active``, with ``--cpu``): megatron's and torch's stand-ins, last:
+  6. CPU mode (``cpu_mode.active``, with ``--cpu``): megatron's and torch's stand-ins, last:
      its torch fallbacks then replace whatever megatron's optimizer module holds (CUDA-only
      kernels cannot step a CPU run's tensors), and its device rewriting sees every call.
 
@@ -36,7 +39,8 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, ContextManager, Iterator, Optional
 
-from megagpt import compat, cpu_mode, resilience, run_log
+from megagpt import compat, cpu_mode, diagnostics, resilience, run_log
+from megagpt.diagnostics import settings as diagnostics_settings
 from megagpt.resilience import interrupt
 from megagpt.train_step import async_step, capture_watchdog, flat_adam, grad_write
 from megagpt.train_step import optimizer as fast_optimizer
@@ -81,6 +85,8 @@ def pieces(launch: Launch, args, container=None,
         else:
             log("fast path: host synchronisations inside the step kept "
                 "(--fast-disable async-step)")
+    out.append(("diagnostics", diagnostics.active(
+        args, launch.value(diagnostics_settings.DIAGNOSTICS))))
     out.append(("resilience", resilience.active(
         args, container, grad_norm_guard=launch.value(chosen.NAN_CHECK) == chosen.GRADIENT_NORM)))
     out.append(("Ctrl-C saves", interrupt.saving_on_ctrl_c(args, log)))

@@ -20,6 +20,8 @@ The steps, in order (a step reads only what the steps above it decided):
   fast path    every choice of the fast path (``fast_path.STEPS``)
   resilience   the exit-signal handler with ``--save``, the rerun mode (after the fast path,
                whose CUDA graphs turn megatron's in-step checks off)
+  diagnostics  torch's flight recorder into the run's folder, the collective timeout after the
+               warm-up, the straggler report, megatron's memory snapshot path
   entry        CUDA_DEVICE_MAX_CONNECTIONS under tensor or context parallelism
   run log      megatron's settings that would print what does not apply here (one_logger)
 
@@ -32,6 +34,7 @@ import os
 from typing import Callable, Iterable, Mapping, Optional
 
 from megagpt import compat, cpu_mode
+from megagpt.diagnostics import settings as diagnostics_settings
 from megagpt.run_log import quiet
 from megagpt.arguments import parse_command_line
 from megagpt.flags import explicit_flags
@@ -55,6 +58,7 @@ STEPS: tuple[tuple[str, Step], ...] = (
     *((fast_path.SECTION, step) for step in fast_path.STEPS),
     ("resilience", preemption.choose_exit_signal_handler),
     ("resilience", divergence.choose_rerun_mode),
+    ("diagnostics", diagnostics_settings.choose_diagnostics),
     ("entry", entry_defaults.device_connections),
     ("run log", quiet.choose_quiet_settings),
 )

@@ -152,6 +152,16 @@ def _optimizer_step_parts(memory: est.MemoryEstimate) -> str:
     return " + ".join(f"{name} {est.gib(value)}" for value, name in parts if value)
 
 
+def diagnostics_lines(launch, run: cost.RunEstimate | None) -> list[str]:
+    """The collective timeout the launch will use (its ``diagnostics`` choice; the others
+    are logged above), worked out at the estimated step time."""
+    from megagpt.diagnostics.settings import DIAGNOSTICS
+
+    diagnostics = launch.value(DIAGNOSTICS)
+    step = run.step.seconds if run is not None else None
+    return ["hangs:", f"  {diagnostics.timeout.describe(step)}"]
+
+
 def gpus(n: int) -> str:
     return f"{n} GPU" if n == 1 else f"{n} GPUs"
 
@@ -230,6 +240,8 @@ def run_dry_run(args, launch=None) -> int:
     if launch is not None:
         print("\n".join(launch.describe()))
     print("\n".join(cost.estimate_lines(plan.run, plan.gpu)))
+    if launch is not None:
+        print("\n".join(diagnostics_lines(launch, plan.run)))
     if getattr(args, "search_layouts", False):
         from megagpt.preflight.layout_search import search_lines
 
