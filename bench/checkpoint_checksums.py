@@ -50,7 +50,8 @@ def parameters(shape: str) -> int:
     import contextlib
     import io
 
-    from megagpt.arguments import parse_arguments, validate_arguments
+    from megagpt.arguments import validate_arguments
+    from megagpt.launch import parse_arguments
     from megagpt.preflight import estimate
 
     with contextlib.redirect_stdout(io.StringIO()):

@@ -187,12 +187,12 @@ def test_a_damaged_configuration_snapshot_is_named_not_taken_for_a_missing_one(c
     with pytest.raises(ToolCheckpointError, match=rf"{re.escape(snapshot)} is unreadable"):
         read_saved_config(it_dir(ckpt, 8))
     lines = []  # with checksums, loading names the damage and takes iteration 4
-    guard.prepare_load(args, lines.append)
+    guard.prepare_load(args, frozenset(), lines.append)
     assert any(f"{snapshot} is unreadable" in line for line in lines)
     os.remove(os.path.join(it_dir(ckpt, 8), checksums.MANIFEST))
     with pytest.raises(CheckpointError, match=rf"--load {re.escape(it_dir(ckpt, 8))}: "
                                               rf"{re.escape(snapshot)} is unreadable"):
-        guard.prepare_load(args, lines.append)
+        guard.prepare_load(args, frozenset(), lines.append)
 
 
 def test_load_path_without_checkpoint(tmp_path):

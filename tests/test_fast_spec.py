@@ -800,6 +800,9 @@ def test_resolving_patches_nothing_the_launchs_context_does(restore_optimizer):
     args, _, launch = _resolved(bf16=True)
     assert (mopt.Adam, mtraining.training_log) == before
     assert args.fast_grad_write and not grad_write.grad_write_enabled()
+    # what the run log and the other pieces read of a launch's validated arguments
+    vars(args).update(seq_length=16, log_interval=1, save=None, tensorboard_dir=None,
+                      fp16=False, gpu_type=None)
     lines = []
     with launched(launch, args, log=lines.append):
         assert grad_write.grad_write_enabled()

@@ -206,7 +206,9 @@ def test_off_is_megatrons_zeroing_and_adding(writing):
     ({"global_batch_size": 16}, "micro-batch"),
     ({"rampup_batch_size": [8, 8, 100]}, "micro-batch"),
     ({"world_size": 2}, "data-parallel"),
-    ({"gradient_accumulation_fusion": True}, "accumulation fusion"),
+    # megatron's fusion where megatron's output layer runs its own backward (the fast spec's
+    # chunked loss off); beside the chunked loss the launch turns the fusion off and writes
+    ({"gradient_accumulation_fusion": True, "fast_lm_loss": False}, "accumulation fusion"),
     ({"use_distributed_optimizer": True}, "distributed optimizer"),
     ({"transformer_impl": "transformer_engine"}, "fast spec"),
 ])
@@ -221,6 +223,18 @@ def test_on_by_default_where_nothing_is_accumulated(attrs, needle):
     apply_fast_path_defaults(args, lambda s: None)
     assert args.fast_grad_write is (needle is None)
     assert not grad_write.grad_write_enabled()  # the launch decides; its context installs it
+
+
+def test_megatrons_fusion_beside_the_chunked_loss_is_turned_off_and_gradients_written():
+    """apex's weight-gradient kernel turns megatron's fusion on; where the fast spec's fused
+    layers and chunked loss form every weight gradient it has nothing to fuse."""
+    from megagpt.launch.fast_path import apply_fast_path_defaults
+
+    args = fast_path_namespace(gradient_accumulation_fusion=True)
+    lines = []
+    apply_fast_path_defaults(args, lines.append)
+    assert args.gradient_accumulation_fusion is False and args.fast_grad_write is True
+    assert any("--no-gradient-accumulation-fusion" in line for line in lines)
 
 
 def test_switch_off_and_refused_where_gradients_are_summed():

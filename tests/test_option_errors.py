@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from helpers import ENTRY, entry_env
-from megagpt import arguments, option_errors
+from megagpt import arguments, launch, option_errors
 from megagpt.option_errors import OptionCache, OptionError
 
 TINY = ["--cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "64",
@@ -20,7 +20,7 @@ TINY = ["--cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "64",
 
 def refused(argv) -> str:
     with pytest.raises(OptionError) as caught:
-        arguments.parse_arguments(argv)
+        launch.parse_arguments(argv)
     return str(caught.value)
 
 
@@ -53,14 +53,14 @@ def test_a_misspelled_key_in_the_config_file_names_the_file_and_line(tmp_path, o
     config.write_text("# model\nnum-layers: 2\nhiden-size: 64\n")
     expected = f"--config {config}, line 3: hiden-size: unknown option (did you mean hidden-size?)"
     with pytest.raises(arguments.ConfigFileError) as caught:
-        arguments.parse_arguments(["--config", str(config), *TINY[6:]])
+        launch.parse_arguments(["--config", str(config), *TINY[6:]])
     assert str(caught.value) == expected
     argv, _ = arguments.expand_config_file(["--config", str(config), *TINY[6:]])
     assert option_errors.early_problem(argv, options, str(config), argv[:4]) == expected
     config.write_text("MODEL_ARGS:\n  --num-layers: 2\n  --hiden_size: 64\n")  # upstream's shape
     with pytest.raises(arguments.ConfigFileError, match=r"line 3: --hiden_size: unknown option "
                                                         r"\(did you mean --hidden-size\?\)"):
-        arguments.parse_arguments(["--config", str(config), *TINY[6:]])
+        launch.parse_arguments(["--config", str(config), *TINY[6:]])
 
 
 @pytest.mark.parametrize("where", ["file", "command line"])

@@ -251,6 +251,8 @@ def layer_activation_bytes(args, recompute: str) -> float:
 def _fp8_weight_copy_bytes(args, path: str) -> float:
     """Under FP8, the transposed FP8 copy of each linear weight that a layer's forward keeps
     for its input-gradient GEMM: 1 byte per weight of the layer on this TP rank."""
+    from megagpt.preflight.launch_path import fp8_linears
+
     if not fp8_linears(args, path):
         return 0.0
     h, heads = args.hidden_size, args.num_attention_heads

@@ -85,9 +85,10 @@ def install(args, log: Callable[[str], None]) -> CtrlC | None:
     is installed: ``--exit-signal-handler``, which ``preemption`` turns on with ``--save``);
     None where Ctrl-C keeps its meaning."""
     global _ACTIVE
-    if not (args.save and args.exit_signal_handler and _megatrons_signal_handler() is not None):
+    if not (getattr(args, "save", None) and getattr(args, "exit_signal_handler", False)
+            and _megatrons_signal_handler() is not None):
         return None
-    if args.exit_signal == signal.SIGINT:
+    if getattr(args, "exit_signal", None) == signal.SIGINT:
         return None  # megatron's handler takes it already
     _ACTIVE = CtrlC(args, log)
     signal.signal(signal.SIGINT, _ACTIVE)
