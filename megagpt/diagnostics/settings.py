@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Mapping, MutableMapping, Optional
+from typing import Mapping, Optional
 
 from megagpt.errors import UserError
 
