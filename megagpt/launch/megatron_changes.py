@@ -85,8 +85,9 @@ def pieces(launch: Launch, args, container=None,
         else:
             log("fast path: host synchronisations inside the step kept "
                 "(--fast-disable async-step)")
-    out.append(("diagnostics", diagnostics.active(
-        args, launch.value(diagnostics_settings.DIAGNOSTICS))))
+    if _made(launch, diagnostics_settings.DIAGNOSTICS):
+        out.append(("diagnostics", diagnostics.active(
+            args, launch.value(diagnostics_settings.DIAGNOSTICS))))
     out.append(("resilience", resilience.active(
         args, container, grad_norm_guard=launch.value(chosen.NAN_CHECK) == chosen.GRADIENT_NORM)))
     out.append(("Ctrl-C saves", interrupt.saving_on_ctrl_c(args, log)))
