@@ -131,6 +131,26 @@ class SigtermWatcher:
             if signal.SIGTERM in data:
                 self._on_sigterm()
 
+    def _stuck_collective(self) -> int | None:
+        """The collective this rank is stuck in: pending now, or entered within ``stuck_s``
+        (a launcher's SIGTERM can find a rank between two collectives, computing; the dead
+        rank's peers reach their next one within a step), and still pending ``stuck_s``
+        after that. None where the rank is not stuck, or its main thread reports a failed
+        collective meanwhile."""
+        r = self.reporter
+        first = _pending_collective(r.backend)
+        reach_by = time.monotonic() + self.stuck_s
+        while first is None and not r.reported and time.monotonic() < reach_by:
+            time.sleep(0.05)
+            first = _pending_collective(r.backend)
+        if first is None:
+            return None
+        time.sleep(self.stuck_s)
+        # a save that began meanwhile (megatron's, on SIGTERM) may wait for long
+        if _pending_collective(r.backend) == first and not self.in_save():
+            return first
+        return None
+
     @property
     def received(self) -> bool:
         """A SIGTERM has arrived: this rank is being ended."""
@@ -141,12 +161,7 @@ class SigtermWatcher:
         r = self.reporter
         stuck = None
         if r.dump_prefix is not None and not self.in_save():
-            first = _pending_collective(r.backend)
-            if first is not None:
-                time.sleep(self.stuck_s)
-                # a save that began meanwhile (megatron's, on SIGTERM) may wait for long
-                if _pending_collective(r.backend) == first and not self.in_save():
-                    stuck = first
+            stuck = self._stuck_collective()
         if stuck is not None:
             reported = r.report(f"was still waiting {self.stuck_s:g} s after a SIGTERM (the "
                                 "launcher's, once a rank has ended)")

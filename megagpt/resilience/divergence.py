@@ -154,7 +154,7 @@ class GradNormGuard:
     of its results); ``save_checkpoint`` wraps megatron's ``save_checkpoint``.
 
     A norm already on the host (a float) is checked at once. A norm kept on the GPU (the
-    fast path's asynchronous step, ``fast_spec.async_step``) is checked one iteration late,
+    fast path's asynchronous step, ``train_step.async_step``) is checked one iteration late,
     when the GPU is already busy with the next iteration, so the check never idles it —
     and every pending norm is checked before a checkpoint is written, so a diverged model
     is never saved. The update of the failing step has been applied in memory; the newest
