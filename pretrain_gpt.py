@@ -356,7 +356,26 @@ def stopped_before_training(args, tensorboard) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Resolve and check the launch, then train (or, with --dry-run, print the plan)."""
+    """Resolve and check the launch, then train (or, with --dry-run, print the plan); the
+    process groups ended on the way out, however it leaves (``process_exit``)."""
+    import traceback
+
+    from megagpt.diagnostics import process_exit
+
+    try:
+        status = train_or_plan(argv)
+    except SystemExit as exc:  # megatron's exit after --exit-interval or a signal's save
+        process_exit.end_or_leave(process_exit.status_of(exc), log)
+        raise
+    except BaseException:
+        process_exit.end_or_leave(1, log, before_leaving=traceback.print_exc)
+        raise
+    process_exit.end_or_leave(status, log)
+    return status
+
+
+def train_or_plan(argv: list[str] | None) -> int:
+    """``main``'s launch: the exit status, or megatron's SystemExit."""
     from megagpt.errors import UserError
     from megagpt.resilience import interrupt
 

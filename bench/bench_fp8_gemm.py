@@ -3,9 +3,9 @@
 
 A linear of the fused layer (x: [M, K] tokens by input width, w: [N, K]) forward and
 backward, as the layer runs it: bf16 through ``_LinearIntoMainGrad`` (the weight gradient
-written into an fp32 ``main_grad``), FP8 through ``megagpt.fast_spec.fp8.fp8_linear`` (the
-operand casts, ``_scaled_mm`` for the forward and both gradients, the weight gradient into
-``main_grad``), delayed scaling from a warm amax history unless ``--recipe tensorwise``.
+written into a bf16 ``main_grad``, as the fast path keeps it), FP8 through
+``megagpt.fast_spec.fp8.fp8_linear`` (the operand casts, ``_scaled_mm`` for the forward and
+both gradients, the weight gradient into ``main_grad``), delayed scaling from a warm amax history unless ``--recipe tensorwise``.
 Each is captured as one CUDA graph of ``--reps`` forward+backward passes and replayed in
 turns (5 rounds, the median); the scale arithmetic runs eagerly here, where the compiled
 layer fuses it, so the FP8 time is an upper bound.
@@ -52,7 +52,8 @@ def _pass(kind: str, m: int, k: int, n: int, recipe: str):
     x = (torch.randn(m, k, device=dev) * 0.5).to(torch.bfloat16).requires_grad_()
     w = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16).requires_grad_()
     g = (torch.randn(m, n, device=dev) * 1e-3).to(torch.bfloat16)
-    main_grad = torch.zeros(n, k, device=dev, dtype=torch.float32)
+    # the fast path keeps bf16 gradients (--grad-reduce-in-bf16), which the bf16 op writes
+    main_grad = torch.zeros(n, k, device=dev, dtype=torch.bfloat16)
     if kind == "bf16":
         def run():
             y = layer._linear(x, w, None, main_grad)

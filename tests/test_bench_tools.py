@@ -320,3 +320,41 @@ def test_run_info_names_the_given_commit_else_the_checkouts(monkeypatch):
     if not head:
         pytest.skip("not a git checkout")
     assert commit().removesuffix("+changes") == head
+
+
+def test_fp8_losses_figures():
+    """bench/fp8_losses.py's goal figures from losses made up so that each one is known."""
+    import fp8_losses
+
+    bf16 = {i: 10.0 - i / 100 for i in range(1, 301)}
+    fp8 = {i: v * (1.004 if i != 120 else 1.03) for i, v in bf16.items()}
+    tefp8 = {i: v * 1.002 for i, v in bf16.items()}
+    figures = fp8_losses.tracking_figures(dict(bf16=bf16, fp8=fp8, tefp8=tefp8), warmup=30)
+    assert figures["fp8_over_bf16"] == pytest.approx(0.004, rel=1e-9)
+    assert figures["fp8_over_tefp8"] == pytest.approx(1.004 / 1.002 - 1, rel=1e-9)
+    assert figures["fp8_largest_excursion_over_bf16"] == dict(iteration=120,
+                                                              relative=pytest.approx(0.03))
+    assert figures["holds"] and figures["nonfinite"] == dict(bf16=[], fp8=[], tefp8=[])
+    # the last 50 iterations only; a NaN anywhere, or FP8 too far above TE's, fails
+    assert fp8_losses.mean_last({1: 100.0, **{i: 2.0 for i in range(2, 52)}}) == 2.0
+    fp8[7] = float("nan")
+    assert not fp8_losses.tracking_figures(dict(bf16=bf16, fp8=fp8), warmup=30)["holds"]
+    slower = {i: v * 1.008 for i, v in bf16.items()}
+    assert not fp8_losses.tracking_figures(dict(bf16=bf16, fp8=slower, tefp8=bf16),
+                                           warmup=30)["holds"]
+    assert fp8_losses.largest_relative_difference({151: 2.02}, {151: 2.0, 152: 1.9}) == \
+        pytest.approx(0.01)
+
+
+def test_fp8_losses_resume_folder_points_at_the_half_way_iteration(tmp_path):
+    import fp8_losses
+
+    saved = tmp_path / "saved"
+    (saved / "iter_0000150").mkdir(parents=True)
+    (saved / "iter_0000300").mkdir()
+    (saved / "latest_checkpointed_iteration.txt").write_text("300")
+    folder = fp8_losses.resume_folder(saved, 150, tmp_path / "resume")
+    assert (folder / "latest_checkpointed_iteration.txt").read_text() == "150"
+    assert sorted(x.name for x in folder.iterdir()) == ["iter_0000150",
+                                                        "latest_checkpointed_iteration.txt"]
+    assert (folder / "iter_0000150").resolve() == (saved / "iter_0000150").resolve()

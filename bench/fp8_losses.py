@@ -1,0 +1,266 @@
+#!/usr/bin/env python3
+"""FP8 against bf16 on real text, and checkpoints crossing between them (one GPU).
+
+    MEGAGPT_CACHE_DIR=... python bench/fp8_losses.py --out OUT [--te-site DIR] [--iters 300]
+
+The embedded corpus (GPT-2 BPE Shakespeare), the 345M shape of bench_throughput.py, dropout
+0, ``--lr 3e-4`` with ``--lr-warmup-iters 30`` and cosine decay to ``3e-5``, a loss logged
+every iteration. The launches share the GPU, several at once (their losses do not depend
+on what else runs; their speed is not measured here):
+
+1. **tracking**: ``bf16`` (the fast path's default), ``fp8`` (``--fp8-format hybrid``: the
+   fast spec's FP8 linears, delayed scaling) and, with ``--te-site`` (a folder holding
+   Transformer Engine), ``tefp8`` (TE's layers, ``--fp8-format hybrid``), ``--iters``
+   iterations each, saving at the half way point;
+2. **crossing**: from each of those half-way checkpoints, 20 iterations under another
+   precision (``SRC->DST``), and under the same one (the resume's own difference), compared
+   with the uninterrupted run of the checkpoint's source;
+3. **use**: ``tools/generate.py`` and ``tools/export_hf.py`` on the FP8 run's last checkpoint.
+
+Writes OUT/fp8_losses.json (the figures, ``info``), OUT/fp8_losses.csv (every loss) and
+OUT/fp8_losses.png (the tracking curves), and each launch's log. Exit status 0 when every
+launch ran and the goals hold: FP8's mean loss over the last 50 iterations within 1 % of
+bf16's and at most 0.5 % above TE's FP8, no NaN or Inf, each crossing's losses within 2 %
+(relative) of its source's uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT))
+
+from bench_throughput import corpus_data_flags, parse_entry_log, shape_flags  # noqa: E402
+from run_info import run_info  # noqa: E402
+
+SHAPE = "345M"
+PRECISIONS = {
+    "bf16": [],
+    "fp8": ["--fp8-format", "hybrid"],
+    "tefp8": ["--transformer-impl", "transformer_engine", "--fast-cuda-graphs", "iteration",
+              "--fp8-format", "hybrid"],
+}
+TE_PRECISIONS = {"tefp8"}
+TRAINING = ["--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "3e-4",
+            "--min-lr", "3e-5", "--lr-warmup-iters", "30", "--lr-decay-style", "cosine"]
+CROSS_ITERS = 20
+LAST = 50  # the tracking goal's window
+CROSS_TOLERANCE = 2e-2  # relative: bf16 rounding of two sets of kernels (the TE GPU tests')
+
+
+# ---- the figures (pure: tests/test_bench_tools.py runs them on the CPU) -------------------
+
+def mean_last(losses: dict[int, float], n: int = LAST) -> float:
+    """The mean loss over the last ``n`` iterations logged."""
+    last = sorted(losses)[-n:]
+    return statistics.fmean(losses[i] for i in last)
+
+
+def nonfinite(losses: dict[int, float]) -> list[int]:
+    """The iterations whose loss is NaN or Inf."""
+    return [i for i, v in sorted(losses.items()) if not math.isfinite(v)]
+
+
+def largest_excursion(run: dict[int, float], reference: dict[int, float], after: int
+                      ) -> tuple[int, float] | None:
+    """(iteration, relative excursion) where ``run`` is furthest above ``reference`` after
+    iteration ``after`` (the warm-up); None where no iteration is shared."""
+    shared = [i for i in sorted(set(run) & set(reference)) if i > after]
+    if not shared:
+        return None
+    worst = max(shared, key=lambda i: (run[i] - reference[i]) / reference[i])
+    return worst, (run[worst] - reference[worst]) / reference[worst]
+
+
+def largest_relative_difference(run: dict[int, float], reference: dict[int, float]
+                                ) -> float | None:
+    shared = sorted(set(run) & set(reference))
+    if not shared:
+        return None
+    return max(abs(run[i] - reference[i]) / abs(reference[i]) for i in shared)
+
+
+def tracking_figures(losses: dict[str, dict[int, float]], warmup: int) -> dict:
+    """The tracking goal's figures from each precision's losses (bf16 and fp8 at least)."""
+    means = {name: mean_last(run) for name, run in losses.items()}
+    out = dict(mean_last_50=means,
+               nonfinite={name: nonfinite(run) for name, run in losses.items()},
+               fp8_over_bf16=means["fp8"] / means["bf16"] - 1)
+    excursion = largest_excursion(losses["fp8"], losses["bf16"], warmup)
+    if excursion:
+        out["fp8_largest_excursion_over_bf16"] = dict(iteration=excursion[0],
+                                                      relative=excursion[1])
+    if "tefp8" in means:
+        out["fp8_over_tefp8"] = means["fp8"] / means["tefp8"] - 1
+    out["holds"] = (abs(out["fp8_over_bf16"]) <= 0.01
+                    and out.get("fp8_over_tefp8", 0.0) <= 0.005
+                    and not any(out["nonfinite"].values()))
+    return out
+
+
+# ---- the launches -------------------------------------------------------------------------
+
+def entry_argv(precision: str, iters: int, data: list[str]) -> list[str]:
+    return ([sys.executable, str(ROOT / "pretrain_gpt.py")]
+            + shape_flags(SHAPE, iters, 1, 1234, data) + TRAINING + PRECISIONS[precision])
+
+
+def start(name: str, argv: list[str], out: Path, env: dict) -> tuple:
+    """A launch in a folder of its own (its working directory: the flight recorder's and
+    the run folder's files stay apart), its output into OUT/NAME.log."""
+    folder = out / name
+    folder.mkdir(parents=True, exist_ok=True)
+    log = open(out / f"{name}.log", "w")
+    print(f"[fp8-losses] {name}: {shlex.join(argv)}", flush=True)
+    proc = subprocess.Popen(argv, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    return name, proc, log, time.time()
+
+
+def wait_all(started: list, timeout: float) -> dict[str, dict]:
+    results = {}
+    deadline = time.time() + timeout
+    for name, proc, log, t0 in started:
+        try:
+            rc = proc.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            rc = proc.wait()
+            rc = f"timeout ({rc})"
+        log.close()
+        text = Path(log.name).read_text(errors="replace")
+        parsed = parse_entry_log(text, 0)
+        losses = {i: v for i, v in parsed["losses"] if v is not None}
+        results[name] = dict(rc=rc, wall_s=round(time.time() - t0, 1), losses=losses)
+        print(f"[fp8-losses] {name}: rc={rc}, {len(losses)} losses"
+              + ("" if rc == 0 else "\n" + "\n".join(text.splitlines()[-15:])), flush=True)
+    return results
+
+
+def environment(precision: str, te_site: str | None) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if te_site and precision in TE_PRECISIONS:
+        paths.append(te_site)
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+def resume_folder(saved: Path, at: int, into: Path) -> Path:
+    """A checkpoint folder whose latest iteration is ``at`` (the half-way point of a run
+    that went on), its iteration linked rather than copied."""
+    into.mkdir(parents=True, exist_ok=True)
+    name = f"iter_{at:07d}"
+    link = into / name
+    if not link.exists():
+        link.symlink_to(saved / name, target_is_directory=True)
+    (into / "latest_checkpointed_iteration.txt").write_text(str(at))
+    return into
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--te-site", default=os.environ.get("TE_SITE"),
+                   help="a folder holding Transformer Engine, for the tefp8 runs")
+    p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--timeout", type=float, default=420, help="seconds per phase")
+    p.add_argument("--skip", default="", help="phases to leave out: crossing,use")
+    a = p.parse_args(argv)
+    out = Path(a.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    skip = set(filter(None, a.skip.split(",")))
+    data = corpus_data_flags()
+    precisions = [x for x in PRECISIONS if x not in TE_PRECISIONS or a.te_site]
+    half = a.iters // 2
+    saves = {x: out / "ckpt" / x for x in precisions}
+
+    # 1. tracking, saving at the half-way point (and at the end)
+    started = [start(x, entry_argv(x, a.iters, data) + [
+        "--save", str(saves[x]), "--save-interval", str(half)], out, environment(x, a.te_site))
+        for x in precisions]
+    tracking = wait_all(started, a.timeout)
+    losses = {x: r["losses"] for x, r in tracking.items()}
+    result = dict(info=run_info(), shape=SHAPE, iters=a.iters, training=TRAINING,
+                  launches={x: dict(rc=r["rc"], wall_s=r["wall_s"]) for x, r in tracking.items()})
+    ran = all(r["rc"] == 0 and len(r["losses"]) == a.iters for r in tracking.values())
+    if ran:
+        result["tracking"] = tracking_figures(losses, warmup=30)
+
+    # 2. crossing: from each half-way checkpoint, CROSS_ITERS iterations under each precision
+    if ran and "crossing" not in skip:
+        pairs = [(s, d) for s in precisions for d in precisions]
+        started = []
+        for src, dst in pairs:
+            name = f"{src}-to-{dst}"
+            folder = resume_folder(saves[src], half, out / "resume" / name)
+            started.append(start(name, entry_argv(dst, a.iters, data) + [
+                "--load", str(folder), "--exit-interval", str(half + CROSS_ITERS)], out,
+                environment(dst, a.te_site)))
+        crossed = wait_all(started, a.timeout)
+        result["crossing"] = {}
+        for (src, dst), (name, r) in zip(pairs, crossed.items()):
+            diff = largest_relative_difference(r["losses"], losses[src])
+            result["crossing"][name] = dict(
+                rc=r["rc"], iterations=sorted(r["losses"]),
+                first_loss=r["losses"].get(half + 1), source_loss=losses[src].get(half + 1),
+                max_rel_diff_vs_source=diff)
+            ran = ran and r["rc"] == 0 and sorted(r["losses"]) == list(
+                range(half + 1, half + CROSS_ITERS + 1))
+        result["crossing_holds"] = all(
+            c["max_rel_diff_vs_source"] is not None
+            and c["max_rel_diff_vs_source"] <= CROSS_TOLERANCE
+            for c in result["crossing"].values())
+
+    # 3. use: generation and the Hugging Face export of the FP8 run's checkpoint
+    if tracking.get("fp8", {}).get("rc") == 0 and "use" not in skip:
+        env = environment("fp8", None)
+        gen = subprocess.run([sys.executable, str(ROOT / "tools" / "generate.py"), "--load",
+                              str(saves["fp8"]), "--prompt", "ROMEO:", "--max-new-tokens",
+                              "24", "--greedy"], cwd=out, env=env, capture_output=True,
+                             text=True, timeout=300)
+        export = subprocess.run([sys.executable, str(ROOT / "tools" / "export_hf.py"),
+                                 "--load", str(saves["fp8"]), "--output", str(out / "hf"),
+                                 "--overwrite"], cwd=out, env=env, capture_output=True,
+                                text=True, timeout=300)
+        (out / "use.log").write_text(gen.stdout + gen.stderr + export.stdout + export.stderr)
+        result["use"] = dict(generate_rc=gen.returncode, sample=gen.stdout[-400:],
+                             export_rc=export.returncode,
+                             exported=sorted(x.name for x in (out / "hf").glob("*")))
+        ran = ran and gen.returncode == 0 and export.returncode == 0
+
+    # every loss, and the curves
+    with open(out / "fp8_losses.csv", "w") as f:
+        names = list(losses)
+        f.write("iteration," + ",".join(names) + "\n")
+        for i in range(1, a.iters + 1):
+            f.write(f"{i}," + ",".join(str(losses[x].get(i, "")) for x in names) + "\n")
+    try:
+        from megagpt.plots import load_run, plot_runs
+
+        plot_runs([load_run(str(out / f"{x}.log"), x) for x in losses if losses[x]],
+                  out / "fp8_losses.png", title=f"{SHAPE} on text: bf16 and FP8")
+    except Exception as e:  # noqa: BLE001 (the figures stand without the picture)
+        print(f"[fp8-losses] no plot: {e}", flush=True)
+    (out / "fp8_losses.json").write_text(json.dumps(result, indent=1, default=str))
+    print(json.dumps({k: v for k, v in result.items() if k != "info"}, indent=1,
+                     default=str)[:6000], flush=True)
+    holds = ran and result.get("tracking", {}).get("holds") and result.get("crossing_holds",
+                                                                          True)
+    return 0 if holds else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
