@@ -362,15 +362,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from megagpt.diagnostics import process_exit
 
+    # groups a caller made before are the caller's to end
+    ours = process_exit.LaunchProcessGroups()
     try:
         status = train_or_plan(argv)
     except SystemExit as exc:  # megatron's exit after --exit-interval or a signal's save
-        process_exit.end_or_leave(process_exit.status_of(exc), log)
+        ours.end_or_leave(process_exit.status_of(exc), log)
         raise
     except BaseException:
-        process_exit.end_or_leave(1, log, before_leaving=traceback.print_exc)
+        ours.end_or_leave(1, log, before_leaving=traceback.print_exc)
         raise
-    process_exit.end_or_leave(status, log)
+    ours.end_or_leave(status, log)
     return status
 
 

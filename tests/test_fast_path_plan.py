@@ -359,6 +359,41 @@ def test_fp8_on_the_fast_spec_leaves_megatrons_fp8_unset_and_reaches_the_layers(
     assert fused_layer_options(plan_fast_path(launch(), NO_TE, {})).fp8 is None
 
 
+SHAPE_345M = dict(hidden_size=1024, num_attention_heads=16, ffn_hidden_size=4096,
+                  seq_length=1024, micro_batch_size=8)
+
+
+@pytest.mark.parametrize("attrs, argv, linears, bf16", [
+    # 345M: every GEMM at least 1024 wide (the narrowest measured to gain)
+    (SHAPE_345M, [], (0, 1, 2, 3), ""),
+    # at TP 4 each rank's QKV output is 768 wide, the projection's input 256: bf16
+    (dict(SHAPE_345M, world_size=4, tensor_model_parallel_size=4), [], (2, 3),
+     "qkv 8192x1024x768 (a dimension below 1024), proj 8192x256x1024 (a dimension below "
+     "1024)"),
+    # a width of 0 puts every linear in FP8
+    (dict(SHAPE_345M, hidden_size=512, ffn_hidden_size=2048), ["--fast-fp8-min-width", "0"],
+     (0, 1, 2, 3), ""),
+])
+def test_fp8_keeps_linears_too_narrow_to_gain_in_bf16(attrs, argv, linears, bf16):
+    plan = plan_of(argv, fp8="hybrid", fp8_recipe="delayed", **attrs)
+    recipe = plan.value("FP8")
+    assert recipe.linears == linears
+    (line,) = [x for x in plan.log if "FP8 linears" in x]
+    assert (f"in bf16, too narrow to gain: {bf16}" in line) == bool(bf16), line
+
+
+def test_fp8_where_every_linear_is_too_narrow_is_bf16_with_the_reason():
+    plan = plan_of(fp8="hybrid", fp8_recipe="delayed", **dict(
+        SHAPE_345M, hidden_size=512, ffn_hidden_size=2048))
+    assert plan.value("FP8") == "off"
+    assert plan.choice("FP8").reason == "every linear too narrow to gain (--fast-fp8-min-width)"
+    (line,) = [x for x in plan.log if "not taken" in x]
+    assert "qkv 8192x512x1536 (a dimension below 1024)" in line
+    assert "--fast-fp8-min-width 0 runs them in FP8" in line
+    with pytest.raises(UserError, match="--fast-fp8-min-width -1: a width of 0 or more"):
+        plan_of(["--fast-fp8-min-width", "-1"], fp8="hybrid", **SHAPE_345M)
+
+
 @pytest.mark.parametrize("attrs, needle", [
     (dict(spec=["local"]), "megatron's local modules have no FP8.*--spec local"),
     (dict(overlap_param_gather=True, use_distributed_optimizer=True),

@@ -195,6 +195,35 @@ def test_the_fused_layer_in_fp8_tracks_the_unquantised_model(cpu_buffers, scalin
     assert all(layer._fp8_warm == (scaling == "delayed") for layer in layers)
 
 
+def test_linears_left_out_of_the_recipe_run_in_bf16(cpu_buffers):
+    """A recipe of fc1 and fc2 only: a left-out linear is the plain product, bit for bit;
+    in a model, the attention's weight gradients come closer to the unquantised model's
+    than with all four in FP8."""
+    recipe = fp8.Fp8Recipe(scaling="tensorwise", emulate=True, linears=(fp8.FC1, fp8.FC2))
+    step = fp8.start_step(recipe, None, warm=False)
+    x, w, b = torch.randn(16, 32), torch.randn(48, 32), torch.randn(48)
+    assert fp8.for_linear(step, fp8.PROJ) is None and fp8.for_linear(step, fp8.FC1) is step
+    torch.testing.assert_close(fast_layer._linear(x, w, b, None, step, fp8.PROJ),
+                               torch.nn.functional.linear(x, w, b), rtol=0, atol=0)
+    assert not torch.equal(fast_layer._linear(x, w, b, None, step, fp8.FC1),
+                           torch.nn.functional.linear(x, w, b))
+
+    ref, fast = _models(_config(num_layers=1), _args())
+    batch = _batch(5)
+    _, grads_ref = _loss_and_grads(ref, batch)
+    _with_fused_options(fast, fp8=recipe)
+    _, grads_mlp = _loss_and_grads(fast, batch)
+    _with_fused_options(fast, fp8=fp8.Fp8Recipe(scaling="tensorwise", emulate=True))
+    _, grads_all = _loss_and_grads(fast, batch)
+    for name in ("decoder.layers.0.self_attention.linear_qkv.weight",
+                 "decoder.layers.0.self_attention.linear_proj.weight"):
+        assert sqnr(grads_mlp[name], grads_ref[name]) > sqnr(grads_all[name], grads_ref[name])
+    assert str(fp8.Fp8Recipe(linears=(fp8.FC1, fp8.FC2))) == \
+        "hybrid, delayed scaling, fast spec (qkv, proj in bf16)"
+    with pytest.raises(ValueError, match="FP8 linears"):
+        fp8.Fp8Recipe(linears=())
+
+
 @pytest.mark.parametrize("scaling", ["tensorwise", "delayed"])
 def test_the_fp8_layer_traces_as_one_graph_without_breaks(cpu_buffers, scaling):
     """fullgraph, through AOTAutograd (backend 'aot_eager': the forward and backward graphs

@@ -73,3 +73,13 @@ print("status", status, "initialized after main:", dist.is_initialized())
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.splitlines()[-1] == "status 0 initialized after main: False"
     assert time.monotonic() - start < 300
+
+
+def test_groups_a_caller_made_are_left_to_the_caller():
+    p = run_python(ONE_RANK_GLOO + """
+from megagpt.diagnostics.process_exit import LaunchProcessGroups
+LaunchProcessGroups().end_or_leave(0, print)
+print("initialized after:", dist.is_initialized())
+""")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "initialized after: True"

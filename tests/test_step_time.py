@@ -285,3 +285,21 @@ if __name__ == "__main__":
         print(f"| {shape} | {path} | {dropout} | {est_ms:.1f} | {ms} "
               f"| {100 * (est_ms / ms - 1):+.1f} % | {est_mib:,.0f} | {mib:,} "
               f"| {100 * (est_mib / mib - 1):+.1f} % |")
+
+
+def test_linears_kept_in_bf16_cost_bf16_time():
+    """Under FP8, a linear the fast spec keeps in bf16 (too narrow to gain) is counted at the
+    16-bit rate: the step estimate lies between all four linears in FP8 and none."""
+    h200 = KNOWN_GPUS["H200"].spec
+    shape = dict(hidden=2048, heads=16, query_groups=16, head_dim=128, ffn=8192, layers=24,
+                 vocab=50304, seq=2048, glu=False, micro_batch=4, global_batch=4, tp=1, pp=1,
+                 dp=1, precision="bf16", path="fast", attention_dropout=0.0,
+                 hidden_dropout=0.0, grad_bytes=2)
+    params = 1.3e9
+
+    def seconds(**fp8):
+        return estimate_step(StepShape(**shape, **fp8), h200, params).seconds
+
+    bf16, all_four = seconds(), seconds(fp8=True)
+    mlp_only = seconds(fp8=True, fp8_linears=(2, 3))
+    assert all_four < mlp_only < bf16

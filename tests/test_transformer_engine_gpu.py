@@ -58,7 +58,8 @@ LAUNCHES = [
       "--fast-disable", "optimizer"], "layer spec: transformer_engine", "layer spec: transformer_engine"),
     # FP8 without model parallelism: the fast spec's FP8 linears (they measured faster);
     # asked for by name, TE's FP8 layers
-    (["--fp8-format", "hybrid"], "layer spec: fast", "fast spec: FP8 linears"),
+    (["--fp8-format", "hybrid", "--fast-fp8-min-width", "0"], "layer spec: fast",
+     "fast spec: FP8 linears"),
     (["--fp8-format", "hybrid", "--transformer-impl", "transformer_engine"],
      "layer spec: transformer_engine", "FP8"),
     # TE's layers under the full-iteration graph, asked for; head size 64 (the graph is not

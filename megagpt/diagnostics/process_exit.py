@@ -73,6 +73,22 @@ def end_or_leave(status: int, log: Optional[Callable[[str], None]] = None,
     os._exit(status)
 
 
+class LaunchProcessGroups:
+    """``end_or_leave`` for the groups a launch starts: where torch's process groups were
+    up already when it began (a caller's, such as a test's or a notebook's), they are the
+    caller's to end, and nothing is done."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.caller_had_groups = dist.is_available() and dist.is_initialized()
+
+    def end_or_leave(self, status: int, log: Optional[Callable[[str], None]] = None,
+                     **options) -> None:
+        if not self.caller_had_groups:
+            end_or_leave(status, log, **options)
+
+
 def status_of(exc: SystemExit) -> int:
     """The exit status ``sys.exit(code)`` leaves with."""
     if exc.code is None:

@@ -50,6 +50,7 @@ FP8_MAX = fp8_cast.FP8_MAX
 # history: its input's and its weight's.
 QKV, PROJ, FC1, FC2 = range(4)
 LINEARS = 4
+LINEAR_NAMES = ("qkv", "proj", "fc1", "fc2")
 HISTORY_COLUMNS = 2 * LINEARS
 
 FORMATS = ("e4m3", "hybrid")
@@ -68,6 +69,8 @@ class Fp8Recipe:
     amax_algo: str = "most_recent"  # --fp8-amax-compute-algo
     wgrad: bool = True  # --no-fp8-wgrad: the weight gradient's GEMM in bf16
     emulate: bool = False  # float32 products of the dequantised operands (tests)
+    # the linears that run in FP8; the others in bf16 (too narrow to gain: fp8_support)
+    linears: tuple = (QKV, PROJ, FC1, FC2)
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -78,6 +81,8 @@ class Fp8Recipe:
             raise ValueError(f"amax algorithm {self.amax_algo!r}: one of {AMAX_ALGOS}")
         if self.history_len < 1:
             raise ValueError("the amax history holds at least one step")
+        if not self.linears or not set(self.linears) <= {QKV, PROJ, FC1, FC2}:
+            raise ValueError(f"FP8 linears {self.linears!r}: some of {QKV, PROJ, FC1, FC2}")
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -88,7 +93,11 @@ class Fp8Recipe:
         return self.scaling == "delayed"
 
     def __str__(self) -> str:  # the launch's FP8 choice, as --dry-run prints it
-        return f"{self.format}, {self.scaling} scaling, fast spec"
+        return f"{self.format}, {self.scaling} scaling, fast spec{self._bf16_part()}"
+
+    def _bf16_part(self) -> str:
+        kept = [LINEAR_NAMES[i] for i in range(LINEARS) if i not in self.linears]
+        return f" ({', '.join(kept)} in bf16)" if kept else ""
 
     def describe(self) -> str:
         grads = "e5m2" if self.format == "hybrid" else "e4m3"
@@ -98,7 +107,8 @@ class Fp8Recipe:
         scaling = (f"delayed scaling ({history}; gradients by their own)" if self.delayed
                    else "current scaling")
         wgrad = "" if self.wgrad else "; weight gradients in bf16"
-        return f"{self.format}: e4m3 inputs and weights, {grads} gradients, {scaling}{wgrad}"
+        return (f"{self.format}: e4m3 inputs and weights, {grads} gradients, {scaling}{wgrad}"
+                f"{self._bf16_part()}")
 
 
 # ---- scales -------------------------------------------------------------------------------
@@ -147,6 +157,11 @@ def start_step(recipe: Fp8Recipe, history: Optional[Tensor], warm: bool) -> Fp8S
     scales = delayed_scales(history, recipe) if warm else None
     advance_history(history)
     return Fp8Step(recipe, history, scales)
+
+
+def for_linear(step: Optional[Fp8Step], linear: int) -> Optional[Fp8Step]:
+    """``step`` where ``linear`` runs in FP8 under its recipe, else None (bf16)."""
+    return step if step is not None and linear in step.recipe.linears else None
 
 
 def operand_scale(t: Tensor, column: int, step: Fp8Step) -> Tensor:

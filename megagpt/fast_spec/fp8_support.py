@@ -13,20 +13,31 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .fp8 import AMAX_ALGOS, FORMATS, Fp8Recipe
+from .fp8 import AMAX_ALGOS, FC1, FC2, FORMATS, LINEAR_NAMES, PROJ, QKV, Fp8Recipe
 
 # cuBLAS's FP8 GEMM: every dimension of both operands a multiple of 16
 FP8_GEMM_MULTIPLE = 16
 # FP8 tensor cores: Ada (8.9) and Hopper (9.0) onwards
 FP8_COMPUTE_CAPABILITY = (8, 9)
 FAST_RECIPES = ("tensorwise", "delayed")
+# The narrowest GEMM measured to gain in FP8 (--fast-fp8-min-width's default): at 345M
+# (hidden 1024, 8192 tokens per micro-batch, the attention projection 8192 x 1024 x 1024)
+# the step took 41.7 ms in FP8 against 44.5 in bf16 (1.067x; 1.3B: 1.262x; one H200,
+# 2026-12-04, bench_throughput.py). Narrower GEMMs are not measured to gain: each linear's
+# own FP8 advantage shrinks with its width (bench/bench_fp8_gemm.py --shapes 345M,1.3B:
+# the projection 0.55x and 0.93x, fc2 0.97x and 1.36x, scales computed eagerly there),
+# so a linear with a dimension below this stays in bf16, and the plan says which.
+FP8_MIN_WIDTH = 1024
 
 
 def recipe_from_args(args, emulate: bool = False) -> Fp8Recipe:
     """The fast spec's FP8 recipe for megatron's fp8 arguments (``fast_fp8``: the format,
-    once the plan has taken ``--fp8-format`` off megatron's own ``fp8``)."""
+    once the plan has taken ``--fp8-format`` off megatron's own ``fp8``), on the linears
+    wide enough to gain (``linears_in_fp8``; all four where none is)."""
     fmt = getattr(args, "fast_fp8", None) or getattr(args, "fp8", None)
+    linears = tuple(i for i, _ in linears_in_fp8(args)[0]) or (QKV, PROJ, FC1, FC2)
     return Fp8Recipe(
+        linears=linears,
         format=fmt, scaling=getattr(args, "fp8_recipe", None) or "delayed",
         margin=int(getattr(args, "fp8_margin", 0) or 0),
         history_len=int(getattr(args, "fp8_amax_history_len", 1) or 1),
@@ -61,6 +72,37 @@ def gemm_dimensions(args) -> dict[str, int]:
     if seq and micro:
         dims["tokens per micro-batch (--seq-length x --micro-batch-size)"] = int(seq) * int(micro)
     return dims
+
+
+def linear_gemms(args) -> dict[int, tuple[int, int, int]]:
+    """Each fused-layer linear's GEMM on one tensor-parallel rank: (tokens, in, out)."""
+    dims = gemm_dimensions(args)
+    tokens = next((v for k, v in dims.items() if k.startswith("tokens")), None)
+    if "--hidden-size" not in dims or tokens is None:
+        return {}
+    hidden = dims["--hidden-size"]
+    return {QKV: (tokens, hidden, dims["the QKV output per tensor-parallel rank"]),
+            PROJ: (tokens, dims["the attention heads' width per tensor-parallel rank"], hidden),
+            FC1: (tokens, hidden, dims["fc1's output per tensor-parallel rank"]),
+            FC2: (tokens, dims["--ffn-hidden-size per tensor-parallel rank"], hidden)}
+
+
+def linears_in_fp8(args) -> tuple[list[tuple[int, str]], list[str]]:
+    """(the linears that run in FP8, with their GEMM; what stays in bf16, and why) under
+    ``--fast-fp8-min-width`` (default ``FP8_MIN_WIDTH``; 0: every linear)."""
+    floor = getattr(args, "fast_fp8_min_width", None)
+    floor = FP8_MIN_WIDTH if floor is None else int(floor)
+    gemms = linear_gemms(args)
+    if not gemms:  # sizes not given (megatron's validation names them): nothing to judge
+        return [(i, LINEAR_NAMES[i]) for i in (QKV, PROJ, FC1, FC2)], []
+    fp8, bf16 = [], []
+    for linear, (m, k, n) in gemms.items():
+        gemm = f"{LINEAR_NAMES[linear]} {m}x{k}x{n}"
+        if min(m, k, n) >= floor:
+            fp8.append((linear, gemm))
+        else:
+            bf16.append(f"{gemm} (a dimension below {floor})")
+    return fp8, bf16
 
 
 def fast_fp8_unsupported_reason(args) -> Optional[str]:

@@ -142,6 +142,7 @@ class _LinearIntoMainGrad(torch.autograd.Function):
 
 def _linear(x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Optional[Tensor],
             fp8_step: Optional[fp8_linears.Fp8Step] = None, linear: int = 0) -> Tensor:
+    fp8_step = fp8_linears.for_linear(fp8_step, linear)
     if fp8_step is not None:
         return fp8_linears.fp8_linear(x, w, b, main_grad, fp8_step, linear)
     if main_grad is None:
@@ -160,6 +161,7 @@ def _column_linear(x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Optiona
     collectives are megatron's mappings around the FP8 linear of this rank's shard."""
     if tp_group is None:
         return _linear(x, w, b, main_grad, fp8_step, linear)
+    fp8_step = fp8_linears.for_linear(fp8_step, linear)
     if fp8_step is not None:
         if sequence_parallel:
             x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True,

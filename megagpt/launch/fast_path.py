@@ -125,14 +125,26 @@ def _fp8(p: Planner) -> None:
         raise UserError(f"--fp8-format {fmt}: FP8 runs in the fast spec's fused layer, which "
                         "this launch turns off (--overlap-param-gather or --fast-disable "
                         "fused-layer)")
-    from megagpt.fast_spec.fp8_support import recipe_from_args
+    from megagpt.fast_spec.fp8_support import linears_in_fp8, recipe_from_args
 
+    floor = p.get("fast_fp8_min_width", None)
+    if floor is not None and floor < 0:
+        raise UserError(f"--fast-fp8-min-width {floor}: a width of 0 or more")
+    fp8, bf16 = linears_in_fp8(p.v)
+    if not fp8:
+        p.set("fp8", None)
+        p.log(f"fast spec: --fp8-format {fmt} not taken: every fused-layer linear is too "
+              f"narrow to gain in FP8 ({'; '.join(bf16)}); bf16 (--fast-fp8-min-width 0 "
+              "runs them in FP8)")
+        p.choose(FP8, "off", "every linear too narrow to gain (--fast-fp8-min-width)")
+        return
     recipe = recipe_from_args(p.v)
     p.set("fast_fp8", fmt)
     p.set("fp8", None)
-    p.log(f"fast spec: FP8 linears ({recipe.describe()}): QKV, projection, fc1 and fc2 "
-          "through torch._scaled_mm; embeddings, attention, the output layer and the loss in "
-          "bf16; weights, gradients and checkpoints as in bf16")
+    narrow = f"; in bf16, too narrow to gain: {', '.join(bf16)}" if bf16 else ""
+    p.log(f"fast spec: FP8 linears ({recipe.describe()}): {', '.join(g for _, g in fp8)} "
+          f"through torch._scaled_mm{narrow}; embeddings, attention, the output layer and "
+          "the loss in bf16; weights, gradients and checkpoints as in bf16")
     p.choose(FP8, recipe, why)
 
 

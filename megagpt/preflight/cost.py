@@ -58,11 +58,22 @@ def shape_of(args) -> StepShape:
         overlap_param_gather=bool(args.overlap_param_gather),
         tp_comm_overlap=bool(getattr(args, "tp_comm_overlap", False)),
         precision=precision, fp8=fp8_linears(args, path),
+        fp8_linears=_fp8_linear_set(args, path),
         path=path, flash_attention=path != "local", fused_softmax=fused_softmax(args),
         softmax_in_fp32=softmax_in_fp32(args), cuda_graph=_cuda_graph(args),
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
         grad_bytes=_grad_bytes(args),
     )
+
+
+def _fp8_linear_set(args, path: str) -> tuple:
+    """The layer linears in FP8: the fast spec's recipe's (``fast_spec.fp8_support``), all
+    four under TE's layers."""
+    if path != "fast" or not fp8_linears(args, path):
+        return (0, 1, 2, 3)
+    from megagpt.fast_spec.fp8_support import recipe_from_args
+
+    return recipe_from_args(args).linears
 
 
 def parameter_tensors(args, params: est.ParameterCount) -> int:

@@ -145,6 +145,9 @@ class StepShape:
     tp_comm_overlap: bool = False
     precision: str = "bf16"  # bf16 | fp16 | fp32
     fp8: bool = False
+    # which of the layer's linears run in FP8 where ``fp8`` (qkv, proj, fc1, fc2: the fast
+    # spec keeps those too narrow to gain in bf16)
+    fp8_linears: tuple = (0, 1, 2, 3)
     path: str = "te"  # te | fast | local
     flash_attention: bool = True
     fused_softmax: bool = True  # unfused attention: megatron's compiled scale-mask-softmax
@@ -233,10 +236,11 @@ class _Kernels:
         qkv_out = (s.heads + 2 * s.query_groups) * s.head_dim // t
         fc1_out = s.ffn * (2 if s.glu else 1) // t
         n = self.tokens
-        return (self.gemm(n, qkv_out, s.hidden, fp8=True)
-                + self.gemm(n, s.hidden, s.heads * s.head_dim // t, fp8=True)
-                + self.gemm(n, fc1_out, s.hidden, fp8=True)
-                + self.gemm(n, s.hidden, s.ffn // t, fp8=True))
+        on = [i in s.fp8_linears for i in range(4)]
+        return (self.gemm(n, qkv_out, s.hidden, fp8=on[0])
+                + self.gemm(n, s.hidden, s.heads * s.head_dim // t, fp8=on[1])
+                + self.gemm(n, fc1_out, s.hidden, fp8=on[2])
+                + self.gemm(n, s.hidden, s.ffn // t, fp8=on[3]))
 
     def fp8_casts(self) -> tuple[float, float]:
         """(forward, backward) seconds of one layer's FP8 casts (0 without FP8)."""
