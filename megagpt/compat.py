@@ -1,6 +1,6 @@
 """Compatibility with what is installed: the megatron-core wheel with or without TE / apex.
 
-Upstream's entry needs five changes before its first step on a plain ``pip install`` of the
+Upstream's entry needs these changes before its first step on a plain ``pip install`` of the
 wheel (no TE, no apex, none of megatron's CUDA extensions, no Makefile for its dataset
 helpers). They are made here, once, with one log line for each setting adapted:
 
@@ -15,6 +15,8 @@ helpers). They are made here, once, with one log line for each setting adapted:
    need apex's ``fused_weight_gradient_mlp_cuda``. Without apex it is off for them
    (``--no-gradient-accumulation-fusion`` where no TE layer is built; under TE's layers
    ``megatron_linears_without_wgrad_fusion`` builds megatron's linears without it).
+6. Fused RoPE (on by default for ``--position-embedding-type rope``) is TE's kernel only:
+   without TE, ``--no-rope-fusion``.
 
 A setting the user asked for explicitly (on the command line or in ``--config``) is never
 changed silently: if it needs something missing, ``MissingDependencyError`` says what.
@@ -126,6 +128,16 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
         False,
         "gradient-accumulation fusion in megatron's linear layers needs apex's "
         "fused_weight_gradient_mlp_cuda; --no-gradient-accumulation-fusion",
+    ),
+    Adaptation(
+        # megatron's only fused RoPE kernels are TE's; with them missing its TransformerConfig
+        # refuses the default ("apply_rope_fusion is not available") for every RoPE model
+        "apply_rope_fusion", ("--no-rope-fusion",),
+        lambda a, i: (a.apply_rope_fusion and not i.transformer_engine
+                      and (a.position_embedding_type == "rope"
+                           or getattr(a, "use_rotary_position_embeddings", False))),
+        False,
+        "fused RoPE needs Transformer Engine's kernels; --no-rope-fusion",
     ),
 )
 

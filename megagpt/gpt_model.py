@@ -102,16 +102,19 @@ def with_torch_norms(layer_spec):
     megatron's local spec takes wherever apex imports and whose kernels take CUDA tensors only:
     a ``--cpu`` run of the local spec (training, or generating from a checkpoint) on a machine
     with apex installed stopped in its first norm ("input must be a CUDA tensor"). Both have
-    the same parameters (weight, bias), so the checkpoint is the same."""
+    the same parameters (weight, bias), so the checkpoint is the same. ``TorchNorm`` (megatron's
+    ``WrappedTorchNorm`` without its refusals) because a checkpoint saved where apex is
+    installed carries ``persist_layer_norm``, which ``WrappedTorchNorm`` asserts on."""
     from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megagpt.fast_spec.norm import TorchNorm
 
     attention = getattr(layer_spec.submodules.self_attention, "submodules", None)
     for owner, name in ((layer_spec.submodules, "input_layernorm"),
                         (layer_spec.submodules, "pre_mlp_layernorm"),
                         (attention, "q_layernorm"), (attention, "k_layernorm")):
         if getattr(owner, name, None) is FusedLayerNorm:
-            setattr(owner, name, WrappedTorchNorm)
+            setattr(owner, name, TorchNorm)
     return layer_spec
 
 

@@ -426,8 +426,9 @@ LEDGER: tuple[Change, ...] = (
            needle="SequentialMLP"),
     Change("megatron.core.transformer.torch_norm.WrappedTorchNorm", STANDS_IN,
            "megagpt.fast_spec.norm",
-           "it refuses --sequence-parallel; TorchNorm builds the same torch module with the "
-           "flag cleared and marks its parameters for megatron's sequence-parallel sum", MODEL,
+           "it refuses --sequence-parallel and apex's persist_layer_norm; TorchNorm builds "
+           "the same torch module with both cleared and marks its parameters for megatron's "
+           "sequence-parallel sum", MODEL,
            "88f52fb285c2", needle="assert not config.sequence_parallel"),
     Change("megatron.core.models.gpt.gpt_model.GPTModel._postprocess", STANDS_IN,
            "megagpt.fast_spec.lm_loss",

@@ -266,9 +266,9 @@ def test_a_cpu_model_of_megatrons_local_spec_has_torch_norms():
     take CUDA tensors only; a --cpu model (training or generating) gets torch's instead."""
     from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     from megagpt import gpt_model
+    from megagpt.fast_spec.norm import TorchNorm
 
     spec = get_gpt_layer_local_spec(qk_layernorm=True)
     attention = spec.submodules.self_attention.submodules
@@ -277,7 +277,7 @@ def test_a_cpu_model_of_megatrons_local_spec_has_torch_norms():
     attention.q_layernorm = attention.k_layernorm = FusedLayerNorm
     gpt_model.with_torch_norms(spec)
     assert {spec.submodules.input_layernorm, spec.submodules.pre_mlp_layernorm,
-            attention.q_layernorm, attention.k_layernorm} == {WrappedTorchNorm}
+            attention.q_layernorm, attention.k_layernorm} == {TorchNorm}
 
 
 def test_every_apex_import_of_megatron_is_known():

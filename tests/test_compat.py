@@ -45,6 +45,32 @@ def test_plain_install_adapts_the_five_settings_with_one_line_each():
     assert len(lines) == 4 and all(line.startswith("compat: ") for line in lines)
 
 
+def test_rope_fusion_is_turned_off_without_transformer_engine_and_megatron_needs_it():
+    """megatron's fused RoPE is TE's kernel only: without TE its TransformerConfig refuses
+    the default of every RoPE model, so the launch turns it off, with its line."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    rope = ["--position-embedding-type", "rope"]
+    with pytest.raises(ValueError, match="apply_rope_fusion is not available"):
+        TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                          apply_rope_fusion=megatron_defaults(rope).apply_rope_fusion)
+    # learned positions: megatron's validate_args clears it itself
+    for argv, installed, fused in ((rope, NOTHING, False), (rope, TE_WITHOUT_APEX, True),
+                                   (["--use-rotary-position-embeddings"], NOTHING, False),
+                                   ([], NOTHING, True)):
+        lines = []
+        args = stepped(compat.adapt_to_installed, megatron_defaults(argv), argv, installed,
+                       lines)
+        assert args.apply_rope_fusion is fused, (argv, installed)
+        said = [line for line in lines if "RoPE" in line]
+        assert said == ([] if fused else
+                        ["compat: fused RoPE needs Transformer Engine's kernels; "
+                         "--no-rope-fusion"])
+        if not fused:
+            TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                              apply_rope_fusion=args.apply_rope_fusion)  # builds
+
+
 TE_WITHOUT_APEX = compat.Installed(transformer_engine=True, apex=False, fused_layer_norm=False,
                                    masked_softmax_kernels=False,
                                    gradient_accumulation_kernels=False)

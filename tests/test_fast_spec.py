@@ -197,6 +197,31 @@ def test_fused_layer_matches_local_spec(cpu_buffers, monkeypatch, overrides, arg
     assert spy.calls == len(fast.decoder.layers)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-layer", "megatrons-layer"])
+def test_apexs_persistent_layer_norm_default_leaves_the_fast_specs_norms_alone(
+        cpu_buffers, fused):
+    """Where apex is installed megatron's config has ``persist_layer_norm`` on (the choice of
+    apex's kernel for its FusedLayerNorm); megatron's WrappedTorchNorm asserts on it. The fast
+    spec's torch norms build, and the model computes what it computes without it."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megagpt.fast_spec.spec import fast_decoder_block_spec
+
+    persistent = _config(persist_layer_norm=True)
+    with pytest.raises(AssertionError, match="persist_layer_norm"):
+        WrappedTorchNorm(persistent, 64)  # what every fast-spec launch met with apex
+    args = _args(fast_spec_fused_layer=fused)
+    ref, _ = _models(_config(), args)
+    torch.manual_seed(0)
+    # the block as the launch builds it (gpt_model.layer_spec_builder)
+    fast = GPTModel(persistent, fast_decoder_block_spec(_spec(args), persistent),
+                    vocab_size=VOCAB, max_sequence_length=SEQ)
+    fast.load_state_dict(ref.state_dict(), strict=True)
+    assert type(fast.decoder.final_layernorm) is torch.nn.LayerNorm
+    _assert_same(ref, fast, _batch(2))
+
+
 def _sequence_parallel_models(config):
     from megatron.core.models.gpt.gpt_model import GPTModel
 
