@@ -372,7 +372,7 @@ def test_a_damaged_checkpoint_gives_way_to_the_previous_intact_one_unless_asked_
     asked = Namespace(ckpt_format="torch_dist", save=ckpt, ckpt_step=8,
                       entry_argv=["--ckpt-step", "8"])
     with pytest.raises(CheckpointError) as caught:
-        choose_intact(asked, ckpt, lines.append)
+        choose_intact(asked, ckpt, lines.append, ckpt_step_given=True)
     assert str(caught.value) == (f"--load {it_dir(ckpt, 8)} is damaged: {mismatch}; "
                                  "--ckpt-step asked for it")
     own = Namespace(ckpt_format="torch_dist", save=ckpt, ckpt_step=None, entry_argv=[])
@@ -633,3 +633,83 @@ def test_resume_under_te_layers_of_a_checkpoint_saved_without_them(ckpt):
         args = _args_like(ckpt_dir, transformer_impl=impl, **default)
         assert guard.load_into_te_layers(ckpt_dir, args, given, lines.append) == {}
         assert len(lines) == 1
+
+
+def _transformer_engine_source(root, refuses):
+    """A transformer_engine package folder as far as the guard reads it: the file where TE
+    2.20+ names the variable it unpickles its FP8 state under (TE itself needs a GPU build)."""
+    package = root / "transformer_engine"
+    (package / "pytorch").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "pytorch" / "_extra_state.py").write_text(
+        'UNSAFE_PICKLE_EXTRA_STATE_ENV = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"\n' if refuses
+        else "")
+    return root
+
+
+@pytest.mark.parametrize("refuses", [True, False], ids=["te-2.20", "older-te"])
+def test_te_layers_pickled_fp8_state_is_named_before_the_model_is_built(
+        ckpt, tmp_path, monkeypatch, refuses):
+    """TE's layers save delayed-scaling FP8's state as a pickle and TE (2.20 on) refuses to
+    unpickle it unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1: on the GPU every resume of a TE
+    FP8 run stopped in megatron's loader, its line cut before the variable's name. The
+    snapshot says what the checkpoint holds; the guard says it in one line before loading."""
+    import sys
+
+    from megagpt.resilience.config_snapshot import te_pickles_fp8_state
+
+    te = dict(transformer_impl="transformer_engine", fp8="hybrid")
+    assert te_pickles_fp8_state(Namespace(**te, fp8_recipe="delayed"))
+    assert not te_pickles_fp8_state(Namespace(**te, fp8_recipe="tensorwise"))
+    assert not te_pickles_fp8_state(Namespace(transformer_impl="local", fp8="hybrid",
+                                              fp8_recipe="delayed"))  # the fast spec's FP8
+    where = it_dir(ckpt, 8)
+    snapshot = os.path.join(where, "megagpt_config.yaml")
+    data = yaml.safe_load(open(snapshot))
+    assert data["entry"]["te_pickled_fp8_state"] is False  # the real tiny run: bf16, no TE
+    data["entry"]["te_pickled_fp8_state"] = True  # as a TE FP8 run writes it
+    with open(snapshot, "w") as f:
+        yaml.safe_dump(data, f)
+    monkeypatch.syspath_prepend(str(_transformer_engine_source(tmp_path / "te", refuses)))
+    for name in [m for m in sys.modules if m.split(".")[0] == "transformer_engine"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.delenv(guard.TE_UNSAFE_PICKLE_ENV, raising=False)
+    run = _optimizer_run(load=ckpt, save=ckpt, ckpt_step=None, transformer_impl="local",
+                         dist_ckpt_strictness="assume_ok_unexpected",
+                         **{k: v for k, v in data["entry"]["model"].items()},
+                         **data["entry"]["tokenizer"], **data["entry"]["layout"])
+    assert guard.prepare_load(run, frozenset(), lambda line: None) == {}  # fast spec, bf16
+    run.transformer_impl = "transformer_engine"
+    if not refuses:  # a TE that unpickles it without asking
+        assert guard.te_pickled_state_refusal(where, run) is None
+        return
+    with pytest.raises(CheckpointError) as refused:
+        guard.prepare_load(run, frozenset(), lambda line: None)
+    line = str(refused.value)
+    assert line.startswith(f"--load {where} holds Transformer Engine's delayed-scaling FP8 "
+                           "state") and "\n" not in line
+    assert "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1" in line
+    assert "drop --transformer-impl transformer_engine" in line
+    monkeypatch.setenv(guard.TE_UNSAFE_PICKLE_ENV, "1")
+    assert guard.te_pickled_state_refusal(where, run) is None
+
+
+def test_te_refusing_its_pickled_state_inside_megatrons_loader_is_one_whole_line(ckpt):
+    """A checkpoint without the snapshot's word (saved elsewhere) meets TE's refusal inside
+    megatron's loader: the line names the variable, which TE's own text has last."""
+    te_text = ("Refusing to load pickled Transformer Engine extra state for "
+               "TERowParallelLinear. Delayed-scaling FP8 metadata can be stored as a Python "
+               "pickle, and loading it can execute arbitrary code. Only enable unsafe loading "
+               "if this checkpoint is from a trusted source. To load it anyway, set "
+               "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1.")
+
+    def megatrons_load(*a, **kw):
+        raise RuntimeError(te_text)
+
+    run = Namespace(load=ckpt, ckpt_step=None)
+    with pytest.raises(CheckpointError) as refused:
+        guard.one_line_load_errors(megatrons_load, run)()
+    line = str(refused.value)
+    assert line.startswith(f"cannot load checkpoint: {it_dir(ckpt, 8)} holds Transformer "
+                           "Engine's delayed-scaling FP8 state")
+    assert "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 in the environment" in line

@@ -376,6 +376,54 @@ def load_into_te_layers(ckpt_dir: str, args, given: frozenset[str],
     return {"dist_ckpt_strictness": "log_unexpected"}
 
 
+# Transformer Engine (2.20 and later) refuses to unpickle the delayed-scaling FP8 state its
+# layers saved unless this is "1" (transformer_engine/pytorch/_extra_state.py)
+TE_UNSAFE_PICKLE_ENV = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
+TE_PICKLE_REFUSAL = "Refusing to load pickled Transformer Engine extra state"
+
+
+def te_refuses_pickled_state() -> bool:
+    """Whether the installed Transformer Engine refuses pickled extra state by default (read
+    from its source, without importing it)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("transformer_engine")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    for root in spec.submodule_search_locations:
+        path = os.path.join(root, "pytorch", "_extra_state.py")
+        try:
+            with open(path) as f:
+                if TE_UNSAFE_PICKLE_ENV in f.read():
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def te_pickled_state_advice(where: str) -> str:
+    """The one line for a checkpoint whose TE FP8 state TE will not unpickle."""
+    return (f"{where} holds Transformer Engine's delayed-scaling FP8 state (scales and amax "
+            "history) as a Python pickle, and Transformer Engine unpickles it only with "
+            f"{TE_UNSAFE_PICKLE_ENV}=1 in the environment, since unpickling can run code. Set "
+            "it for a checkpoint you trust, such as your own run's; or resume with the fast "
+            "spec's FP8 or in bf16 (drop --transformer-impl transformer_engine): every weight "
+            "loads and the FP8 scales start afresh")
+
+
+def te_pickled_state_refusal(ckpt_dir: str, args) -> str | None:
+    """Why this run's TE layers would refuse the checkpoint's pickled FP8 state (None: they
+    would not), read from the checkpoint's snapshot before the model is built."""
+    if getattr(args, "transformer_impl", None) != "transformer_engine":
+        return None  # the fast spec and megatron's local layers do not read TE's state
+    saved = config_snapshot.read(ckpt_dir)
+    if not saved or not saved.get("te_pickled_fp8_state"):
+        return None
+    if os.environ.get(TE_UNSAFE_PICKLE_ENV) == "1" or not te_refuses_pickled_state():
+        return None
+    return te_pickled_state_advice(f"--load {ckpt_dir}")
+
+
 def prepare_load(args, given: frozenset[str], log: Callable[[str], None]) -> dict[str, object]:
     """Check ``--load`` against the validated arguments, set aside what the resumed run will
     write again, and return megatron's arguments that point it at the checkpoint to resume
@@ -406,6 +454,9 @@ def prepare_load(args, given: frozenset[str], log: Callable[[str], None]) -> dic
                               + "; ".join(blocking))
     if optimizer:
         raise CheckpointError(optimizer)
+    pickled = te_pickled_state_refusal(ckpt_dir, args)
+    if pickled:
+        raise CheckpointError(pickled)
     writes = load_into_te_layers(ckpt_dir, args, given, log)
     if plan.tracker != plan.iteration:
         writes["ckpt_step"] = plan.iteration  # what megatron loads; the tracker is only
@@ -502,6 +553,10 @@ def one_line_load_errors(load_checkpoint, args):
             raise
         except BaseException as exc:  # noqa: BLE001 - any failure here is about the checkpoint
             cause = _root_cause(exc)
+            if TE_PICKLE_REFUSAL in str(cause):
+                # TE's own text is longer than a line, the variable to set at its end
+                raise CheckpointError("cannot load checkpoint: "
+                                      + te_pickled_state_advice(where)) from exc
             raise CheckpointError(f"cannot load checkpoint {where}: {type(cause).__name__}: "
                                   f"{_first_line(cause)}{_hint(cause)}") from exc
 

@@ -65,8 +65,20 @@ def entry_section(args, iteration: int) -> dict:
         "optimizer": pick(OPTIMIZER_KEYS),
         "layout": pick(LAYOUT_KEYS),
         "ckpt_format": args.ckpt_format,
+        # TE's layers keep delayed-scaling FP8's scales and amax history as a pickle in their
+        # extra state, which TE loads back only when told to trust it (checkpoint_guard)
+        "te_pickled_fp8_state": te_pickles_fp8_state(args),
         "argv": [str(a) for a in (getattr(args, "entry_argv", None) or [])],
     }
+
+
+def te_pickles_fp8_state(args) -> bool:
+    """Whether this run's checkpoints hold Transformer Engine's delayed-scaling FP8 state as a
+    Python pickle: TE's layers with ``--fp8-format`` and the delayed recipe (TE's current and
+    block scaling keep no state; the fast spec's FP8 keeps its own, as tensors)."""
+    return bool(getattr(args, "transformer_impl", None) == "transformer_engine"
+                and getattr(args, "fp8", None)
+                and getattr(args, "fp8_recipe", "delayed") == "delayed")
 
 
 def _container_section(container):
