@@ -52,6 +52,7 @@ from megagpt.launch.megatron_changes import launched
 from megagpt import apex_parts, run_log
 from megagpt.log import log
 from megagpt.megatron_errors import INPUT_ERRORS
+from megagpt.preflight.memory_knobs import memory_knobs
 from megagpt.resilience.divergence import EVALUATION_FAULT
 from megagpt.rendezvous import default_single_process_env
 
@@ -343,7 +344,7 @@ def run(args, launch, store=None) -> None:
                    checks=LossChecks.from_args(args),
                    output_processor=gpt_builders.output_processor(launch))
     # every change this launch makes inside megatron and torch, undone when pretrain returns
-    with launched(launch, args, container, log):
+    with launched(launch, args, container, log, memory_knobs=memory_knobs):
         apex_parts.log_launch_line(launch, args, log)  # what the launch's changes left to apex
         pretrain(container, datasets_provider, ModelType.encoder_or_decoder, step,
                  get_embedding_ranks=get_embedding_ranks, store=store)

@@ -13,7 +13,7 @@ import torch
 from helpers import run_entry
 from megagpt.launch import parse_arguments
 from megagpt.diagnostics import out_of_memory as oom
-from megagpt.preflight import make_plan
+from megagpt.preflight import make_plan, memory_knobs
 
 # The 1.3B shape of docs/benchmarks.md (24 x 2048 x 16, sequence 2048), bf16, on 8 GPUs
 SHAPE_13B = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
@@ -31,8 +31,8 @@ def validated(*flags, world_size=8):
 
 def test_the_knobs_are_the_dry_runs_estimates_of_the_changed_launch_largest_first():
     args = validated(*SHAPE_13B, "--micro-batch-size", "8", "--global-batch-size", "64")
-    base, knobs = oom.memory_knobs(args)
-    assert base == pytest.approx(oom.estimate_bytes(args))
+    base, knobs = memory_knobs.memory_knobs(args)
+    assert base == pytest.approx(memory_knobs.estimate_bytes(args))
     flags = [k.flags for k in knobs]
     assert flags[0] == "--recompute-granularity full --recompute-method uniform " \
                        "--recompute-num-layers 1", flags  # activations dominate at mb 8
@@ -43,16 +43,16 @@ def test_the_knobs_are_the_dry_runs_estimates_of_the_changed_launch_largest_firs
     # each is the estimate of the launch with that change, as the dry run would give it
     half = validated(*SHAPE_13B, "--micro-batch-size", "4", "--global-batch-size", "64")
     assert dict((k.flags, k.estimate_bytes) for k in knobs)["--micro-batch-size 4"] == \
-        pytest.approx(oom.estimate_bytes(half))
+        pytest.approx(memory_knobs.estimate_bytes(half))
 
     # layouts that do not fit the GPUs are not offered (TP 8 × PP 2 on 8 GPUs), and where
     # nothing is left the line says so
     wide = validated(*SHAPE_13B, "--micro-batch-size", "1", "--global-batch-size", "8",
                      "--tensor-model-parallel-size", "8", "--use-distributed-optimizer",
                      "--recompute-granularity", "full", "--recompute-method", "uniform")
-    assert oom.memory_knobs(wide)[1] == []
+    assert memory_knobs.memory_knobs(wide)[1] == []
     line = oom.describe(torch.OutOfMemoryError("CUDA out of memory."), wide, 0, None, 2**30,
-                        None, oom.estimate_bytes(wide), [], None)
+                        None, memory_knobs.estimate_bytes(wide), [], None)
     assert "nothing the entry can change lowers the estimate on 8 GPUs: more GPUs" in line
 
 
@@ -63,7 +63,7 @@ OOM_MESSAGE = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a tota
 
 def test_the_line_names_peak_estimate_knobs_and_the_snapshot():
     args = validated(*SHAPE_13B, "--micro-batch-size", "8", "--global-batch-size", "64")
-    estimate, knobs = oom.memory_knobs(args)
+    estimate, knobs = memory_knobs.memory_knobs(args)
     line = oom.describe(torch.OutOfMemoryError(OOM_MESSAGE), args, rank=3, iteration=0,
                         peak_bytes=130.5 * 2**30, capacity_bytes=139.81 * 2**30,
                         estimate=estimate, knobs=knobs, snapshot=None)
@@ -91,7 +91,7 @@ def test_training_that_runs_out_of_memory_stops_with_the_line(tmp_path):
     for raised in (torch.OutOfMemoryError(OOM_MESSAGE),
                    RuntimeError("compiled region failed")):
         with pytest.raises(oom.OutOfMemory) as caught:
-            with diagnostics.active(args, plan_diagnostics(args)):
+            with diagnostics.active(args, plan_diagnostics(args), memory_knobs.memory_knobs):
                 if isinstance(raised, torch.OutOfMemoryError):
                     raise raised
                 try:

@@ -121,9 +121,11 @@ def _to_stderr(line: str) -> None:
 
 
 @contextlib.contextmanager
-def active(args, plan: DiagnosticsPlan):
+def active(args, plan: DiagnosticsPlan, memory_knobs=None):
     """The training-time diagnostics for the duration of ``pretrain`` (see the docstring):
-    ``plan``, the launch's ``diagnostics`` choice."""
+    ``plan``, the launch's ``diagnostics`` choice; ``memory_knobs(args)``, the dry run's
+    estimate and what lowers it, for the out-of-memory line (the entry's
+    ``megagpt.preflight.memory_knobs.memory_knobs``; None: the line names neither)."""
     import megatron.training.training as mtraining
     launched_at = time.time() - 1.0  # a file system's mtime may be rounded down to the second
     reporter = _failure_reporter(args, plan, launched_at)
@@ -154,7 +156,7 @@ def active(args, plan: DiagnosticsPlan):
             yield
     except Exception as exc:  # not SystemExit: megatron's own exits (preemption) are its say
         if out_of_memory.is_out_of_memory(exc):
-            raise out_of_memory.out_of_memory_error(exc, args) from None
+            raise out_of_memory.out_of_memory_error(exc, args, memory_knobs) from None
         if sigterm is not None and sigterm.received:
             raise reporter.exception_for_termination(exc) from None
         if collective_failure.is_collective_failure(exc):

@@ -1,10 +1,10 @@
 """CUDA out of memory in training, as one line: what was allocated, what the dry run
 expected, and what lowers it.
 
-The dry run's memory estimate (``megagpt.preflight.estimate``) is computed again for this
-launch's validated arguments, and once more for each knob that lowers it (half the
-micro-batch, selective then full recompute, the distributed optimizer, twice the TP or PP);
-the knobs are named largest saving first, each with the estimate it leads to. The peak is
+The dry run's estimate and the knobs that lower it come from the caller
+(``memory_knobs``: ``megagpt.preflight.memory_knobs.memory_knobs``, which the entry hands in,
+so that this package, below the dry run, does not reach up into it); the knobs are named
+largest saving first, each with the estimate it leads to. The peak is
 torch's (``max_memory_allocated``, plus the allocation that failed). With megatron's
 ``--record-memory-history`` megatron dumps a snapshot at the failure itself (its
 out-of-memory observer, ``<--memory-snapshot-path>_oom_rank-<rank>``): the line names it, for
@@ -13,10 +13,10 @@ torch's memory viewer (https://pytorch.org/memory_viz).
 
 from __future__ import annotations
 
-import copy
 import os
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 from megagpt.errors import UserError
 
@@ -52,68 +52,6 @@ class Knob:
 
     def saving(self, base: float) -> float:
         return base - self.estimate_bytes
-
-
-def estimate_bytes(args) -> float:
-    """The dry run's memory estimate per GPU (most loaded rank) for validated ``args``."""
-    from megagpt.preflight import estimate as est
-
-    params = est.count_parameters(args)
-    return est.estimate_memory(args, params, est.microbatches_per_step(args)).total
-
-
-def _with(args, **changes):
-    changed = copy.copy(args)
-    for name, value in changes.items():
-        setattr(changed, name, value)
-    return changed
-
-
-def _layouts(args) -> list[tuple[str, object]]:
-    """(flags, args) for each change of the launch that lowers memory and still divides."""
-    out = []
-    mbs, gbs, dp = args.micro_batch_size, args.global_batch_size, args.data_parallel_size
-    if mbs > 1:
-        out.append((f"--micro-batch-size {mbs // 2}", _with(args, micro_batch_size=mbs // 2)))
-    if args.recompute_granularity is None:
-        out.append(("--recompute-activations", _with(args, recompute_granularity="selective")))
-    if args.recompute_granularity != "full":
-        out.append(("--recompute-granularity full --recompute-method uniform "
-                    "--recompute-num-layers 1",
-                    _with(args, recompute_granularity="full", recompute_method="uniform",
-                          recompute_num_layers=1)))
-    if not args.use_distributed_optimizer and dp > 1:
-        out.append(("--use-distributed-optimizer", _with(args, use_distributed_optimizer=True)))
-    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                  args.context_parallel_size)
-    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
-    for flag, attr, size, divides in (
-            ("--tensor-model-parallel-size", "tensor_model_parallel_size", 2 * tp,
-             args.num_attention_heads % (2 * tp) == 0 and groups % (2 * tp) == 0),
-            ("--pipeline-model-parallel-size", "pipeline_model_parallel_size", 2 * pp,
-             args.num_layers % (2 * pp) == 0)):
-        model_parallel = 2 * tp * pp * cp
-        if not divides or args.world_size % model_parallel:
-            continue
-        new_dp = args.world_size // model_parallel  # the GPUs stay: DP gives them up
-        if gbs % (mbs * new_dp):
-            continue
-        out.append((f"{flag} {size}", _with(args, **{attr: size, "data_parallel_size": new_dp})))
-    return out
-
-
-def memory_knobs(args) -> tuple[float, list[Knob]]:
-    """(this launch's estimate, the knobs that lower it, largest saving first)."""
-    base = estimate_bytes(args)
-    knobs = []
-    for flags, changed in _layouts(args):
-        try:
-            knobs.append(Knob(flags, estimate_bytes(changed)))
-        except (NotImplementedError, ZeroDivisionError):
-            continue
-    knobs = [k for k in knobs if k.saving(base) > 0]
-    knobs.sort(key=lambda k: -k.saving(base))
-    return base, knobs
 
 
 def requested_bytes(exc: BaseException) -> float | None:
@@ -165,8 +103,12 @@ def describe(exc: BaseException, args, rank: int, iteration: int | None, peak_by
     return "; ".join(parts)
 
 
-def out_of_memory_error(exc: BaseException, args) -> OutOfMemory:
-    """The one-line error for ``exc`` (or the out-of-memory error under it) on this rank."""
+def out_of_memory_error(exc: BaseException, args,
+                        memory_knobs: Callable[[object], tuple[float, list[Knob]]] | None = None
+                        ) -> OutOfMemory:
+    """The one-line error for ``exc`` (or the out-of-memory error under it) on this rank;
+    ``memory_knobs(args)``: the dry run's estimate and the knobs that lower it (None: the line
+    names neither)."""
     import torch
 
     exc = out_of_memory_in(exc) or exc
@@ -176,9 +118,11 @@ def out_of_memory_error(exc: BaseException, args) -> OutOfMemory:
     peak = torch.cuda.max_memory_allocated() if cuda else 0
     capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory \
         if cuda else None
-    try:
-        estimate, knobs = memory_knobs(args)
-    except (NotImplementedError, AttributeError, TypeError, ZeroDivisionError):
-        estimate, knobs = None, []  # a model the estimate does not cover (MoE, MLA)
+    estimate, knobs = None, []
+    if memory_knobs is not None:
+        try:
+            estimate, knobs = memory_knobs(args)
+        except (NotImplementedError, AttributeError, TypeError, ZeroDivisionError):
+            estimate, knobs = None, []  # a model the estimate does not cover (MoE, MLA)
     return OutOfMemory(describe(exc, args, rank, getattr(args, "curr_iteration", None), peak,
                                 capacity, estimate, knobs, snapshot_file(args, rank)))

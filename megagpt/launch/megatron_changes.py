@@ -50,9 +50,10 @@ from .planner import Launch
 
 
 def pieces(launch: Launch, args, container=None,
-           log: Callable[[str], None] = lambda line: None
+           log: Callable[[str], None] = lambda line: None, memory_knobs=None
            ) -> list[tuple[str, ContextManager]]:
-    """(name, context) of each change the launch makes, in the order they are entered."""
+    """(name, context) of each change the launch makes, in the order they are entered
+    (``memory_knobs``: for the out-of-memory line, as ``launched`` takes it)."""
     out: list[tuple[str, ContextManager]] = [
         ("dataset helpers prebuilt", compat.dataset_helpers_prebuilt()),
         ("distributed optimizer resumes", compat.distributed_optimizer_resuming(log)),
@@ -87,9 +88,10 @@ def pieces(launch: Launch, args, container=None,
                 "(--fast-disable async-step)")
     if _made(launch, diagnostics_settings.DIAGNOSTICS):
         out.append(("diagnostics", diagnostics.active(
-            args, launch.value(diagnostics_settings.DIAGNOSTICS))))
+            args, launch.value(diagnostics_settings.DIAGNOSTICS), memory_knobs)))
     out.append(("resilience", resilience.active(
-        args, container, grad_norm_guard=launch.value(chosen.NAN_CHECK) == chosen.GRADIENT_NORM)))
+        args, container, grad_norm_guard=launch.value(chosen.NAN_CHECK) == chosen.GRADIENT_NORM,
+        ckpt_step_given="--ckpt-step" in launch.given)))
     out.append(("Ctrl-C saves", interrupt.saving_on_ctrl_c(args, log)))
     out.append(("run log", run_log.active(args, log)))
     if args.cpu:
@@ -104,11 +106,14 @@ def _made(launch: Launch, name: str) -> bool:
 
 @contextlib.contextmanager
 def launched(launch: Launch, args, container=None,
-             log: Optional[Callable[[str], None]] = None) -> Iterator[None]:
+             log: Optional[Callable[[str], None]] = None, memory_knobs=None) -> Iterator[None]:
     """Every change ``launch`` makes inside megatron and torch, for the duration of the block
     (``args``: its validated arguments; ``container``: megatron's config container, which the
-    configuration snapshot writes beside each checkpoint)."""
+    configuration snapshot writes beside each checkpoint; ``memory_knobs(args)``: the dry
+    run's estimate and what lowers it, which the out-of-memory line names — the entry hands
+    in ``megagpt.preflight.memory_knobs.memory_knobs``, a floor above this package)."""
     with contextlib.ExitStack() as changes:
-        for _, change in pieces(launch, args, container, log or (lambda line: None)):
+        for _, change in pieces(launch, args, container, log or (lambda line: None),
+                                memory_knobs):
             changes.enter_context(change)
         yield

@@ -39,10 +39,12 @@ from megagpt.resilience import (checkpoint_guard, checkpoint_integrity, config_s
 
 
 @contextlib.contextmanager
-def active(args, container=None, grad_norm_guard: bool = False):
+def active(args, container=None, grad_norm_guard: bool = False, ckpt_step_given: bool = False):
     """Install the training-loop adaptations for the duration of ``pretrain``.
     ``grad_norm_guard``: megatron's in-step NaN checks are off for the launch's CUDA graphs,
-    and the gradient norm is checked after each step instead (the launch's ``NaN check``)."""
+    and the gradient norm is checked after each step instead (the launch's ``NaN check``).
+    ``ckpt_step_given``: ``--ckpt-step`` is among the launch's explicit flags (a damaged
+    checkpoint asked for is an error, not a fallback)."""
     import megatron.training.training as mtraining
 
     wrappers = [  # (megatron function, owner, wrapper); the first innermost
@@ -56,7 +58,7 @@ def active(args, container=None, grad_norm_guard: bool = False):
         ("save_checkpoint", checkpoint_integrity.__name__,
          lambda fn: checkpoint_integrity.recording_checksums(fn, args, log)),
         ("load_checkpoint", checkpoint_integrity.__name__,
-         lambda fn: checkpoint_integrity.verifying_checksums(fn, args, log)),
+         lambda fn: checkpoint_integrity.verifying_checksums(fn, args, log, ckpt_step_given)),
     ]
     if grad_norm_guard:
         guard = divergence.GradNormGuard(lambda: checkpoint_guard.resume_hint(args),

@@ -26,7 +26,6 @@ import functools
 import os
 from typing import Callable
 
-from megagpt.flags import explicit_flags
 from megagpt.resilience import checkpoint_guard, checksums
 from megagpt.resilience.checkpoint_guard import CheckpointError
 
@@ -117,13 +116,16 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
-def choose_intact(args, load_dir: str, log: Callable[[str], None]) -> str | None:
+def choose_intact(args, load_dir: str, log: Callable[[str], None],
+                  ckpt_step_given: bool = False) -> str | None:
     """Point megatron at the newest intact checkpoint of ``load_dir`` (every rank; a
-    collective). Returns its folder, or None when there is nothing to check."""
+    collective). Returns its folder, or None when there is nothing to check.
+    ``ckpt_step_given``: the user asked for the iteration (``--ckpt-step`` among the launch's
+    explicit flags), rather than the resume's fallback writing it."""
     iteration = _loaded_iteration(args, load_dir)
     if iteration is None:
         return None  # nothing saved yet: megatron starts from scratch
-    chosen_by_user = "--ckpt-step" in explicit_flags(getattr(args, "entry_argv", None) or [])
+    chosen_by_user = ckpt_step_given
     own = checkpoint_guard._same_dir(load_dir, getattr(args, "save", None))
     while True:
         folder = _folder(load_dir, iteration)
@@ -199,8 +201,10 @@ def nonfinite_error(folder: str, bad, load_dir: str | None) -> CheckpointError:
                            f"saved by a run that had diverged; {hint}")
 
 
-def verifying_checksums(load_checkpoint, args, log: Callable[[str], None]):
-    """Wrap megatron's ``load_checkpoint`` (see the module docstring)."""
+def verifying_checksums(load_checkpoint, args, log: Callable[[str], None],
+                        ckpt_step_given: bool = False):
+    """Wrap megatron's ``load_checkpoint`` (see the module docstring; ``ckpt_step_given`` as
+    ``choose_intact`` takes it)."""
 
     @functools.wraps(load_checkpoint)
     def wrapper(ddp_model, *a, load_arg="load", **kw):
@@ -208,7 +212,7 @@ def verifying_checksums(load_checkpoint, args, log: Callable[[str], None]):
         folder = None
         if load_dir and args.ckpt_format in FORMATS:
             if enabled(args):
-                folder = choose_intact(args, load_dir, log)
+                folder = choose_intact(args, load_dir, log, ckpt_step_given)
             else:
                 iteration = _loaded_iteration(args, load_dir)
                 folder = _folder(load_dir, iteration) if iteration is not None else None
