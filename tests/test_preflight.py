@@ -286,6 +286,12 @@ def test_dry_run_estimates_time_and_cost_under_the_plan(capsys):
     assert "  step            matmuls" in out
     run = next(line for line in out.splitlines() if "whole run" in line)
     assert "2 iterations" in run and "GPU-hours" in run and "at 2.5 per GPU-hour" in run
+    # a tiny run on 2 GPUs: its GPU-hours are not rounded to a bare 0
+    assert " on 2 GPUs = under 0.01 GPU-hours" in run, run
+    code = pretrain_gpt.main([*TINY, "--global-batch-size", "8", "--dry-run-world-size", "1",
+                              "--gpu-type", "H100-SXM"])
+    one = next(line for line in capsys.readouterr().out.splitlines() if "whole run" in line)
+    assert code == 0 and " on 1 GPU = " in one, one
 
 
 def test_the_estimate_uses_megatrons_flop_count_for_tflops_and_mfu():

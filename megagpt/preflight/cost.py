@@ -183,9 +183,12 @@ def estimate_lines(run: RunEstimate | None, gpu: Gpu) -> list[str]:
         f"  step            {breakdown(run.step)}",
     ]
     if run.iterations is not None:
+        gpus = f"{run.gpus:,} GPU" + ("s" if run.gpus != 1 else "")
+        # a short run's GPU-hours in two significant figures, not rounded to 0
+        hours = (f"{run.gpu_hours:,.0f}" if run.gpu_hours >= 10
+                 else f"{run.gpu_hours:.2g}" if run.gpu_hours >= 0.01 else "under 0.01")
         line = (f"  whole run       {run.iterations:,} iterations: "
-                f"{human_duration(run.run_seconds)} on {run.gpus:,} GPUs = "
-                f"{run.gpu_hours:,.0f} GPU-hours")
+                f"{human_duration(run.run_seconds)} on {gpus} = {hours} GPU-hours")
         if run.cost is not None:
             line += f", cost {run.cost:,.0f} at {run.price:g} per GPU-hour"
         lines.append(line)
