@@ -31,9 +31,11 @@ the local spec's (same data, same seed; dropout makes them differ within noise).
 Extra entry flags: ``--entry-args "--fast-compile off"`` (applied to every entry path);
 extra paths: ``--variant fp32grads="--fast-disable bf16-grad-buffer"`` (the fast path plus those
 flags), usable in ``--paths`` and ``--compare-paths fast,fp32grads``. A path run through another
-checkout's entry, to compare two commits in one invocation:
+checkout's entry, to compare two commits in one invocation (the record names the other
+commit from .bench-base/COMMIT, or from git where it is a checkout of its own):
 
-  git worktree add .bench-base <commit>
+  mkdir .bench-base && git archive <commit> | tar -x -C .bench-base
+  echo <commit> > .bench-base/COMMIT
   python bench/bench_throughput.py --paths base,fast --variant base= \
       --entry-of base=.bench-base/pretrain_gpt.py --baseline base
 """

@@ -10,11 +10,14 @@ on what else runs; their speed is not measured here):
 
 1. **tracking**: ``bf16`` (the fast path's default), ``fp8`` (``--fp8-format hybrid``: the
    fast spec's FP8 linears, delayed scaling) and, with ``--te-site`` (a folder holding
-   Transformer Engine), ``tefp8`` (TE's layers, ``--fp8-format hybrid``), ``--iters``
-   iterations each, saving at the half way point;
-2. **crossing**: from each of those half-way checkpoints, 20 iterations under another
-   precision (``SRC->DST``), and under the same one (the resume's own difference), compared
-   with the uninterrupted run of the checkpoint's source;
+   Transformer Engine), ``tefp8`` (TE's layers, ``--fp8-format hybrid``) and ``tebf16`` (TE's
+   layers in bf16: what tells TE's layers from TE's FP8 where TE's curve parts from ours),
+   ``--iters`` iterations each, saving at the half way point;
+2. **crossing**: from the half-way checkpoints of bf16, fp8 and tefp8, 20 iterations under
+   each of those (``SRC->DST``; the same one: the resume's own difference), compared with the
+   uninterrupted run of the checkpoint's source. TE's launches here run with
+   ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``: TE (2.20 on) unpickles the FP8 state it saved
+   only then, and these checkpoints are the script's own;
 3. **use**: ``tools/generate.py`` and ``tools/export_hf.py`` on the FP8 run's last checkpoint.
 
 Writes OUT/fp8_losses.json (the figures, ``info``), OUT/fp8_losses.csv (every loss) and
@@ -51,8 +54,12 @@ PRECISIONS = {
     "fp8": ["--fp8-format", "hybrid"],
     "tefp8": ["--transformer-impl", "transformer_engine", "--fast-cuda-graphs", "iteration",
               "--fp8-format", "hybrid"],
+    "tebf16": ["--transformer-impl", "transformer_engine", "--fast-cuda-graphs", "iteration"],
 }
-TE_PRECISIONS = {"tefp8"}
+TE_PRECISIONS = {"tefp8", "tebf16"}
+CROSSED = ("bf16", "fp8", "tefp8")  # tebf16 is the tracking's reference only
+# the variable under which TE unpickles its delayed-scaling FP8 state (checkpoint_guard)
+TE_TRUSTS_PICKLES = {"NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE": "1"}
 TRAINING = ["--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "3e-4",
             "--min-lr", "3e-5", "--lr-warmup-iters", "30", "--lr-decay-style", "cosine"]
 CROSS_ITERS = 20
@@ -104,6 +111,10 @@ def tracking_figures(losses: dict[str, dict[int, float]], warmup: int) -> dict:
                                                       relative=excursion[1])
     if "tefp8" in means:
         out["fp8_over_tefp8"] = means["fp8"] / means["tefp8"] - 1
+    if "tebf16" in means:
+        # TE's own FP8 against TE's own bf16: how much of TE's curve is its FP8
+        out["tefp8_over_tebf16"] = means.get("tefp8", float("nan")) / means["tebf16"] - 1
+        out["tebf16_over_bf16"] = means["tebf16"] / means["bf16"] - 1
     out["holds"] = (abs(out["fp8_over_bf16"]) <= 0.01
                     and out.get("fp8_over_tefp8", 0.0) <= 0.005
                     and not any(out["nonfinite"].values()))
@@ -149,8 +160,9 @@ def wait_all(started: list, timeout: float) -> dict[str, dict]:
     return results
 
 
-def environment(precision: str, te_site: str | None) -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
+def environment(precision: str, te_site: str | None, trusted: dict | None = None) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
+               **(trusted or {}))
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if te_site and precision in TE_PRECISIONS:
         paths.append(te_site)
@@ -201,14 +213,15 @@ def main(argv=None) -> int:
 
     # 2. crossing: from each half-way checkpoint, CROSS_ITERS iterations under each precision
     if ran and "crossing" not in skip:
-        pairs = [(s, d) for s in precisions for d in precisions]
+        sources = [x for x in CROSSED if x in precisions]
+        pairs = [(s, d) for s in sources for d in sources]
         started = []
         for src, dst in pairs:
             name = f"{src}-to-{dst}"
             folder = resume_folder(saves[src], half, out / "resume" / name)
             started.append(start(name, entry_argv(dst, a.iters, data) + [
                 "--load", str(folder), "--exit-interval", str(half + CROSS_ITERS)], out,
-                environment(dst, a.te_site)))
+                environment(dst, a.te_site, TE_TRUSTS_PICKLES)))
         crossed = wait_all(started, a.timeout)
         result["crossing"] = {}
         for (src, dst), (name, r) in zip(pairs, crossed.items()):

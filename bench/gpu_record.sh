@@ -42,8 +42,9 @@
 #      default every piece that applies on one GPU; PIECE_SHAPES the shapes, default 345M 1.3B).
 #      What the pieces table of docs/speed.md and the switches table of benchmarks.md hold;
 #      a piece worth under 1 % of the step at both shapes is a candidate for removal.
-#  10. (not in the default STEPS; needs BASE, a checkout of another commit, e.g.
-#      `git worktree add .bench-base COMMIT`) that commit's default path against this one's in
+#  10. (not in the default STEPS; needs BASE, another commit's files with that commit named in
+#      BASE/COMMIT, e.g. `mkdir .bench-base && git archive C | tar -x -C .bench-base && echo C >
+#      .bench-base/COMMIT`, carried) that commit's default path against this one's in
 #      one invocation per shape (BASE_SHAPES, default 345M 1.3B; PIECES_TOO adds a
 #      `--fast-disable PIECE` run for each of those pieces to the same invocation), the
 #      several-GPU path on one GPU (345M, 8 micro-batches of 8) of both, and both default

@@ -31,9 +31,22 @@ def commit() -> str | None:
 
 
 def checkout_commit(folder: Path) -> str | None:
-    """The commit of the git checkout holding ``folder`` (short), ``+changes`` when tracked
-    files differ from it; None where git cannot say (a worktree copied without its
-    repository)."""
+    """The commit of the git checkout whose top ``folder`` is (short), ``+changes`` when
+    tracked files differ from it; else the commit named in ``folder/COMMIT`` (a ``git
+    archive`` of another commit unpacked there: ``git archive C | tar -x -C DIR && echo C >
+    DIR/COMMIT``); None where neither says. A folder inside another checkout (an unpacked
+    archive under this one, ignored by git) is not that checkout's commit."""
+    folder = Path(folder).resolve()
+    named = folder / "COMMIT"
+    try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=folder,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        top = None
+    if top is None or top.returncode != 0 or Path(top.stdout.strip()).resolve() != folder:
+        if named.is_file():
+            return named.read_text().split()[0][:12] or None
+        return None
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=folder,
                               capture_output=True, text=True, timeout=10)

@@ -109,6 +109,11 @@ GENERATION_ENGINES = {"transformers": "transformers' generate",
 GENERATION_ORDER = {"transformers": 0, "megatron": 1, "kv": 2, "kv-compiled": 3}
 
 
+def _percent(value) -> str:
+    """A relative difference as a signed percentage."""
+    return "" if value is None else f"{value * 100:+.2f} %"
+
+
 def _train_summary(r: dict) -> str:
     f = r["figures"]
     return (f"{r['row']['shape']} {PATHS[r['row']['path']]}, dropout {rowval('dropout')(r)}: "
@@ -284,6 +289,55 @@ TABLES = (
         summary=lambda r: (f"{r['row']['shape']} "
                            f"{FAST_FP8_PATHS.get(r['row']['path'], r['row']['path'])}: "
                            f"{number(r['figures'].get('ms_per_iter'))} ms/iter"),
+    ),
+    Table(
+        "fp8-losses", "FP8 losses on text, and checkpoints crossing precisions",
+        "`bench/fp8_losses.py`: the embedded corpus with GPT-2 BPE, the 345M shape, 300 "
+        "iterations, lr 3e-4 with 30 warm-up iterations and cosine decay to 3e-5, dropout 0, "
+        "one launch per precision sharing the GPU (bf16: the fast path's default; FP8: the "
+        "fast spec's, `--fp8-format hybrid`, delayed scaling; TE FP8: TE's layers with the "
+        "same flags, where TE is importable). Then each run's checkpoint of iteration 150 "
+        "resumed for 20 iterations under each precision, against the uninterrupted run of the "
+        "precision that saved it. The ratios are of rows of the same call.",
+        columns=(("shape", rowval("shape")), ("compared", rowval("compared")),
+                 ("last 50 mean: bf16 / FP8 / TE FP8", lambda r: " / ".join(
+                     number(r["figures"].get(k), 4) or "—" for k in (
+                         "bf16_mean_last_50", "fp8_mean_last_50", "tefp8_mean_last_50"))
+                  if "fp8_mean_last_50" in r["figures"] else ""),
+                 ("FP8 vs bf16", lambda r: _percent(r["figures"].get("fp8_over_bf16"))),
+                 ("FP8 vs TE FP8", lambda r: _percent(r["figures"].get("fp8_over_tefp8"))),
+                 ("largest excursion over bf16", lambda r: (
+                     f"{_percent(r['figures']['largest_excursion'])} (iteration "
+                     f"{r['figures']['largest_excursion_iteration']})")
+                  if "largest_excursion" in r["figures"] else ""),
+                 ("NaN/Inf", fig("nonfinite", 0)),
+                 ("first loss resumed / source", lambda r: (
+                     f"{number(r['figures']['first_loss'], 4)} / "
+                     f"{number(r['figures']['source_loss'], 4)}")
+                  if r["figures"].get("first_loss") is not None else ""),
+                 ("largest rel. diff vs source", lambda r: (
+                     f"{r['figures']['max_rel_diff_vs_source']:.1e}"
+                     if r["figures"].get("max_rel_diff_vs_source") is not None
+                     else r["figures"].get("failed", ""))),
+                 ("values", values_link)),
+        sort=lambda r: (SHAPE_ORDER.get(r["shape"], 9), r["compared"].startswith("resume"),
+                        r["compared"]),
+        text_columns=2,
+        summary=lambda r: f"{r['row']['shape']} {r['row']['compared']}",
+    ),
+    Table(
+        "cluster-check", "megagpt-check against the dry run's figures",
+        "`python -m megagpt.cluster_check` (the launch check before a big run) and its GPU "
+        "test: the bf16 GEMM rate of each GPU (8192³ products for 0.2 s) against the dry "
+        "run's constant for the GPU type (`megagpt/gpus.py`), which the check names a GPU "
+        "below by more than its margin.",
+        columns=(("GPUs", rowval("gpus")), ("what", rowval("what")),
+                 ("measured", fig("measured_tflops")),
+                 ("in the GPU test", fig("gpu_test_measured_tflops", 0)),
+                 ("dry run's figure", fig("dry_run_tflops"))),
+        sort=lambda r: (r["gpus"], r["what"]),
+        text_columns=2,
+        summary=lambda r: f"{r['row']['gpus']} GPU: {r['figures'].get('measured_tflops')}",
     ),
     Table(
         "apex", "With NVIDIA apex installed",
