@@ -322,6 +322,34 @@ def test_run_info_names_the_given_commit_else_the_checkouts(monkeypatch):
     assert commit().removesuffix("+changes") == head
 
 
+def test_an_archive_unpacked_inside_the_checkout_is_its_own_commit(tmp_path):
+    """``--entry-of base=DIR/pretrain_gpt.py`` with DIR another commit's ``git archive``
+    unpacked under this checkout (git ignores it): DIR's commit is what DIR/COMMIT names, and
+    never this checkout's HEAD (which every such comparison recorded as its own base)."""
+    import shutil
+    import subprocess
+
+    from run_info import checkout_commit
+
+    subprocess.run(["git", "init", "-q", str(tmp_path / "repo")], check=True)
+    repo = tmp_path / "repo"
+    (repo / "a.txt").write_text("a")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    subprocess.run(git + ["add", "a.txt"], check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "a"], check=True)
+    head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert checkout_commit(repo) == head
+    base = repo / ".bench-base"
+    base.mkdir()
+    assert checkout_commit(base) is None  # git answers with repo's HEAD there
+    (base / "COMMIT").write_text("915d805\n")
+    assert checkout_commit(base) == "915d805"
+    outside = tmp_path / "copied"
+    shutil.copytree(base, outside)
+    assert checkout_commit(outside) == "915d805"
+
+
 def test_fp8_losses_figures():
     """bench/fp8_losses.py's goal figures from losses made up so that each one is known."""
     import fp8_losses
@@ -344,6 +372,12 @@ def test_fp8_losses_figures():
                                            warmup=30)["holds"]
     assert fp8_losses.largest_relative_difference({151: 2.02}, {151: 2.0, 152: 1.9}) == \
         pytest.approx(0.01)
+    # with TE's bf16 beside: how much of TE's curve is its FP8, and how much its layers
+    tebf16 = {i: v * 0.99 for i, v in bf16.items()}
+    figures = fp8_losses.tracking_figures(dict(bf16=bf16, fp8=slower, tefp8=tefp8,
+                                               tebf16=tebf16), warmup=30)
+    assert figures["tefp8_over_tebf16"] == pytest.approx(1.002 / 0.99 - 1, rel=1e-9)
+    assert figures["tebf16_over_bf16"] == pytest.approx(-0.01, rel=1e-9)
 
 
 def test_fp8_losses_resume_folder_points_at_the_half_way_iteration(tmp_path):
