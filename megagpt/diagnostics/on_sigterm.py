@@ -13,7 +13,11 @@ it as a failed collective (``collective_failure.FailureReporter``: its dump, the
 What SIGTERM then does is unchanged: with megatron's ``--exit-signal-handler`` (on whenever
 ``--save`` is given, ``megagpt.resilience.preemption``) megatron's handler keeps it, to save at
 the end of the iteration; without it the rank ends as the default action would, once the
-report is written (or at once, when no collective is stuck).
+report is written (or at once, when no collective is stuck). Which of the two holds is read
+when the signal comes, not when the watcher is installed: megatron installs its handler
+later, while it initialises, over the watcher's stand-in for the default. (Read at install
+time, the watcher ended every preempted rank with status 143 up to 2 s after SIGTERM, before
+or during megatron's save.)
 """
 
 from __future__ import annotations
@@ -94,7 +98,7 @@ class SigtermWatcher:
             # itself: the thread below decides (the default action, after the report)
             self._ours = True
             self._previous_handler = handler
-            signal.signal(signal.SIGTERM, lambda signum, frame: None)
+            signal.signal(signal.SIGTERM, self._stand_in)
         elif handler is signal.SIG_IGN:
             return self  # someone wants SIGTERM ignored: so be it
         self._previous_fd = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
@@ -105,6 +109,16 @@ class SigtermWatcher:
         self._thread.start()
         return self
 
+    @staticmethod
+    def _stand_in(signum, frame) -> None:
+        """SIGTERM's default, while it is the watcher's: Python writes the signal to the
+        socket for any Python handler; the thread decides."""
+
+    def _default_is_ours(self) -> bool:
+        """Whether SIGTERM still has the default action the watcher stands in for (no one,
+        megatron's exit-signal handler say, has taken it since)."""
+        return self._ours and signal.getsignal(signal.SIGTERM) == self._stand_in
+
     def remove(self) -> None:
         global _wakeup_socket
         if threading.current_thread() is not threading.main_thread():
@@ -112,9 +126,9 @@ class SigtermWatcher:
         if _wakeup_socket is self._write:
             signal.set_wakeup_fd(self._previous_fd)
             _wakeup_socket = None
-        if self._ours:
+        if self._default_is_ours():
             signal.signal(signal.SIGTERM, self._previous_handler or signal.SIG_DFL)
-            self._ours = False
+        self._ours = False
         try:
             self._write.send(b"\0")  # wakes the thread, which then ends
         except OSError:
@@ -171,7 +185,7 @@ class SigtermWatcher:
                 self.print_line(f"error: {reported[0]}")
         elif r.reported:
             return  # the main thread is reporting: it ends the process
-        if self._ours:  # SIGTERM's default: end the process (stdout is flushed first)
+        if self._default_is_ours():  # SIGTERM's default: end the process, stdout flushed
             import sys
 
             sys.stdout.flush()
