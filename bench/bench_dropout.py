@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from cuda_graph_timing import capture, replay_us
+
 SHAPES = {"345M": (1024, 8, 1024), "1.3B": (2048, 4, 2048)}
 P = 0.1
 
@@ -78,17 +80,6 @@ def residual_with_mask(x, a, b, keep):
     return x + (a + b) * keep * (1.0 / (1.0 - P))
 
 
-def replay_us(graph, reps: int) -> float:
-    """Microseconds per repetition of one replay of a graph that holds ``reps`` of them."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps * 1000
-
-
 def time_form(shape, fn, make_mask=None, reps: int = 20, rounds: int = 5) -> dict:
     x, a = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             for _ in range(2))
@@ -101,16 +92,7 @@ def time_form(shape, fn, make_mask=None, reps: int = 20, rounds: int = 5) -> dic
         out = fn(x, a, b) if make_mask is None else fn(x, a, b, make_mask())
         out.backward(g)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            step()
+    graph = capture(step, reps)
     times = [replay_us(graph, reps) for _ in range(rounds)]
     return {"us_fwd_bwd": statistics.median(times),
             "kept": (a.grad != 0).float().mean().item()}

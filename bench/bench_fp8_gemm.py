@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from cuda_graph_timing import capture, replay_us  # noqa: E402
 from run_info import run_info  # noqa: E402
 
 # hidden, FFN, tokens per micro-batch: bench_layer's shapes (seq x micro-batch)
@@ -71,20 +72,6 @@ def _pass(kind: str, m: int, k: int, n: int, recipe: str):
     return run
 
 
-def capture(fn, reps: int) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    return graph
-
-
 def time_pair(m: int, k: int, n: int, recipe: str, reps: int) -> dict:
     # about 5 ms of GEMMs per graph at 600 TFLOP/s: small GEMMs many times, large ones once
     reps = reps or max(1, min(20, int(3e12 / (6 * m * k * n))))
@@ -92,13 +79,8 @@ def time_pair(m: int, k: int, n: int, recipe: str, reps: int) -> dict:
     rounds = {kind: [] for kind in graphs}
     for _ in range(5):
         for kind, graph in graphs.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             graph.replay()  # warm
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            rounds[kind].append(start.elapsed_time(end) * 1e3 / reps)
+            rounds[kind].append(replay_us(graph, reps))
     us = {kind: statistics.median(v) for kind, v in rounds.items()}
     del graphs
     torch.cuda.empty_cache()

@@ -50,6 +50,7 @@ FP8_MAX = fp8_cast.FP8_MAX
 # history: its input's and its weight's.
 QKV, PROJ, FC1, FC2 = range(4)
 LINEARS = 4
+ALL_LINEARS = (QKV, PROJ, FC1, FC2)
 LINEAR_NAMES = ("qkv", "proj", "fc1", "fc2")
 HISTORY_COLUMNS = 2 * LINEARS
 
@@ -70,7 +71,7 @@ class Fp8Recipe:
     wgrad: bool = True  # --no-fp8-wgrad: the weight gradient's GEMM in bf16
     emulate: bool = False  # float32 products of the dequantised operands (tests)
     # the linears that run in FP8; the others in bf16 (too narrow to gain: fp8_support)
-    linears: tuple = (QKV, PROJ, FC1, FC2)
+    linears: tuple = ALL_LINEARS
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -81,8 +82,8 @@ class Fp8Recipe:
             raise ValueError(f"amax algorithm {self.amax_algo!r}: one of {AMAX_ALGOS}")
         if self.history_len < 1:
             raise ValueError("the amax history holds at least one step")
-        if not self.linears or not set(self.linears) <= {QKV, PROJ, FC1, FC2}:
-            raise ValueError(f"FP8 linears {self.linears!r}: some of {QKV, PROJ, FC1, FC2}")
+        if not self.linears or not set(self.linears) <= set(ALL_LINEARS):
+            raise ValueError(f"FP8 linears {self.linears!r}: some of {ALL_LINEARS}")
 
     @property
     def grad_dtype(self) -> torch.dtype:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .fp8 import AMAX_ALGOS, FC1, FC2, FORMATS, LINEAR_NAMES, PROJ, QKV, Fp8Recipe
+from .fp8 import ALL_LINEARS, AMAX_ALGOS, FC1, FC2, FORMATS, LINEAR_NAMES, PROJ, QKV, Fp8Recipe
 
 # cuBLAS's FP8 GEMM: every dimension of both operands a multiple of 16
 FP8_GEMM_MULTIPLE = 16
@@ -35,7 +35,7 @@ def recipe_from_args(args, emulate: bool = False) -> Fp8Recipe:
     once the plan has taken ``--fp8-format`` off megatron's own ``fp8``), on the linears
     wide enough to gain (``linears_in_fp8``; all four where none is)."""
     fmt = getattr(args, "fast_fp8", None) or getattr(args, "fp8", None)
-    linears = tuple(i for i, _ in linears_in_fp8(args)[0]) or (QKV, PROJ, FC1, FC2)
+    linears = tuple(i for i, _ in linears_in_fp8(args)[0]) or ALL_LINEARS
     return Fp8Recipe(
         linears=linears,
         format=fmt, scaling=getattr(args, "fp8_recipe", None) or "delayed",
@@ -94,7 +94,7 @@ def linears_in_fp8(args) -> tuple[list[tuple[int, str]], list[str]]:
     floor = FP8_MIN_WIDTH if floor is None else int(floor)
     gemms = linear_gemms(args)
     if not gemms:  # sizes not given (megatron's validation names them): nothing to judge
-        return [(i, LINEAR_NAMES[i]) for i in (QKV, PROJ, FC1, FC2)], []
+        return [(i, LINEAR_NAMES[i]) for i in ALL_LINEARS], []
     fp8, bf16 = [], []
     for linear, (m, k, n) in gemms.items():
         gemm = f"{LINEAR_NAMES[linear]} {m}x{k}x{n}"
