@@ -145,6 +145,23 @@ def test_the_cause_of_a_failed_collective_in_a_few_words():
     assert hangs.ranks_text([3, 0, 1, 2]) == "0-3" and hangs.ranks_text([0, 2]) == "0, 2"
 
 
+def test_the_site_is_the_first_caller_outside_torch_and_decorators_wrappers():
+    # torch's _all_gather_base is wrapped by typing_extensions' @deprecated: megatron's call
+    # of it is the frame above that wrapper's
+    site_packages = "/venv/lib/python3.12/site-packages/"
+    frames = [
+        {"filename": site_packages + "torch/distributed/distributed_c10d.py", "line": 3900,
+         "name": "all_gather_into_tensor"},
+        {"filename": site_packages + "typing_extensions.py", "line": 3140, "name": "wrapper"},
+        {"filename": "/usr/lib/python3.12/functools.py", "line": 12, "name": "inner"},
+        {"filename": site_packages + "megatron/core/tensor_parallel/mappings.py", "line": 91,
+         "name": "_gather_along_first_dim"},
+    ]
+    assert hangs._site({"frames": frames}) == \
+        "megatron/core/tensor_parallel/mappings.py:91 (_gather_along_first_dim)"
+    assert hangs._site({"frames": frames[:3]}) is None
+
+
 # ---------------------------------------------------------------------------
 # End to end: a launch under torchrun whose rank 1 is stopped
 # ---------------------------------------------------------------------------

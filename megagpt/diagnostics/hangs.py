@@ -104,8 +104,10 @@ def _operation(entry: dict) -> str:
 
 
 # Frames that are not the caller of a collective: torch's own, CPU mode's function mode
-# (through which every torch call passes in --cpu runs), and Python's standard library.
-_PASS_THROUGH = ("/torch/", "megagpt/cpu_mode.py")
+# (through which every torch call passes in --cpu runs), decorators' wrappers (megatron marks
+# some of its functions with typing_extensions' ``@deprecated``, whose wrapper is then the
+# frame above torch's), and Python's standard library.
+_PASS_THROUGH = ("/torch/", "megagpt/cpu_mode.py", "/typing_extensions.py")
 
 
 def _passes_through(filename: str) -> bool:
