@@ -2,6 +2,7 @@
 """FP8 against bf16 on real text, and checkpoints crossing between them (one GPU).
 
     MEGAGPT_CACHE_DIR=... python bench/fp8_losses.py --out OUT [--te-site DIR] [--iters 300]
+                                   [--seeds N] [--parallel K] [--precisions A,B] [--also DIR]
 
 The embedded corpus (GPT-2 BPE Shakespeare), the 345M shape of bench_throughput.py, dropout
 0, ``--lr 3e-4`` with ``--lr-warmup-iters 30`` and cosine decay to ``3e-5``, a loss logged
@@ -12,13 +13,27 @@ on what else runs; their speed is not measured here):
    fast spec's FP8 linears, delayed scaling) and, with ``--te-site`` (a folder holding
    Transformer Engine), ``tefp8`` (TE's layers, ``--fp8-format hybrid``) and ``tebf16`` (TE's
    layers in bf16: what tells TE's layers from TE's FP8 where TE's curve parts from ours),
-   ``--iters`` iterations each, saving at the half way point;
+   ``--iters`` iterations each, saving at the half way point; with ``--seeds N`` each of them
+   N times (``--seed`` 1234, 1235, ...: ``NAME`` and ``NAME-seedK``), the goal's means taken
+   over the seeds and each precision's spread between its seeds stated: on one GPU two calls
+   of the same launch and seed ended 0.5 % apart (the kernels' sums are not deterministic),
+   so one run per precision cannot tell a few tenths of a per cent apart. Two references
+   more, named in ``--precisions``: ``local`` (megatron's own layers, loss, optimizer and
+   step, no fast-path piece: what every path is held to) and ``fastlayers`` (the fast spec's
+   layers with megatron's loss, optimizer and step): where a curve parts from bf16's, they
+   tell the layers from the step;
 2. **crossing**: from the half-way checkpoints of bf16, fp8 and tefp8, 20 iterations under
    each of those (``SRC->DST``; the same one: the resume's own difference), compared with the
    uninterrupted run of the checkpoint's source. TE's launches here run with
    ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``: TE (2.20 on) unpickles the FP8 state it saved
    only then, and these checkpoints are the script's own;
 3. **use**: ``tools/generate.py`` and ``tools/export_hf.py`` on the FP8 run's last checkpoint.
+
+``--parallel K`` caps the launches sharing the GPU at once (default: all of a phase).
+``--precisions`` picks the tracking runs (default: bf16, fp8 and, with ``--te-site``, TE's
+two); ``--also DIR`` adds the tracking losses an earlier invocation wrote into
+DIR/fp8_losses.csv to this one's figures, so that the plain install's runs can go while
+Transformer Engine builds and TE's after it, in one call.
 
 Writes OUT/fp8_losses.json (the figures, ``info``), OUT/fp8_losses.csv (every loss) and
 OUT/fp8_losses.png (the tracking curves), and each launch's log. Exit status 0 when every
@@ -55,8 +70,18 @@ PRECISIONS = {
     "tefp8": ["--transformer-impl", "transformer_engine", "--fast-cuda-graphs", "iteration",
               "--fp8-format", "hybrid"],
     "tebf16": ["--transformer-impl", "transformer_engine", "--fast-cuda-graphs", "iteration"],
+    # the references: megatron's own everything, and the fast spec's layers on megatron's step;
+    # megatron's local attention keeps the [b, heads, s, s] scores (13.5 GB more at 345M), so
+    # it recomputes them (the same numbers: no dropout) to share the GPU with the others
+    "local": ["--transformer-impl", "local", "--no-fast-spec", "--fast-cuda-graphs", "none",
+              "--fast-disable", "optimizer,lm-loss,lm-grad-in-forward,bf16-grad-buffer,"
+              "grad-write", "--recompute-granularity", "selective"],
+    "fastlayers": ["--transformer-impl", "local", "--fast-cuda-graphs", "none",
+                   "--fast-disable", "optimizer,lm-loss,lm-grad-in-forward,bf16-grad-buffer,"
+                   "grad-write"],
 }
 TE_PRECISIONS = {"tefp8", "tebf16"}
+DEFAULT_PRECISIONS = ("bf16", "fp8", "tefp8", "tebf16")
 CROSSED = ("bf16", "fp8", "tefp8")  # tebf16 is the tracking's reference only
 # the variable under which TE unpickles its delayed-scaling FP8 state (checkpoint_guard)
 TE_TRUSTS_PICKLES = {"NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE": "1"}
@@ -64,6 +89,7 @@ TRAINING = ["--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "3e-4",
             "--min-lr", "3e-5", "--lr-warmup-iters", "30", "--lr-decay-style", "cosine"]
 CROSS_ITERS = 20
 LAST = 50  # the tracking goal's window
+SEED = 1234
 CROSS_TOLERANCE = 2e-2  # relative: bf16 rounding of two sets of kernels (the TE GPU tests')
 
 
@@ -99,13 +125,25 @@ def largest_relative_difference(run: dict[int, float], reference: dict[int, floa
     return max(abs(run[i] - reference[i]) / abs(reference[i]) for i in shared)
 
 
-def tracking_figures(losses: dict[str, dict[int, float]], warmup: int) -> dict:
-    """The tracking goal's figures from each precision's losses (bf16 and fp8 at least)."""
-    means = {name: mean_last(run) for name, run in losses.items()}
+def tracking_figures(losses: dict[str, dict[int, float] | list[dict[int, float]]],
+                     warmup: int) -> dict:
+    """The tracking goal's figures from each precision's losses (bf16 and fp8 at least): one
+    run's, or a list of runs with different seeds, whose last-50 means are averaged (and
+    their spread, largest less smallest over their average, stated); the excursion is the
+    first seed's."""
+    runs = {name: run if isinstance(run, list) else [run] for name, run in losses.items()}
+    per_seed = {name: [mean_last(run) for run in seeded] for name, seeded in runs.items()}
+    means = {name: statistics.fmean(values) for name, values in per_seed.items()}
     out = dict(mean_last_50=means,
-               nonfinite={name: nonfinite(run) for name, run in losses.items()},
+               nonfinite={name: sorted({i for run in seeded for i in nonfinite(run)})
+                          for name, seeded in runs.items()},
                fp8_over_bf16=means["fp8"] / means["bf16"] - 1)
-    excursion = largest_excursion(losses["fp8"], losses["bf16"], warmup)
+    if any(len(values) > 1 for values in per_seed.values()):
+        out["seeds"] = {name: len(values) for name, values in per_seed.items()}
+        out["mean_last_50_per_seed"] = per_seed
+        out["seed_spread"] = {name: (max(values) - min(values)) / means[name]
+                              for name, values in per_seed.items()}
+    excursion = largest_excursion(runs["fp8"][0], runs["bf16"][0], warmup)
     if excursion:
         out["fp8_largest_excursion_over_bf16"] = dict(iteration=excursion[0],
                                                       relative=excursion[1])
@@ -115,6 +153,9 @@ def tracking_figures(losses: dict[str, dict[int, float]], warmup: int) -> dict:
         # TE's own FP8 against TE's own bf16: how much of TE's curve is its FP8
         out["tefp8_over_tebf16"] = means.get("tefp8", float("nan")) / means["tebf16"] - 1
         out["tebf16_over_bf16"] = means["tebf16"] / means["bf16"] - 1
+    # every run against the fast path's bf16 (the references' too)
+    out["over_bf16"] = {name: means[name] / means["bf16"] - 1 for name in means
+                        if name != "bf16"}
     out["holds"] = (abs(out["fp8_over_bf16"]) <= 0.01
                     and out.get("fp8_over_tefp8", 0.0) <= 0.005
                     and not any(out["nonfinite"].values()))
@@ -123,9 +164,45 @@ def tracking_figures(losses: dict[str, dict[int, float]], warmup: int) -> dict:
 
 # ---- the launches -------------------------------------------------------------------------
 
-def entry_argv(precision: str, iters: int, data: list[str]) -> list[str]:
+def entry_argv(precision: str, iters: int, data: list[str], seed: int = SEED) -> list[str]:
     return ([sys.executable, str(ROOT / "pretrain_gpt.py")]
-            + shape_flags(SHAPE, iters, 1, 1234, data) + TRAINING + PRECISIONS[precision])
+            + shape_flags(SHAPE, iters, 1, seed, data) + TRAINING + PRECISIONS[precision])
+
+
+def chosen_precisions(names: str | None, te: bool) -> list[str]:
+    """``--precisions``' runs, in PRECISIONS' order; TE's need ``--te-site``. An empty one
+    runs nothing: the figures of ``--also``'s runs alone."""
+    if names is None:
+        return [x for x in DEFAULT_PRECISIONS if x not in TE_PRECISIONS or te]
+    wanted = [x for x in names.split(",") if x]
+    unknown = [x for x in wanted if x not in PRECISIONS]
+    if unknown:
+        raise SystemExit(f"error: --precisions: unknown {', '.join(unknown)} "
+                         f"(known: {', '.join(PRECISIONS)})")
+    if not te and TE_PRECISIONS & set(wanted):
+        raise SystemExit("error: --precisions names Transformer Engine's runs "
+                         f"({', '.join(sorted(TE_PRECISIONS & set(wanted)))}): give --te-site")
+    return [x for x in PRECISIONS if x in wanted]
+
+
+def read_losses(csv_path: Path) -> dict[str, dict[int, float]]:
+    """Every run's losses from an fp8_losses.csv (as ``main`` writes it; blanks left out)."""
+    if not csv_path.exists():
+        raise SystemExit(f"error: --also: no {csv_path}")
+    lines = csv_path.read_text().splitlines()
+    names = lines[0].split(",")[1:]
+    runs: dict[str, dict[int, float]] = {name: {} for name in names}
+    for line in lines[1:]:
+        iteration, *values = line.split(",")
+        for name, value in zip(names, values):
+            if value:
+                runs[name][int(iteration)] = float(value)
+    return runs
+
+
+def seeded_name(precision: str, k: int) -> str:
+    """The k-th seed's run of ``precision`` (the first keeps the precision's own name)."""
+    return precision if k == 0 else f"{precision}-seed{k}"
 
 
 def start(name: str, argv: list[str], out: Path, env: dict) -> tuple:
@@ -138,6 +215,18 @@ def start(name: str, argv: list[str], out: Path, env: dict) -> tuple:
     proc = subprocess.Popen(argv, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     return name, proc, log, time.time()
+
+
+def run_phase(launches: list[tuple[str, list[str], dict]], out: Path, timeout: float,
+              parallel: int | None) -> dict[str, dict]:
+    """``launches`` (name, argv, environment), at most ``parallel`` at once (None: all),
+    each batch given ``timeout`` seconds."""
+    size = parallel or len(launches) or 1
+    results = {}
+    for i in range(0, len(launches), size):
+        started = [start(name, argv, out, env) for name, argv, env in launches[i:i + size]]
+        results.update(wait_all(started, timeout))
+    return results
 
 
 def wait_all(started: list, timeout: float) -> dict[str, dict]:
@@ -188,41 +277,73 @@ def main(argv=None) -> int:
     p.add_argument("--te-site", default=os.environ.get("TE_SITE"),
                    help="a folder holding Transformer Engine, for the tefp8 runs")
     p.add_argument("--iters", type=int, default=300)
-    p.add_argument("--timeout", type=float, default=420, help="seconds per phase")
+    p.add_argument("--timeout", type=float, default=420,
+                   help="seconds per phase (per batch of --parallel launches)")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="tracking runs per precision, with seeds 1234, 1235, ...")
+    p.add_argument("--parallel", type=int, default=None,
+                   help="launches sharing the GPU at once (default: all of a phase)")
     p.add_argument("--skip", default="", help="phases to leave out: crossing,use")
+    p.add_argument("--precisions", default=None,
+                   help=f"tracking runs, of {', '.join(PRECISIONS)} (default: "
+                        f"{', '.join(DEFAULT_PRECISIONS)}, TE's where --te-site is given)")
+    p.add_argument("--also", action="append", default=[],
+                   help="an earlier invocation's OUT: its tracking losses join the figures")
     a = p.parse_args(argv)
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, a.skip.split(",")))
+    precisions = chosen_precisions(a.precisions, bool(a.te_site))
+    earlier = {}
+    for folder in a.also:
+        earlier.update(read_losses(Path(folder) / "fp8_losses.csv"))
     data = corpus_data_flags()
-    precisions = [x for x in PRECISIONS if x not in TE_PRECISIONS or a.te_site]
     half = a.iters // 2
     saves = {x: out / "ckpt" / x for x in precisions}
 
-    # 1. tracking, saving at the half-way point (and at the end)
-    started = [start(x, entry_argv(x, a.iters, data) + [
-        "--save", str(saves[x]), "--save-interval", str(half)], out, environment(x, a.te_site))
-        for x in precisions]
-    tracking = wait_all(started, a.timeout)
-    losses = {x: r["losses"] for x, r in tracking.items()}
+    # 1. tracking, saving at the half-way point (and at the end): the first seed's runs that
+    # a later phase resumes or uses (a 345M checkpoint is some 4 GB: no others)
+    kept = ({x for x in CROSSED if "crossing" not in skip}
+            | ({"fp8"} if "use" not in skip else set()))
+    launches = []
+    for k in range(a.seeds):
+        for x in precisions:
+            saving = (["--save", str(saves[x]), "--save-interval", str(half)]
+                      if k == 0 and x in kept else [])
+            launches.append((seeded_name(x, k), entry_argv(x, a.iters, data, SEED + k)
+                             + saving, environment(x, a.te_site)))
+    tracking = run_phase(launches, out, a.timeout, a.parallel)
+    losses = {x: tracking[x]["losses"] for x in precisions}  # the first seed's
+    seeded = {x: [tracking[seeded_name(x, k)]["losses"] for k in range(a.seeds)]
+              for x in precisions}
+    for name, run in earlier.items():  # --also: an earlier invocation's whole runs, by seed
+        base = name.split("-seed")[0]
+        if base in precisions or len(run) != a.iters:
+            print(f"[fp8-losses] --also: {name} left out ({len(run)} losses"
+                  + (", run here too)" if base in precisions else ")"), flush=True)
+            continue
+        seeded.setdefault(base, []).append(run)
     result = dict(info=run_info(), shape=SHAPE, iters=a.iters, training=TRAINING,
+                  seeds=[SEED + k for k in range(a.seeds)],
                   launches={x: dict(rc=r["rc"], wall_s=r["wall_s"]) for x, r in tracking.items()})
     ran = all(r["rc"] == 0 and len(r["losses"]) == a.iters for r in tracking.values())
-    if ran:
-        result["tracking"] = tracking_figures(losses, warmup=30)
+    if earlier:
+        result["also"] = dict(folders=a.also, runs=sorted(earlier))
+    if ran and {"bf16", "fp8"} <= set(seeded):
+        result["tracking"] = tracking_figures(seeded, warmup=30)
 
     # 2. crossing: from each half-way checkpoint, CROSS_ITERS iterations under each precision
     if ran and "crossing" not in skip:
         sources = [x for x in CROSSED if x in precisions]
         pairs = [(s, d) for s in sources for d in sources]
-        started = []
+        launches = []
         for src, dst in pairs:
             name = f"{src}-to-{dst}"
             folder = resume_folder(saves[src], half, out / "resume" / name)
-            started.append(start(name, entry_argv(dst, a.iters, data) + [
-                "--load", str(folder), "--exit-interval", str(half + CROSS_ITERS)], out,
+            launches.append((name, entry_argv(dst, a.iters, data) + [
+                "--load", str(folder), "--exit-interval", str(half + CROSS_ITERS)],
                 environment(dst, a.te_site, TE_TRUSTS_PICKLES)))
-        crossed = wait_all(started, a.timeout)
+        crossed = run_phase(launches, out, a.timeout, a.parallel)
         result["crossing"] = {}
         for (src, dst), (name, r) in zip(pairs, crossed.items()):
             diff = largest_relative_difference(r["losses"], losses[src])
@@ -254,16 +375,22 @@ def main(argv=None) -> int:
                              exported=sorted(x.name for x in (out / "hf").glob("*")))
         ran = ran and gen.returncode == 0 and export.returncode == 0
 
-    # every loss, and the curves
+    # every loss (every seed's, --also's runs too), and the first seed's curves
+    every = {**{name: run for name, run in earlier.items() if name not in tracking},
+             **{name: r["losses"] for name, r in tracking.items()}}
     with open(out / "fp8_losses.csv", "w") as f:
-        names = list(losses)
-        f.write("iteration," + ",".join(names) + "\n")
+        f.write("iteration," + ",".join(every) + "\n")
         for i in range(1, a.iters + 1):
-            f.write(f"{i}," + ",".join(str(losses[x].get(i, "")) for x in names) + "\n")
+            f.write(f"{i}," + ",".join(str(run.get(i, "")) for run in every.values()) + "\n")
     try:
         from megagpt.plots import load_run, plot_runs
 
-        plot_runs([load_run(str(out / f"{x}.log"), x) for x in losses if losses[x]],
+        logs = {x: out / f"{x}.log" for x in losses if losses[x]}
+        for folder in a.also:  # the earlier invocation's first seeds
+            for name in earlier:
+                if "-seed" not in name and name not in logs:
+                    logs[name] = Path(folder) / f"{name}.log"
+        plot_runs([load_run(str(log), x) for x, log in logs.items() if log.exists()],
                   out / "fp8_losses.png", title=f"{SHAPE} on text: bf16 and FP8")
     except Exception as e:  # noqa: BLE001 (the figures stand without the picture)
         print(f"[fp8-losses] no plot: {e}", flush=True)

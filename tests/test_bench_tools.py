@@ -380,6 +380,83 @@ def test_fp8_losses_figures():
     assert figures["tebf16_over_bf16"] == pytest.approx(-0.01, rel=1e-9)
 
 
+def test_fp8_losses_figures_over_seeds():
+    """With several seeds per precision the goal compares the seeds' average of the last-50
+    means, and says each precision's spread; the excursion is the first seed's."""
+    import fp8_losses
+
+    def run(level, bump_at=None):
+        return {i: (level + (0.5 if i == bump_at else 0.0)) for i in range(1, 301)}
+
+    seeded = dict(bf16=[run(5.0), run(5.1)], fp8=[run(5.02, bump_at=200), run(5.08)],
+                  tefp8=[run(5.0), run(5.0)])
+    figures = fp8_losses.tracking_figures(seeded, warmup=30)
+    assert figures["mean_last_50"]["bf16"] == pytest.approx(5.05)
+    # fp8's average over its seeds: the bump at 200 is outside the last 50
+    assert figures["fp8_over_bf16"] == pytest.approx(5.05 / 5.05 - 1, abs=1e-12)
+    assert figures["fp8_over_tefp8"] == pytest.approx(5.05 / 5.0 - 1)
+    assert figures["seeds"] == dict(bf16=2, fp8=2, tefp8=2)
+    assert figures["seed_spread"]["bf16"] == pytest.approx(0.1 / 5.05)
+    assert figures["seed_spread"]["tefp8"] == 0.0
+    assert figures["fp8_largest_excursion_over_bf16"]["iteration"] == 200
+    assert not figures["holds"]  # 1 % above TE's FP8
+    # one run per precision says nothing about seeds
+    assert "seed_spread" not in fp8_losses.tracking_figures(
+        dict(bf16=run(5.0), fp8=[run(5.0)]), warmup=30)
+    assert fp8_losses.seeded_name("fp8", 0) == "fp8"
+    assert fp8_losses.seeded_name("fp8", 2) == "fp8-seed2"
+
+
+def test_fp8_losses_precisions_and_an_earlier_invocations_losses(tmp_path):
+    """--precisions picks the runs (TE's only with a TE site, an unknown name refused);
+    --also reads the CSV an earlier invocation wrote, blanks left out, and its runs stand
+    beside this one's in the figures, each against bf16."""
+    import fp8_losses
+
+    assert fp8_losses.chosen_precisions(None, te=False) == ["bf16", "fp8"]
+    assert fp8_losses.chosen_precisions(None, te=True) == ["bf16", "fp8", "tefp8", "tebf16"]
+    assert fp8_losses.chosen_precisions("local,bf16", te=False) == ["bf16", "local"]
+    with pytest.raises(SystemExit, match="unknown fp16"):
+        fp8_losses.chosen_precisions("bf16,fp16", te=True)
+    with pytest.raises(SystemExit, match="give --te-site"):
+        fp8_losses.chosen_precisions("tebf16", te=False)
+    # megatron's own layers and step: nothing of the fast path
+    local = fp8_losses.PRECISIONS["local"]
+    assert "--no-fast-spec" in local and "optimizer,lm-loss" in " ".join(local)
+    assert "--no-fast-spec" not in fp8_losses.PRECISIONS["fastlayers"]
+
+    (tmp_path / "fp8_losses.csv").write_text(
+        "iteration,bf16,local,local-seed1\n1,5.0,5.1,\n2,4.0,4.1,4.2\n")
+    runs = fp8_losses.read_losses(tmp_path / "fp8_losses.csv")
+    assert runs == {"bf16": {1: 5.0, 2: 4.0}, "local": {1: 5.1, 2: 4.1}, "local-seed1": {2: 4.2}}
+    with pytest.raises(SystemExit, match="no .*missing"):
+        fp8_losses.read_losses(tmp_path / "missing" / "fp8_losses.csv")
+
+    flat = {i: 5.0 for i in range(1, 301)}
+    figures = fp8_losses.tracking_figures(
+        dict(bf16=flat, fp8=flat, local={i: 5.05 for i in flat}), warmup=30)
+    assert figures["over_bf16"]["local"] == pytest.approx(0.01)
+    assert figures["over_bf16"]["fp8"] == 0.0
+
+
+def test_fp8_losses_phases_run_at_most_parallel_launches_at_once(tmp_path):
+    import fp8_losses
+    # each launch notes when it started and ended; a batch waits for the one before it
+    script = ("import sys, time; t0 = time.time(); time.sleep(0.5); "
+              "print(sys.argv[1], t0, time.time())")
+    launches = [(f"r{i}", [sys.executable, "-c", script, f"r{i}"], dict(os.environ))
+                for i in range(3)]
+    results = fp8_losses.run_phase(launches, tmp_path, timeout=60, parallel=2)
+    assert list(results) == ["r0", "r1", "r2"]
+    assert all(r["rc"] == 0 for r in results.values())
+    spans = {}
+    for name in results:
+        _, start, end = (tmp_path / f"{name}.log").read_text().split()
+        spans[name] = (float(start), float(end))
+    assert spans["r2"][0] >= max(spans["r0"][1], spans["r1"][1])
+    assert spans["r1"][0] < spans["r0"][1]  # the first two shared the time
+
+
 def test_fp8_losses_resume_folder_points_at_the_half_way_iteration(tmp_path):
     import fp8_losses
 

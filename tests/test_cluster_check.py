@@ -92,6 +92,17 @@ def test_the_sbatch_examples_check_runs_on_every_node_and_stops_a_slow_job(tmp_p
                         capture_output=True, text=True, timeout=180)
     assert ok.returncode == 0 and "check OK" in ok.stdout, ok.stdout + ok.stderr
 
+    # the same with rank 1 running a quarter of the time: named, and the job not started
+    env["MASTER_PORT"] = str(_free_port())
+    slow = subprocess.Popen(["bash", str(EXAMPLES / "cluster_check.sh")], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with DutyCycle(rank_process(slow, 1), stopped_s=0.0375):
+        out, err = slow.communicate(timeout=180)
+    assert slow.returncode == 1, out + err
+    assert re.search(r"^error: 1 slow: rank 1 ", err, re.M), err
+    assert err.rstrip().endswith("cluster check failed: not starting the run "
+                                 "(CLUSTER_CHECK=0 skips the check)"), err
+
 
 @pytest.mark.gpu
 def test_one_gpu_meets_the_dry_runs_gemm_figure(tmp_path):
