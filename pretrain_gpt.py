@@ -54,7 +54,7 @@ from megagpt.log import log
 from megagpt.megatron_errors import INPUT_ERRORS
 from megagpt.preflight.memory_knobs import memory_knobs
 from megagpt.resilience.divergence import EVALUATION_FAULT
-from megagpt.rendezvous import default_single_process_env
+from megagpt.rendezvous import store_for
 
 # A loss ten times the largest seen so far counts as a spike (--check-for-spiky-loss).
 SPIKY_LOSS_FACTOR = 10
@@ -324,8 +324,8 @@ def build_configs(args, launch):
 
 def run(args, launch, store=None) -> None:
     """Train with validated, global args as ``launch`` decided them (see main); ``store``:
-    the rendezvous of a launcher-free single process
-    (rendezvous.default_single_process_env)."""
+    the rendezvous of a launcher-free single process (the launch's ``rendezvous`` choice,
+    ``rendezvous.store_for``)."""
     from megatron.training import get_tokenizer, pretrain, set_startup_timestamps
 
     set_startup_timestamps(program_start=_PROGRAM_START, main_entry=time.time())
@@ -386,7 +386,6 @@ def train_or_plan(argv: list[str] | None) -> int:
     try:
         launch = resolve(argv)  # what the command line comes to here; changes nothing
         args = write(launch, log=log)  # megatron's arguments and the environment
-        store = default_single_process_env()
         if args.dry_run:
             from megagpt.preflight import run_dry_run
             return run_dry_run(args, launch)
@@ -403,7 +402,7 @@ def train_or_plan(argv: list[str] | None) -> int:
 
         preflight.check_inputs(args, get_tokenizer().vocab_size, log)
         after_validation(launch, args, log)  # the checkpoint to resume (one-line errors)
-        run(args, launch, store)
+        run(args, launch, store_for(launch))
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         stopped_before_training(args, tensorboard)
