@@ -76,7 +76,8 @@ def pieces(launch: Launch, args, container=None,
         if not fused:
             log(f"fast optimizer: {launch.choice(chosen.OPTIMIZER).reason}")
         out.append(("optimizer kernels", fast_optimizer.fast_kernels(
-            fused_adam=fused, multi_tensor=True, tensor_clip=asynchronous, log=log)))
+            launch.installed.megatron_fused_optimizer, fused_adam=fused, multi_tensor=True,
+            tensor_clip=asynchronous, log=log)))
         if optimizer == chosen.FLAT_ADAMW:
             out.append(("flat AdamW step", flat_adam.flat_steps(log)))
         elif fused:
