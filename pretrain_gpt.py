@@ -52,6 +52,7 @@ from megagpt.launch.megatron_changes import launched
 from megagpt import apex_parts, run_log
 from megagpt.log import log
 from megagpt.megatron_errors import INPUT_ERRORS
+from megagpt.preflight.launch_path import WhatRuns
 from megagpt.preflight.memory_knobs import memory_knobs
 from megagpt.resilience.divergence import EVALUATION_FAULT
 from megagpt.rendezvous import store_for
@@ -344,7 +345,9 @@ def run(args, launch, store=None) -> None:
                    checks=LossChecks.from_args(args),
                    output_processor=gpt_builders.output_processor(launch))
     # every change this launch makes inside megatron and torch, undone when pretrain returns
-    with launched(launch, args, container, log, memory_knobs=memory_knobs):
+    # the out-of-memory line's estimate, of what this launch runs
+    knobs = partial(memory_knobs, runs=WhatRuns.of(launch))
+    with launched(launch, args, container, log, memory_knobs=knobs):
         apex_parts.log_launch_line(launch, args, log)  # what the launch's changes left to apex
         pretrain(container, datasets_provider, ModelType.encoder_or_decoder, step,
                  get_embedding_ranks=get_embedding_ranks, store=store)
@@ -388,7 +391,7 @@ def train_or_plan(argv: list[str] | None) -> int:
         args = write(launch, log=log)  # megatron's arguments and the environment
         if args.dry_run:
             from megagpt.preflight import run_dry_run
-            return run_dry_run(args, launch)
+            return run_dry_run(launch, args)
         from megagpt import preflight
 
         # the dry run's checks, with their numbers, then megatron's; all before any model
