@@ -52,9 +52,10 @@ from megagpt.launch.megatron_changes import launched
 from megagpt import apex_parts, run_log
 from megagpt.log import log
 from megagpt.megatron_errors import INPUT_ERRORS
+from megagpt.preflight.launch_path import WhatRuns
 from megagpt.preflight.memory_knobs import memory_knobs
 from megagpt.resilience.divergence import EVALUATION_FAULT
-from megagpt.rendezvous import default_single_process_env
+from megagpt.rendezvous import store_for
 
 # A loss ten times the largest seen so far counts as a spike (--check-for-spiky-loss).
 SPIKY_LOSS_FACTOR = 10
@@ -324,8 +325,8 @@ def build_configs(args, launch):
 
 def run(args, launch, store=None) -> None:
     """Train with validated, global args as ``launch`` decided them (see main); ``store``:
-    the rendezvous of a launcher-free single process
-    (rendezvous.default_single_process_env)."""
+    the rendezvous of a launcher-free single process (the launch's ``rendezvous`` choice,
+    ``rendezvous.store_for``)."""
     from megatron.training import get_tokenizer, pretrain, set_startup_timestamps
 
     set_startup_timestamps(program_start=_PROGRAM_START, main_entry=time.time())
@@ -344,7 +345,9 @@ def run(args, launch, store=None) -> None:
                    checks=LossChecks.from_args(args),
                    output_processor=gpt_builders.output_processor(launch))
     # every change this launch makes inside megatron and torch, undone when pretrain returns
-    with launched(launch, args, container, log, memory_knobs=memory_knobs):
+    # the out-of-memory line's estimate, of what this launch runs
+    knobs = partial(memory_knobs, runs=WhatRuns.of(launch))
+    with launched(launch, args, container, log, memory_knobs=knobs):
         apex_parts.log_launch_line(launch, args, log)  # what the launch's changes left to apex
         pretrain(container, datasets_provider, ModelType.encoder_or_decoder, step,
                  get_embedding_ranks=get_embedding_ranks, store=store)
@@ -386,10 +389,9 @@ def train_or_plan(argv: list[str] | None) -> int:
     try:
         launch = resolve(argv)  # what the command line comes to here; changes nothing
         args = write(launch, log=log)  # megatron's arguments and the environment
-        store = default_single_process_env()
         if args.dry_run:
             from megagpt.preflight import run_dry_run
-            return run_dry_run(args, launch)
+            return run_dry_run(launch, args)
         from megagpt import preflight
 
         # the dry run's checks, with their numbers, then megatron's; all before any model
@@ -403,7 +405,7 @@ def train_or_plan(argv: list[str] | None) -> int:
 
         preflight.check_inputs(args, get_tokenizer().vocab_size, log)
         after_validation(launch, args, log)  # the checkpoint to resume (one-line errors)
-        run(args, launch, store)
+        run(args, launch, store_for(launch))
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         stopped_before_training(args, tensorboard)

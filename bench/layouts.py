@@ -220,7 +220,7 @@ def run_layout(a, name: str, out_dir: Path, extra: list[str], tag: str = "") -> 
 def estimate_layout(a, name: str) -> dict:
     """The dry run's step-time estimate of the launch ``run_layout`` made for ``name``, as on
     ``a.estimate`` GPUs in bf16 (``estimated_ms``), or why there is none."""
-    from megagpt.launch import parse_arguments
+    from megagpt.launch import resolve
     from megagpt.errors import UserError
     from megagpt.preflight import make_plan
 
@@ -230,7 +230,7 @@ def estimate_layout(a, name: str) -> dict:
             + ["--dry-run", "--dry-run-world-size", str(nproc), "--gpu-type", a.estimate])
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            plan = make_plan(parse_arguments(argv))
+            plan = make_plan(resolve(argv))
     except UserError as exc:
         return dict(estimate_error=str(exc))
     if plan.run is None:

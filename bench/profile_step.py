@@ -205,10 +205,12 @@ def _iterator(batch):
 def run_variant(shape, variant, iters, warmup, dropout, profile_dir=None, log=print):
     """One variant built and timed; with +opt megatron's optimizer modules hold the fast
     path's kernels while it is built and steps."""
+    from megagpt.compat import Installed
     from megagpt.train_step import optimizer as fast_optimizer
 
     _, flags = _parts(variant)
-    kernels = fast_optimizer.fast_kernels() if "opt" in flags else contextlib.nullcontext()
+    kernels = (fast_optimizer.fast_kernels(Installed.detect().megatron_fused_optimizer)
+               if "opt" in flags else contextlib.nullcontext())
     with kernels:
         return _timed(shape, variant, iters, warmup, dropout, profile_dir, log)
 

@@ -20,7 +20,7 @@ def fast_optimizer_kernels(tensor_clip: bool = True):
 
     if not optimizer.megatron_uses_local_fallbacks():
         pytest.skip("TE or apex installed: megatron's optimizer takes their kernels")
-    with optimizer.fast_kernels(tensor_clip=tensor_clip):
+    with optimizer.fast_kernels(megatron_fused_optimizer=False, tensor_clip=tensor_clip):
         yield
 
 

@@ -359,6 +359,7 @@ def test_a_damaged_checkpoint_gives_way_to_the_previous_intact_one_unless_asked_
     --save the damaged newest checkpoint is moved aside and the tracker and --ckpt-step point
     at the previous one; elsewhere nothing moves; asked for by --ckpt-step, or with nothing
     earlier, it is one error naming the file."""
+    from megagpt.launch.writer import load_earlier
     from megagpt.resilience.checkpoint_integrity import choose_intact
 
     shard_name = overwrite_weight(it_dir(ckpt, 8), WEIGHT)
@@ -366,22 +367,22 @@ def test_a_damaged_checkpoint_gives_way_to_the_previous_intact_one_unless_asked_
                 "was saved (its bytes changed since)")
     elsewhere = Namespace(ckpt_format="torch_dist", save=None, ckpt_step=None, entry_argv=[])
     lines = []
-    assert choose_intact(elsewhere, ckpt, lines.append) == it_dir(ckpt, 4)
+    assert choose_intact(elsewhere, ckpt, lines.append, load_earlier) == it_dir(ckpt, 4)
     assert elsewhere.ckpt_step == 4 and guard.saved_iterations(ckpt) == [4, 8]
     assert f"{mismatch}; left where it is (not this run's --save)" in lines[0]
     asked = Namespace(ckpt_format="torch_dist", save=ckpt, ckpt_step=8,
                       entry_argv=["--ckpt-step", "8"])
     with pytest.raises(CheckpointError) as caught:
-        choose_intact(asked, ckpt, lines.append, ckpt_step_given=True)
+        choose_intact(asked, ckpt, lines.append, load_earlier, ckpt_step_given=True)
     assert str(caught.value) == (f"--load {it_dir(ckpt, 8)} is damaged: {mismatch}; "
                                  "--ckpt-step asked for it")
     own = Namespace(ckpt_format="torch_dist", save=ckpt, ckpt_step=None, entry_argv=[])
-    assert choose_intact(own, ckpt, lines.append) == it_dir(ckpt, 4)
+    assert choose_intact(own, ckpt, lines.append, load_earlier) == it_dir(ckpt, 4)
     assert guard.saved_iterations(ckpt) == [4] and guard.read_tracker(ckpt) == 4
     assert own.ckpt_step == 4 and "moved to" in lines[-2]
     overwrite_weight(it_dir(ckpt, 4), WEIGHT)
     with pytest.raises(CheckpointError, match="no earlier complete checkpoint is there"):
-        choose_intact(own, ckpt, lines.append)
+        choose_intact(own, ckpt, lines.append, load_earlier)
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megagpt.launch import parse_arguments
+from megagpt.launch import resolve
 from megagpt.preflight import LayoutError, make_plan
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
@@ -32,7 +32,7 @@ def plan_for(path: Path, gpus: int, *extra: str):
             "--gpu-type", "A100-80GB", *extra]
     if "mock-data" not in yaml.safe_load(path.read_text()):
         argv.append("--mock-data")  # NullTokenizer of GPT-2's 50257 tokens: same padded vocab
-    return make_plan(parse_arguments(argv))
+    return make_plan(resolve(argv))
 
 
 def test_the_family_is_shipped():

@@ -581,7 +581,7 @@ def test_fast_kernels_swap_megatron_fallbacks_and_restore():
         pytest.skip("TE or apex installed: megatron has its fused kernels")
     before = (mopt.Adam, mclip.l2_norm_impl, moo._multi_tensor_copy_this_to_that)
     assert mopt.USING_PYTORCH_OPTIMIZER and mclip.l2_norm_impl is mutils.local_multi_tensor_l2_norm
-    with optim.fast_kernels() as changed:
+    with optim.fast_kernels(megatron_fused_optimizer=False) as changed:
         assert changed
         assert mopt.Adam is optim.torch_fused_adam and not mopt.USING_PYTORCH_OPTIMIZER
         assert mclip.l2_norm_impl is optim.foreach_multi_tensor_l2norm

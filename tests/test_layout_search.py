@@ -2,14 +2,16 @@
 and the 530B launch that trained on 80 GB GPUs no longer refused."""
 
 import contextlib
+import dataclasses
 import io
 
 import pytest
 
-from megagpt.launch import parse_arguments
+from megagpt.launch import resolve
 from megagpt.preflight import make_plan
 from megagpt.preflight import estimate as est
 from megagpt.preflight.cost import shape_of
+from megagpt.preflight.launch_path import FAST
 from megagpt.preflight.layout_search import (Layout, args_for, candidate_layouts, launch_layout,
                                               search)
 from test_step_time import NARAYANAN
@@ -46,7 +48,7 @@ def narayanan_plan(heads, hidden, layers, tp, pp, gpus, batch):
             "optimizer,lm-loss",
             "--dry-run", "--dry-run-world-size", str(gpus), "--gpu-type", "A100-80GB"]
     with contextlib.redirect_stdout(io.StringIO()):
-        return make_plan(parse_arguments(argv))
+        return make_plan(resolve(argv))
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,7 @@ def narayanan_plans():
 
 def _published_place(plan):
     """(rank of the published TP × PP among the fitting layouts, its best time / the best)."""
-    ranked = search(plan.args, plan.gpu, recompute=("full",))  # the recompute the runs used
+    ranked = search(plan.args, plan.runs, plan.gpu, recompute=("full",))  # as the runs were
     own = launch_layout(plan.args)
     place = next(i for i, r in enumerate(ranked, 1)
                  if (r.layout.tp, r.layout.pp) == (own.tp, own.pp))
@@ -77,7 +79,7 @@ def test_the_7_5b_model_without_pp_at_tp_2_does_not_fit_its_optimizer_step(naray
     weights and moments) and 8 more at the step (fp32 gradient copies, torch AdamW's sqrt of
     the second moment) are above 90 % of 80 GiB, so the search ranks it out."""
     plan = narayanan_plans["7.5B"]
-    ranked = search(plan.args, plan.gpu, recompute=("full",))
+    ranked = search(plan.args, plan.runs, plan.gpu, recompute=("full",))
     assert ranked and all((r.layout.tp, r.layout.pp) != (2, 1) for r in ranked)
 
 
@@ -107,11 +109,12 @@ def test_unfused_attention_scores_cost_memory_and_the_same_time_in_every_layout(
     them (softmax output, dropout mask and output). Their time per GPU and step is
     B·heads·s²·layers / GPUs elements in every layout, so it ranks none above another."""
     plan = narayanan_plans["18.4B"]
-    assert not shape_of(plan.args).flash_attention
+    assert not shape_of(plan.args, plan.runs).flash_attention
     layout = Layout(tp=2, pp=4, dp=32, micro_batch=8, virtual_stages=1, recompute="none")
-    unfused = est.layer_activation_bytes(args_for(plan.args, layout, "local"), "none")
-    flash = est.layer_activation_bytes(args_for(plan.args, layout, "fast"), "none")
+    unfused = est.layer_activation_bytes(args_for(plan.args, layout), "none", plan.runs)
+    flash = est.layer_activation_bytes(args_for(plan.args, layout), "none",
+                                       dataclasses.replace(plan.runs, path=FAST))
     assert unfused - flash == pytest.approx(5 * 8 * (48 // 2) * 2048**2)
-    ranked = search(plan.args, plan.gpu, recompute=("full",))
+    ranked = search(plan.args, plan.runs, plan.gpu, recompute=("full",))
     attention = {round(r.step.parts["attention"], 6) for r in ranked}
     assert len(attention) == 1

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import run_entry
-from megagpt.launch import parse_arguments
+from megagpt.launch import resolve
 from megagpt.diagnostics import out_of_memory as oom
 from megagpt.preflight import make_plan, memory_knobs
 
@@ -22,17 +22,18 @@ SHAPE_13B = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-hea
 
 
 def validated(*flags, world_size=8):
-    """The launch's arguments as training sees them (validated at its world size)."""
-    args = parse_arguments([*flags, "--dry-run", "--dry-run-world-size", str(world_size),
-                            "--gpu-type", "H200"])
+    """The launch's plan: its arguments as training sees them (validated at its world size)
+    and its choices."""
+    launch = resolve([*flags, "--dry-run", "--dry-run-world-size", str(world_size),
+                      "--gpu-type", "H200"])
     with contextlib.redirect_stdout(io.StringIO()):
-        return make_plan(args).args
+        return make_plan(launch)
 
 
 def test_the_knobs_are_the_dry_runs_estimates_of_the_changed_launch_largest_first():
-    args = validated(*SHAPE_13B, "--micro-batch-size", "8", "--global-batch-size", "64")
-    base, knobs = memory_knobs.memory_knobs(args)
-    assert base == pytest.approx(memory_knobs.estimate_bytes(args))
+    plan = validated(*SHAPE_13B, "--micro-batch-size", "8", "--global-batch-size", "64")
+    base, knobs = memory_knobs.memory_knobs(plan.args, plan.runs)
+    assert base == pytest.approx(memory_knobs.estimate_bytes(plan.args, plan.runs))
     flags = [k.flags for k in knobs]
     assert flags[0] == "--recompute-granularity full --recompute-method uniform " \
                        "--recompute-num-layers 1", flags  # activations dominate at mb 8
@@ -43,16 +44,16 @@ def test_the_knobs_are_the_dry_runs_estimates_of_the_changed_launch_largest_firs
     # each is the estimate of the launch with that change, as the dry run would give it
     half = validated(*SHAPE_13B, "--micro-batch-size", "4", "--global-batch-size", "64")
     assert dict((k.flags, k.estimate_bytes) for k in knobs)["--micro-batch-size 4"] == \
-        pytest.approx(memory_knobs.estimate_bytes(half))
+        pytest.approx(memory_knobs.estimate_bytes(half.args, half.runs))
 
     # layouts that do not fit the GPUs are not offered (TP 8 × PP 2 on 8 GPUs), and where
     # nothing is left the line says so
     wide = validated(*SHAPE_13B, "--micro-batch-size", "1", "--global-batch-size", "8",
                      "--tensor-model-parallel-size", "8", "--use-distributed-optimizer",
                      "--recompute-granularity", "full", "--recompute-method", "uniform")
-    assert memory_knobs.memory_knobs(wide)[1] == []
-    line = oom.describe(torch.OutOfMemoryError("CUDA out of memory."), wide, 0, None, 2**30,
-                        None, memory_knobs.estimate_bytes(wide), [], None)
+    assert memory_knobs.memory_knobs(wide.args, wide.runs)[1] == []
+    line = oom.describe(torch.OutOfMemoryError("CUDA out of memory."), wide.args, 0, None,
+                        2**30, None, memory_knobs.estimate_bytes(wide.args, wide.runs), [], None)
     assert "nothing the entry can change lowers the estimate on 8 GPUs: more GPUs" in line
 
 
@@ -62,8 +63,9 @@ OOM_MESSAGE = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a tota
 
 
 def test_the_line_names_peak_estimate_knobs_and_the_snapshot():
-    args = validated(*SHAPE_13B, "--micro-batch-size", "8", "--global-batch-size", "64")
-    estimate, knobs = memory_knobs.memory_knobs(args)
+    plan = validated(*SHAPE_13B, "--micro-batch-size", "8", "--global-batch-size", "64")
+    args = plan.args
+    estimate, knobs = memory_knobs.memory_knobs(args, plan.runs)
     line = oom.describe(torch.OutOfMemoryError(OOM_MESSAGE), args, rank=3, iteration=0,
                         peak_bytes=130.5 * 2**30, capacity_bytes=139.81 * 2**30,
                         estimate=estimate, knobs=knobs, snapshot=None)
@@ -81,17 +83,21 @@ def test_the_line_names_peak_estimate_knobs_and_the_snapshot():
 def test_training_that_runs_out_of_memory_stops_with_the_line(tmp_path):
     """diagnostics.active, as around pretrain: torch's error (also wrapped, as a compiled
     region raises it) becomes the entry's one-line error."""
+    from functools import partial
+
     from megagpt import diagnostics
     from megagpt.diagnostics.settings import plan_diagnostics
     from megagpt.errors import UserError
 
-    args = validated(*SHAPE_13B, "--micro-batch-size", "8", "--global-batch-size", "64",
+    plan = validated(*SHAPE_13B, "--micro-batch-size", "8", "--global-batch-size", "64",
                      "--save", str(tmp_path), "--save-interval", "5")
+    args = plan.args
     args.curr_iteration = 41
+    knobs = partial(memory_knobs.memory_knobs, runs=plan.runs)  # as the entry hands it in
     for raised in (torch.OutOfMemoryError(OOM_MESSAGE),
                    RuntimeError("compiled region failed")):
         with pytest.raises(oom.OutOfMemory) as caught:
-            with diagnostics.active(args, plan_diagnostics(args), memory_knobs.memory_knobs):
+            with diagnostics.active(args, plan_diagnostics(args), knobs):
                 if isinstance(raised, torch.OutOfMemoryError):
                     raise raised
                 try:

@@ -106,11 +106,12 @@ def test_resilience_installs_the_wrapper_for_pretrain_and_takes_it_off_after():
     from megatron.core.optimizer.optimizer import FP32Optimizer
 
     from megagpt import megatron_wrappers, resilience
+    from megagpt.launch.writer import load_earlier
 
     args = SimpleNamespace(entry_argv=[], train_iters=10, save=None, load=None,
                            check_for_nan_in_loss_and_grad=True)
     original = FP32Optimizer.load_state_dict
-    with resilience.active(args):
+    with resilience.active(args, load_earlier):
         assert precision_change.__name__ in megatron_wrappers.installed(
             FP32Optimizer, "load_state_dict")
     assert FP32Optimizer.load_state_dict is original

@@ -12,7 +12,7 @@ import pretrain_gpt
 from gloo_ranks import single_gloo_rank
 from helpers import REPO
 from megagpt.arguments import ArgumentError
-from megagpt.launch import parse_arguments
+from megagpt.launch import resolve
 from megagpt.errors import UserError
 from megagpt.preflight import LayoutError, MemoryBudgetError, make_plan
 from megagpt.preflight import estimate as est
@@ -23,9 +23,9 @@ TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attent
 
 
 def plan(*extra, world_size=1):
-    args = parse_arguments([*TINY, "--dry-run-world-size", str(world_size), *extra])
+    launch = resolve([*TINY, "--dry-run-world-size", str(world_size), *extra])
     with contextlib.redirect_stdout(io.StringIO()):
-        return make_plan(args)
+        return make_plan(launch)
 
 
 # ---------------------------------------------------------------------------
@@ -54,12 +54,10 @@ def test_parameter_count_matches_the_built_model(extra, one_gloo_rank):
     from megagpt import cpu_mode
     from model_provider import model_provider
 
-    from megagpt.launch import resolve, write
-
     resolved = resolve([*TINY, "--dry-run-world-size", "1", "--cpu", "--global-batch-size", "4",
                         *extra])
     with contextlib.redirect_stdout(io.StringIO()):
-        p = make_plan(write(resolved))
+        p = make_plan(resolved)
     with cpu_mode.active():
         model_config, _, _ = pretrain_gpt.build_configs(p.args, resolved)
         model = model_provider(model_config)
@@ -136,15 +134,39 @@ def test_megatron_validation_runs_after_ours_and_its_assertions_become_user_erro
         plan("--global-batch-size", "4", "--min-lr", "1e-2")  # megatron: min_lr <= lr
 
 
+def test_the_estimate_follows_the_launchs_choices_where_the_raw_arguments_would_mislead():
+    """The fast path's switches stay on in the arguments where the launch turns their piece
+    off for a reason they do not show; the dry run's memory follows the launch. At TP 2 the
+    output layer is tensor-parallel, so megatron's loss keeps the [tokens, vocab/TP] logits
+    in 16-bit and their fp32 softmax (6 bytes each); in fp16 the flat AdamW step, which reads
+    the 16-bit gradients in place, does not run, so the step makes fp32 copies of them."""
+    from megagpt.launch import fast_path as chosen
+
+    p = plan("--tensor-model-parallel-size", "2", "--global-batch-size", "4", world_size=2)
+    assert p.args.fast_lm_loss and p.runs.path == "fast"  # what the arguments alone say
+    assert not p.runs.chunked_loss  # the launch: "LM loss  megatron's — tensor-parallel ..."
+    tokens = 64 * 2  # sequence × micro-batch
+    logits = tokens * p.args.padded_vocab_size / 2 * 6
+    assert est._logits_bytes(p.args, p.runs) == logits > 0
+
+    p = plan("--fp16", "--global-batch-size", "4")
+    assert p.args.fast_flat_adam and p.args.fast_optimizer  # on in the arguments
+    assert p.runs.optimizer == chosen.FUSED_ADAMW  # the launch: the flat step is bf16's only
+    assert est.bytes_per_parameter(p.args)[1] == 2  # fp16 gradients in the buffer
+    assert p.memory.gradient_copies == 4 * p.params.most_per_gpu > 0
+    bf16 = plan("--bf16", "--global-batch-size", "4")
+    assert bf16.runs.optimizer == chosen.FLAT_ADAMW and bf16.memory.gradient_copies == 0
+
+
 def test_memory_above_the_gpu_fails_naming_the_parts():
     from megagpt.preflight import run_dry_run
 
-    args = parse_arguments([*TINY, "--global-batch-size", "4", "--gpu-type", "A100-80GB",
-                            "--gpu-memory-gb", "1"])
+    launch = resolve([*TINY, "--global-batch-size", "4", "--gpu-type", "A100-80GB",
+                      "--gpu-memory-gb", "1"])
     with pytest.raises(MemoryBudgetError, match=r"estimated memory per GPU .* GiB \(weights .* "
                                                 r"is above the A100-80GB's 1.0 GiB"):
         with contextlib.redirect_stdout(io.StringIO()):
-            run_dry_run(args)
+            run_dry_run(launch)
 
 
 # ---------------------------------------------------------------------------
@@ -236,9 +258,9 @@ def test_dry_run_at_345m_prints_the_plan_in_at_most_80_lines(capfd):
 
 def test_dry_run_world_size_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
-    args = parse_arguments([*TINY, "--global-batch-size", "8"])
+    launch = resolve([*TINY, "--global-batch-size", "8"])
     with contextlib.redirect_stdout(io.StringIO()):
-        p = make_plan(args)
+        p = make_plan(launch)
     assert p.args.world_size == 4 and p.args.data_parallel_size == 4
 
 
@@ -351,11 +373,11 @@ def test_full_recompute_keeps_only_layer_inputs():
 def test_train_samples_give_the_runs_iterations_and_search_needs_the_dry_run(capsys):
     i = TINY.index("--train-iters")
     by_samples = TINY[:i] + TINY[i + 2:]
-    args = parse_arguments([*by_samples, "--global-batch-size", "8", "--train-samples", "100",
-                            "--lr-decay-samples", "100", "--gpu-type", "H200",
-                            "--dry-run-world-size", "2"])
+    launch = resolve([*by_samples, "--global-batch-size", "8", "--train-samples", "100",
+                      "--lr-decay-samples", "100", "--gpu-type", "H200",
+                      "--dry-run-world-size", "2"])
     with contextlib.redirect_stdout(io.StringIO()):
-        assert make_plan(args).run.iterations == 13  # 100 samples in batches of 8
+        assert make_plan(launch).run.iterations == 13  # 100 samples in batches of 8
     argv = [a for a in TINY if a != "--dry-run"]
     assert pretrain_gpt.main([*argv, "--global-batch-size", "4", "--search-layouts"]) == 2
     assert "error: --search-layouts ranks layouts in the dry run" in capsys.readouterr().err

@@ -163,7 +163,7 @@ PATH_FLAGS = {"local": ["--no-fast-spec", "--fast-disable", "optimizer,lm-loss"]
 
 
 def h200_plan(shape, path, dropout):
-    from megagpt.launch import parse_arguments
+    from megagpt.launch import resolve
     from megagpt.preflight import make_plan
 
     layers, hidden, heads, seq, mb = BENCH_SHAPES[shape]
@@ -177,7 +177,7 @@ def h200_plan(shape, path, dropout):
             "--hidden-dropout", str(dropout), "--attention-dropout", str(dropout),
             *PATH_FLAGS[path], "--dry-run", "--dry-run-world-size", "1", "--gpu-type", "H200"]
     with contextlib.redirect_stdout(io.StringIO()):
-        return make_plan(parse_arguments(argv))
+        return make_plan(resolve(argv))
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,8 @@ the layers' own collectives, which are not timed apart: the report then names th
 ranks together (and their host, when they fill it).
 
 Cost: three device synchronisations and one all-gather of a few numbers per log interval
-(bench/gpu_diagnostics_cost.py measures it on one GPU).
+(bench/gpu_diagnostics.sh measures it on one GPU, with the flight recorder's: the default
+against --no-flight-recorder --straggler-threshold 0).
 """
 
 from __future__ import annotations

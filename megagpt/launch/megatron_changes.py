@@ -46,6 +46,7 @@ from megagpt.train_step import async_step, capture_watchdog, flat_adam, grad_wri
 from megagpt.train_step import optimizer as fast_optimizer
 
 from . import fast_path as chosen
+from . import writer
 from .planner import Launch
 
 
@@ -75,7 +76,8 @@ def pieces(launch: Launch, args, container=None,
         if not fused:
             log(f"fast optimizer: {launch.choice(chosen.OPTIMIZER).reason}")
         out.append(("optimizer kernels", fast_optimizer.fast_kernels(
-            fused_adam=fused, multi_tensor=True, tensor_clip=asynchronous, log=log)))
+            launch.installed.megatron_fused_optimizer, fused_adam=fused, multi_tensor=True,
+            tensor_clip=asynchronous, log=log)))
         if optimizer == chosen.FLAT_ADAMW:
             out.append(("flat AdamW step", flat_adam.flat_steps(log)))
         elif fused:
@@ -90,7 +92,8 @@ def pieces(launch: Launch, args, container=None,
         out.append(("diagnostics", diagnostics.active(
             args, launch.value(diagnostics_settings.DIAGNOSTICS), memory_knobs)))
     out.append(("resilience", resilience.active(
-        args, container, grad_norm_guard=launch.value(chosen.NAN_CHECK) == chosen.GRADIENT_NORM,
+        args, writer.load_earlier, container,
+        grad_norm_guard=launch.value(chosen.NAN_CHECK) == chosen.GRADIENT_NORM,
         ckpt_step_given="--ckpt-step" in launch.given)))
     out.append(("Ctrl-C saves", interrupt.saving_on_ctrl_c(args, log)))
     out.append(("run log", run_log.active(args, log)))

@@ -55,6 +55,11 @@ class Launch:
     def value(self, name: str):
         return self.choice(name).value
 
+    def arg(self, name: str):
+        """megatron's argument ``name`` as the launch writes it (as parsed where it writes
+        none)."""
+        return dict(self.args).get(name, getattr(self.parsed, name, None))
+
     def section(self, section: str) -> tuple[Choice, ...]:
         return tuple(c for c in self.choices if c.section == section)
 

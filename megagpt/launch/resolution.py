@@ -10,7 +10,8 @@ megatron changes, the dry run) reads the ``Launch``.
 
 The steps, in order (a step reads only what the steps above it decided):
 
-  entry        a dry run's GPU count
+  entry        how the processes meet: a launcher-free process's environment and in-memory
+               store (``rendezvous.choose_rendezvous``); a dry run's GPU count
   compat       the layers for what is installed and the settings that need what is missing
                (``compat.adapt_to_installed``); what no adaptation can rescue is refused
   cpu mode     the settings of a ``--cpu`` run (``cpu_mode.adapt``)
@@ -33,7 +34,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Iterable, Mapping, Optional
 
-from megagpt import compat, cpu_mode
+from megagpt import compat, cpu_mode, rendezvous
 from megagpt.diagnostics import settings as diagnostics_settings
 from megagpt.run_log import quiet
 from megagpt.arguments import parse_command_line
@@ -46,6 +47,7 @@ from .planner import Launch, Planner
 Step = Callable[[Planner], None]
 
 STEPS: tuple[tuple[str, Step], ...] = (
+    ("entry", rendezvous.choose_rendezvous),
     ("entry", entry_defaults.planned_world),
     ("compat", compat.adapt_to_installed),
     ("compat", compat.refuse_what_is_missing),

@@ -1,5 +1,5 @@
 """The one writer of a launch: what the resolution decided, into megatron's arguments and the
-environment; and the one step that writes once megatron has validated them.
+environment; and the two writes once megatron has validated them.
 
 ``write(launch)`` applies a ``Launch`` in this order, before megatron's ``validate_args``:
 
@@ -8,10 +8,19 @@ environment; and the one step that writes once megatron has validated them.
   2. the environment (NCCL and CUDA read it when they start, later);
   3. the log lines, in the order the steps wrote them.
 
-``after_validation(launch, args, log)`` is the one write after ``validate_args``: the
-checkpoint a resume loads (``--ckpt-step``, and ``--dist-ckpt-strictness`` for TE's layers),
-which is decided against the validated arguments and megatron's padded vocabulary (set with
-its globals) (``resilience.checkpoint_guard``). megatron reads neither before it loads.
+After ``validate_args`` megatron's arguments are written in two places only, both about the
+checkpoint a resume loads, which megatron reads nowhere before it loads:
+
+  ``after_validation(launch, args, log)``, before ``pretrain``: the checkpoint to resume
+      (``--ckpt-step``, and ``--dist-ckpt-strictness`` for TE's layers), decided against the
+      validated arguments and megatron's padded vocabulary (set with its globals)
+      (``resilience.checkpoint_guard``);
+  ``load_earlier(args, iteration)``, inside megatron's ``load_checkpoint`` once the process
+      groups exist: where the checksums of the checkpoint to load do not match, the newest
+      earlier intact one (``resilience.checkpoint_integrity``, which every rank decides
+      together). megatron's ``load_checkpoint`` takes no iteration: it reads
+      ``args.ckpt_step`` (``_load_base_checkpoint``), so the fallback is written there. The
+      launch hands this function to the wrapper (``megatron_changes``).
 """
 
 from __future__ import annotations
@@ -45,3 +54,10 @@ def after_validation(launch: Launch, args, log: Callable[[str], None]) -> None:
 
     for name, value in checkpoint_guard.prepare_load(args, launch.given, log).items():
         setattr(args, name, value)
+
+
+def load_earlier(args, iteration: int) -> None:
+    """The resume's fallback to ``iteration``, the newest earlier intact checkpoint, where
+    the one it was to load is damaged: megatron's ``load_checkpoint`` reads the iteration from
+    ``args.ckpt_step`` alone (the launch's second write after megatron's validation)."""
+    args.ckpt_step = iteration

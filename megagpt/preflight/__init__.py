@@ -7,9 +7,9 @@ On every launch, before any model is built, in this order:
   ``check_tokenizer_files(args)``     the tokenizer's files exist (before it is loaded);
   ``check_inputs(args, vocab, log)``  the learning-rate schedule and the data (after
                                       validation, with the tokenizer's vocabulary).
-``run_dry_run(args)`` is ``--dry-run``: the same checks at the intended GPU count, then the
-plan: layout, batch, parameters, memory per GPU and FLOPs (the resolved configuration only to
-``--dry-run-yaml``). Its options are the entry's (``megagpt.arguments``): the preflight sits
+``run_dry_run(launch, args)`` is ``--dry-run``: the same checks at the intended GPU count,
+then the plan: layout, batch, parameters, memory per GPU and FLOPs of what the launch runs (its
+choices, ``launch_path.WhatRuns``; the resolved configuration only to ``--dry-run-yaml``). Its options are the entry's (``megagpt.arguments``): the preflight sits
 above the arguments and imports them, never the other way round.
 """
 

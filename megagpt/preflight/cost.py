@@ -1,8 +1,9 @@
 """Time and cost of a launch: its step as ``step_time`` models it, and the whole run.
 
-``shape_of(args)`` reads the launch (validated megatron args) into a ``StepShape``: the
-model's sizes, the layout, the schedule, recompute, precision and the path the entry takes
-(Transformer Engine, the fast path or megatron's local spec; CUDA graph or not).
+``shape_of(args, runs)`` reads the launch into a ``StepShape``: from its validated megatron
+args the model's sizes, the layout, the schedule, recompute and precision; from its choices
+(``launch_path.WhatRuns``) the path the entry takes (Transformer Engine, the fast path or
+megatron's local spec), the CUDA graph and the FP8 linears.
 ``estimate_run`` adds megatron's FLOP count, MFU, the run's wall time, GPU-hours and cost.
 """
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from megagpt.errors import UserError
 from megagpt.gpus import Gpu
 from megagpt.preflight import estimate as est
-from megagpt.preflight.launch_path import fp8_linears, fused_softmax, launch_path, softmax_in_fp32
+from megagpt.preflight.launch_path import LOCAL, WhatRuns, fused_softmax, softmax_in_fp32
 from megagpt.preflight.step_time import PART_NAMES, StepEstimate, StepShape, estimate_step
 
 
@@ -21,21 +22,14 @@ class PriceError(UserError, ValueError):
     """--gpu-hour-price is not a price."""
 
 
-def _cuda_graph(args) -> bool:
-    return bool(getattr(args, "fast_cuda_graph", False) or getattr(args, "fast_layer_graphs", False)
-                or getattr(args, "cuda_graph_impl", "none") not in ("none", None)
-                or getattr(args, "enable_cuda_graph", False)
-                or getattr(args, "external_cuda_graph", False))
-
-
 def _grad_bytes(args) -> int:
     return est.bytes_per_parameter(args)[1]
 
 
-def shape_of(args) -> StepShape:
-    """The step-time model's view of validated args (``padded_vocab_size`` set)."""
+def shape_of(args, runs: WhatRuns) -> StepShape:
+    """The step-time model's view of validated args (``padded_vocab_size`` set) as the launch
+    runs them (``runs``)."""
     heads = args.num_attention_heads
-    path = launch_path(args)
     precision = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
     recompute = args.recompute_granularity or "none"
     recompute_layers = None
@@ -57,23 +51,12 @@ def shape_of(args) -> StepShape:
         overlap_grad_reduce=bool(args.overlap_grad_reduce),
         overlap_param_gather=bool(args.overlap_param_gather),
         tp_comm_overlap=bool(getattr(args, "tp_comm_overlap", False)),
-        precision=precision, fp8=fp8_linears(args, path),
-        fp8_linears=_fp8_linear_set(args, path),
-        path=path, flash_attention=path != "local", fused_softmax=fused_softmax(args),
-        softmax_in_fp32=softmax_in_fp32(args), cuda_graph=_cuda_graph(args),
+        precision=precision, fp8=runs.fp8, fp8_linears=runs.fp8_linears,
+        path=runs.path, flash_attention=runs.path != LOCAL, fused_softmax=fused_softmax(args),
+        softmax_in_fp32=softmax_in_fp32(args), cuda_graph=runs.cuda_graph,
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
         grad_bytes=_grad_bytes(args),
     )
-
-
-def _fp8_linear_set(args, path: str) -> tuple:
-    """The layer linears in FP8: the fast spec's recipe's (``fast_spec.fp8_support``), all
-    four under TE's layers."""
-    if path != "fast" or not fp8_linears(args, path):
-        return (0, 1, 2, 3)
-    from megagpt.fast_spec.fp8_support import recipe_from_args
-
-    return recipe_from_args(args).linears
 
 
 def parameter_tensors(args, params: est.ParameterCount) -> int:
@@ -137,11 +120,12 @@ def iterations_of(args) -> int | None:
     return None
 
 
-def estimate_run(args, gpu: Gpu, params: est.ParameterCount) -> RunEstimate | None:
+def estimate_run(args, gpu: Gpu, params: est.ParameterCount,
+                 runs: WhatRuns) -> RunEstimate | None:
     """The launch's time and cost on ``gpu``; None where the GPU has no performance figures."""
     if gpu.spec is None:
         return None
-    shape = shape_of(args)
+    shape = shape_of(args, runs)
     step = estimate_step(shape, gpu.spec, params.most_per_gpu, parameter_tensors(args, params))
     return RunEstimate(step, est.flops_per_iteration(args), args.world_size,
                        args.global_batch_size * args.seq_length,

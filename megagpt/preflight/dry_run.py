@@ -11,7 +11,9 @@ goes to ``--dry-run-yaml FILE`` (``-``: printed after the plan), never in its wa
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import copy
 import io
 import logging
 import sys
@@ -27,6 +29,7 @@ from megagpt.arguments import build_tokenizer, validate_arguments
 from megagpt.data.tokenizer_files import check_tokenizer_files
 from megagpt.gpus import Gpu, resolve_gpu
 from megagpt.preflight.data_check import check_data
+from megagpt.preflight.launch_path import WhatRuns
 from megagpt.preflight.output_check import check_outputs
 from megagpt.preflight.schedule_check import check_schedule
 
@@ -51,10 +54,11 @@ def _quiet_logging():
 
 
 def _vocab_size(args) -> int:
-    """The tokenizer's vocabulary size (the tokenizer is built, as the run will build it)."""
+    """The tokenizer's vocabulary size (the tokenizer is built, as the run will build it, on
+    a copy of ``args``: megatron's builder pads the vocabulary into the arguments it gets)."""
     try:  # megatron's tokenizer reports its padding at INFO: not part of the plan
         with contextlib.redirect_stdout(io.StringIO()), _quiet_logging():
-            return build_tokenizer(args).vocab_size
+            return build_tokenizer(copy.copy(args)).vocab_size
     except Exception as exc:  # noqa: BLE001 - any failure to load is about the user's files
         if args.vocab_size is not None:
             return args.vocab_size
@@ -64,15 +68,15 @@ def _vocab_size(args) -> int:
                           f"pass --vocab-size for the dry run") from None
 
 
-def _set_padded_vocab(args) -> int:
-    """Set megatron's padded vocabulary size; return the tokenizer's own size."""
+def _with_padded_vocab(args, vocab_size: int):
+    """The validated ``args`` with megatron's padded vocabulary size, as a new namespace for
+    the plan: the dry run writes nothing into the arguments megatron validated."""
     from megatron.training.vocab_utils import calculate_padded_vocab_size
 
-    vocab_size = _vocab_size(args)
-    args.padded_vocab_size = calculate_padded_vocab_size(
+    padded = calculate_padded_vocab_size(
         vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size,
         logging_enabled=False)
-    return vocab_size
+    return argparse.Namespace(**{**vars(args), "padded_vocab_size": padded})
 
 
 def resolved_yaml(args) -> str:
@@ -174,7 +178,8 @@ def human_tokens(n: int) -> str:
 class Plan:
     """A checked launch and what it costs (args validated at the planned world size)."""
 
-    args: object
+    args: object  # with the padded vocabulary
+    runs: WhatRuns  # the launch's choices the estimates read
     gpu: Gpu
     params: est.ParameterCount
     memory: est.MemoryEstimate
@@ -197,13 +202,18 @@ class Plan:
                if m.optimizer_temporaries else ""))
 
 
-def make_plan(args) -> Plan:
-    """Check parsed args at the dry run's world size, validate them and estimate the costs.
+def make_plan(launch, args=None) -> Plan:
+    """Check ``launch`` at the dry run's world size, validate its arguments and estimate the
+    costs of what it runs (its choices: ``WhatRuns``).
 
-    ``args``: as the launch wrote them (its world size the dry run's). Raises LayoutError (a
-    UserError) when the layout cannot run; mutates ``args`` the way megatron's validation
-    does.
+    ``args``: as the launch wrote them (its world size the dry run's; None: written here,
+    with its environment, which megatron's validation reads). Raises LayoutError (a UserError) when the layout cannot run;
+    mutates ``args`` the way megatron's validation does, and no further.
     """
+    if args is None:
+        from megagpt.launch import write
+
+        args = write(launch)
     world_size = args.world_size  # the launch's planned GPUs (--dry-run-world-size)
     gpu = resolve_gpu(args.gpu_type, args.gpu_memory_gb, cpu=args.cpu)
     cost.check_price(args)
@@ -211,37 +221,33 @@ def make_plan(args) -> Plan:
     check_outputs(args)
     check_tokenizer_files(args)
     _validate(args, gpu)
-    vocab_size = _set_padded_vocab(args)
+    vocab_size = _vocab_size(args)
+    args = _with_padded_vocab(args, vocab_size)
     check_schedule(args)
     check_data(args, vocab_size, log)
     try:
         params = est.count_parameters(args)
     except NotImplementedError as exc:
         raise LayoutError(f"--dry-run: {exc}; this run's layout passed the checks above") from None
-    memory = est.estimate_memory(args, params, est.microbatches_per_step(args))
-    return Plan(args, gpu, params, memory, cost.estimate_run(args, gpu, params))
+    runs = WhatRuns.of(launch)
+    memory = est.estimate_memory(args, params, est.microbatches_per_step(args), runs)
+    return Plan(args, runs, gpu, params, memory, cost.estimate_run(args, gpu, params, runs))
 
 
-def run_dry_run(args, launch=None) -> int:
-    """Check the launch at its intended size and print the plan; 0 when it can run.
-    ``launch``: the launch's choices with their reasons (``megagpt.launch``), printed after
-    the layout.
+def run_dry_run(launch, args=None) -> int:
+    """Check ``launch`` at its intended size and print the plan, its choices with their
+    reasons after the layout; 0 when it can run. ``args``: as ``make_plan`` takes them.
 
     The plan comes alone (a few dozen lines); the resolved configuration (every megatron
     argument, ~800 lines at 345M) only where ``--dry-run-yaml`` asks for it: written to the
     file it names, or printed after the plan with ``--dry-run-yaml -``.
     """
-    if launch is not None:
-        from megagpt.preflight.launch_path import planned
-
-        args = planned(args, launch)
-    plan = make_plan(args)
+    plan = make_plan(launch, args)
+    args = plan.args
     print("\n".join(plan_lines(plan.args, plan.gpu, plan.params, plan.memory)))
-    if launch is not None:
-        print("\n".join(launch.describe()))
+    print("\n".join(launch.describe()))
     print("\n".join(cost.estimate_lines(plan.run, plan.gpu)))
-    if launch is not None:
-        print("\n".join(diagnostics_lines(launch, plan.run)))
+    print("\n".join(diagnostics_lines(launch, plan.run)))
     if getattr(args, "search_layouts", False):
         from megagpt.preflight.layout_search import search_lines
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+from megagpt.preflight.launch_path import LOCAL, TE, WhatRuns, fused_softmax, softmax_in_fp32
+
 GIB = 2**30
 
 
@@ -198,13 +200,11 @@ SCORE_BYTES_FP32_SOFTMAX_EXTRA = 2
 
 
 def score_bytes_per_element(args) -> int:
-    from megagpt.preflight.launch_path import fused_softmax, softmax_in_fp32
-
     fp32_copy = not fused_softmax(args) and softmax_in_fp32(args)
     return SCORE_BYTES_KEPT + (SCORE_BYTES_FP32_SOFTMAX_EXTRA if fp32_copy else 0)
 
 
-def layer_activation_bytes(args, recompute: str) -> float:
+def layer_activation_bytes(args, recompute: str, runs: WhatRuns) -> float:
     """Bytes one transformer layer keeps for its backward, one micro-batch, 16-bit.
 
     Korthikanti et al. 2022 (arXiv 2205.05198), §4 and Table 2, per token and per hidden
@@ -216,7 +216,7 @@ def layer_activation_bytes(args, recompute: str) -> float:
     Without sequence parallelism the norms' and dropouts' inputs (10 of the 34) sit whole on
     every TP rank; with it, everything is split over TP. Grouped-query attention, GLU and
     other FFN widths change the QKV and MLP terms. Under full recompute a layer keeps its input
-    alone (2).
+    alone (2). ``runs``: the launch's layers and FP8 linears.
     """
     h, heads, tp = args.hidden_size, args.num_attention_heads, args.tensor_model_parallel_size
     groups = args.num_query_groups if args.group_query_attention else heads
@@ -230,31 +230,24 @@ def layer_activation_bytes(args, recompute: str) -> float:
     split = (4 + 4 * groups / heads  # Q, K, V
              + 2  # projection input
              + 2 * fc1_out / h + 2 * args.ffn_hidden_size / h)  # activation and fc2 inputs
-    from megagpt.preflight.launch_path import fp8_linears, launch_path
-
-    path = launch_path(args)
-    unfused = path == "local"  # megatron's DotProductAttention: the scores in memory
+    unfused = runs.path == LOCAL  # megatron's DotProductAttention: the scores in memory
     scores = score_bytes_per_element(args) * heads * seq / h \
         if unfused and recompute != "selective" else 0.0
-    if fp8_linears(args, path):
+    if runs.fp8:
         # the GEMMs keep their inputs in FP8 for the weight gradients: the QKV and fc1 inputs
         # (norm outputs) and the fc2 input in 1 byte instead of 2; the projection's input is
         # also attention's output, which attention's backward keeps in 16-bit beside it
         replicated -= 2
         split += 1 - args.ffn_hidden_size / h
-    weights = _fp8_weight_copy_bytes(args, path)
+    weights = _fp8_weight_copy_bytes(args) if runs.fp8 else 0.0
     if sp:
         return sbh * (replicated + split + scores) / tp + weights
     return sbh * (replicated + (split + scores) / tp) + weights
 
 
-def _fp8_weight_copy_bytes(args, path: str) -> float:
+def _fp8_weight_copy_bytes(args) -> float:
     """Under FP8, the transposed FP8 copy of each linear weight that a layer's forward keeps
     for its input-gradient GEMM: 1 byte per weight of the layer on this TP rank."""
-    from megagpt.preflight.launch_path import fp8_linears
-
-    if not fp8_linears(args, path):
-        return 0.0
     h, heads = args.hidden_size, args.num_attention_heads
     head_dim = args.kv_channels or h // heads
     groups = args.num_query_groups if args.group_query_attention else heads
@@ -276,32 +269,31 @@ def in_flight_microbatches(args, num_microbatches: int) -> float:
     return held * (1 + (pp - 1) / (pp * v)) if v > 1 else held
 
 
-def _logits_bytes(args) -> float:
+def _logits_bytes(args, runs: WhatRuns) -> float:
     """The loss's buffers on the last stage: megatron keeps the [tokens, vocab/TP] logits in
-    16-bit and the fp32 softmax for the backward (6 bytes per element); the fast path's
-    chunked loss keeps none of that size."""
-    from megagpt.preflight.launch_path import launch_path
-
-    if launch_path(args) == "fast" and getattr(args, "fast_lm_loss", True):
+    16-bit and the fp32 softmax for the backward (6 bytes per element); the launch's chunked
+    loss keeps none of that size."""
+    if runs.chunked_loss:
         return 0.0
     tokens = args.seq_length // args.context_parallel_size * args.micro_batch_size
     return tokens * args.padded_vocab_size / args.tensor_model_parallel_size * 6
 
 
-def activation_bytes(args, num_microbatches: int) -> tuple[float, str]:
+def activation_bytes(args, num_microbatches: int, runs: WhatRuns) -> tuple[float, str]:
     """Activation bytes on the most loaded GPU, and how they were counted.
 
     Per layer ``layer_activation_bytes``; times the layers of a stage and the micro-batches
     the first stage holds; under full recompute one layer's whole activations on top (the
     layer being recomputed), or, with ``--recompute-method block``, the layers not recomputed
     whole. The last stage's loss buffers where they are larger. fp32 doubles everything.
+    ``runs``: what the launch runs (its layers, FP8 linears and loss).
     """
     recompute = args.recompute_granularity or "none"
     layers = layers_per_stage(args)[0]
     held = in_flight_microbatches(args, num_microbatches)
-    whole = layer_activation_bytes(args, "none" if recompute == "full" else recompute)
+    whole = layer_activation_bytes(args, "none" if recompute == "full" else recompute, runs)
     if recompute == "full":
-        saved = layer_activation_bytes(args, "full")
+        saved = layer_activation_bytes(args, "full", runs)
         method = getattr(args, "recompute_method", None) or "uniform"
         n = max(1, args.recompute_num_layers or 1)
         if method == "block":
@@ -319,38 +311,35 @@ def activation_bytes(args, num_microbatches: int) -> tuple[float, str]:
     pp = args.pipeline_model_parallel_size
     last_layers = layers_per_stage(args)[-1]
     last = (last_layers * (saved if recompute == "full" else whole)
-            + (whole if recompute == "full" else 0)) + _logits_bytes(args)
-    value = max(first, last) if pp > 1 else first + _logits_bytes(args)
+            + (whole if recompute == "full" else 0)) + _logits_bytes(args, runs)
+    value = max(first, last) if pp > 1 else first + _logits_bytes(args, runs)
     if not (args.bf16 or args.fp16):
         value *= 2
         formula += ", ×2 for fp32"
     return value, formula
 
 
-def estimate_memory(args, params: ParameterCount, num_microbatches: int) -> MemoryEstimate:
+def estimate_memory(args, params: ParameterCount, num_microbatches: int,
+                    runs: WhatRuns) -> MemoryEstimate:
+    """Bytes per GPU of validated ``args`` as the launch runs them (``runs``)."""
     weight, grad, optimizer = bytes_per_parameter(args)
     n = params.most_per_gpu
-    activations, formula = activation_bytes(args, num_microbatches)
+    activations, formula = activation_bytes(args, num_microbatches, runs)
     return MemoryEstimate(n * weight, n * grad, n * optimizer, activations, formula,
-                          gradient_copies=n * gradient_copy_bytes(args),
-                          optimizer_temporaries=n * adam_temporary_bytes(args))
+                          gradient_copies=n * gradient_copy_bytes(args, runs),
+                          optimizer_temporaries=n * adam_temporary_bytes(args, runs))
 
 
-def gradient_copy_bytes(args) -> float:
+def gradient_copy_bytes(args, runs: WhatRuns) -> float:
     """Bytes per parameter of fp32 gradients made for the step from 16-bit gradient buffers.
 
     Megatron's mixed-precision optimizer hands Adam ``main_grad.float()``: a copy when the
     buffer is 16-bit (fp16 without --accumulate-allreduce-grads-in-fp32, --grad-reduce-in-bf16),
-    of the rank's shard under the distributed optimizer. The fast path's flat Adam reads the
-    16-bit buffer in place.
+    of the rank's shard under the distributed optimizer. The launch's flat AdamW step reads
+    the 16-bit buffer in place.
     """
-    from megagpt.preflight.launch_path import launch_path
-
     mixed = args.bf16 or args.fp16
-    if not mixed or bytes_per_parameter(args)[1] != 2:
-        return 0.0
-    if launch_path(args) == "fast" and getattr(args, "fast_flat_adam", False) \
-            and getattr(args, "fast_optimizer", False):
+    if not mixed or bytes_per_parameter(args)[1] != 2 or runs.flat_step:
         return 0.0
     return 4 / (args.data_parallel_size if args.use_distributed_optimizer else 1)
 
@@ -362,20 +351,16 @@ def gradient_copy_bytes(args) -> float:
 FOREACH_ADAM_TEMPORARY_BYTES = 4
 
 
-def adam_temporary_bytes(args) -> float:
+def adam_temporary_bytes(args, runs: WhatRuns) -> float:
     """Bytes per parameter of Adam's temporaries at the step, on top of its resident state.
 
     Megatron steps with torch's AdamW (foreach) where neither Transformer Engine nor apex is
     installed, which the step-time model takes to be the case off Transformer Engine's path
-    (its optimizer bytes do the same); the entry's fast optimizer swaps in the fused AdamW,
-    which allocates nothing, and TE's and apex's FusedAdam allocate nothing either. The
+    (its optimizer bytes do the same); where the launch chose torch's fused AdamW in its
+    place it allocates nothing, and TE's and apex's FusedAdam allocate nothing either. The
     distributed optimizer steps the rank's shard only; an offloaded share steps on the host.
     """
-    from megagpt.preflight.launch_path import launch_path
-
-    if not args.optimizer.startswith("adam") or launch_path(args) == "te":
-        return 0.0
-    if getattr(args, "fast_optimizer", True):
+    if not args.optimizer.startswith("adam") or runs.path == TE or runs.fused_adamw:
         return 0.0
     per_param = FOREACH_ADAM_TEMPORARY_BYTES / (args.data_parallel_size
                                                 if args.use_distributed_optimizer else 1)

@@ -1,36 +1,57 @@
-"""What a launch runs, as its launch and validated arguments fix it: the layers' path
-(Transformer Engine's, the entry's fast path or megatron's local spec: the launch's ``layers``
-choice, ``planned``) and, on megatron's unfused attention, which softmax kernel. The step-time
-model (``cost``) and the memory model (``estimate``) both read it.
+"""What a launch runs, as its ``Launch`` decided it, for the dry run's models: the layers'
+path (Transformer Engine's, the entry's fast path or megatron's local spec), the loss, the
+optimizer, the CUDA graph and the FP8 linears (``WhatRuns.of``); and, on megatron's unfused
+attention, which softmax kernel (from the validated arguments, which megatron decides). The
+step-time model (``cost``) and the memory model (``estimate``) both take a ``WhatRuns``
+explicitly, so neither derives a choice again from the arguments.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
-def launch_path(args) -> str:
-    """'te' (Transformer Engine), 'fast' (the entry's fast path) or 'local' (megatron's)."""
-    planned = getattr(args, "_planned_path", None)  # the launch's (planned), the search's
-    if planned is not None:
-        return planned
-    if getattr(args, "transformer_impl", "local") == "transformer_engine":
-        return "te"
-    from megagpt.launch.layer_path import fast_path_selected
+from megagpt.fast_spec.fp8 import ALL_LINEARS
+from megagpt.launch import fast_path as chosen
+from megagpt.launch import layer_path
 
-    return "fast" if fast_path_selected(args) else "local"
+# the layers' paths as the models tell them apart
+TE, FAST, LOCAL = "te", "fast", "local"
 
 
-def planned(args, launch):
-    """A copy of ``args`` whose estimates take the launch's layers (its ``layers`` choice),
-    not a path derived again from the arguments."""
-    import copy
+@dataclass(frozen=True)
+class WhatRuns:
+    """The launch's choices that the dry run's time and memory models read."""
 
-    from megagpt.launch.fast_path import LAYERS
-    from megagpt.launch.layer_path import FAST
+    path: str  # TE, FAST or LOCAL
+    chunked_loss: bool  # the chunked LM-head cross entropy (no [tokens, vocab] logits kept)
+    optimizer: str  # the launch's ``optimizer`` choice (launch.fast_path: MEGATRONS, ...)
+    cuda_graph: bool  # a full-iteration or per-layer CUDA graph
+    fp8: bool  # the layers' linears in FP8
+    fp8_linears: tuple = ALL_LINEARS  # which of them (the fast spec's recipe; TE: all four)
 
-    a = copy.copy(args)
-    a._planned_path = ("te" if args.transformer_impl == "transformer_engine"
-                       else "fast" if launch.value(LAYERS) == FAST else "local")
-    return a
+    @classmethod
+    def of(cls, launch) -> "WhatRuns":
+        # TE's modules under an MoE block or a user's spec are still TE's kernels
+        te = launch.arg("transformer_impl") == "transformer_engine"
+        path = TE if te else FAST if launch.value(chosen.LAYERS) == layer_path.FAST else LOCAL
+        fp8 = launch.value(chosen.FP8)  # "off", TE's (a text) or the fast spec's recipe
+        return cls(
+            path=path,
+            chunked_loss=launch.value(chosen.LM_LOSS) == chosen.CHUNKED,
+            optimizer=launch.value(chosen.OPTIMIZER),
+            cuda_graph=launch.value(chosen.CUDA_GRAPH) not in ("none", None),
+            fp8=fp8 != "off" and path != LOCAL,
+            fp8_linears=getattr(fp8, "linears", ALL_LINEARS))
+
+    @property
+    def fused_adamw(self) -> bool:
+        """torch's fused AdamW steps in place of megatron's Adam (no temporaries)."""
+        return self.optimizer in (chosen.FUSED_ADAMW, chosen.FLAT_ADAMW)
+
+    @property
+    def flat_step(self) -> bool:
+        """The flat AdamW step reads the 16-bit gradient buffer in place (no fp32 copies)."""
+        return self.optimizer == chosen.FLAT_ADAMW
 
 
 def fused_softmax(args) -> bool:
@@ -53,9 +74,3 @@ def softmax_in_fp32(args) -> bool:
                 or getattr(args, "apply_query_key_layer_scaling", False))
 
 
-def fp8_linears(args, path: str) -> bool:
-    """Whether the layers' linears run in FP8 on ``path``: TE's under ``--fp8-format``, the
-    fast spec's where the launch gave it the format (``fast_fp8``)."""
-    if path == "te":
-        return getattr(args, "fp8", None) is not None
-    return path == "fast" and bool(getattr(args, "fast_fp8", None))

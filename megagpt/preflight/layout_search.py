@@ -2,9 +2,10 @@
 GPU's memory, ranked by the step-time model.
 
 A layout is TP × PP × DP, the micro-batch, the virtual pipeline stages per rank and the
-recompute setting; everything else (model, batch, precision, path, optimizer, overlaps) stays
-as launched. Each candidate is the launch's args with those fields changed, so memory and time
-come from the same code as the dry run's own plan.
+recompute setting; everything else (model, batch, precision, overlaps, and the launch's
+choices: path, loss, optimizer, graphs) stays as launched. Each candidate is the launch's args
+with those fields changed, so memory and time come from the same code as the dry run's own
+plan.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 from megagpt.preflight import cost
 from megagpt.preflight import estimate as est
-from megagpt.preflight.launch_path import launch_path
+from megagpt.preflight.launch_path import WhatRuns
 from megagpt.preflight.step_time import StepEstimate, estimate_step
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -102,7 +103,7 @@ def candidate_layouts(args, gpus_per_node: int, recompute=RECOMPUTE):
                         yield Layout(tp, pp, dp, mbs, v, r)
 
 
-def args_for(args, layout: Layout, path: str):
+def args_for(args, layout: Layout):
     """The launch's args with ``layout`` in place of its own."""
     a = copy.copy(args)
     a.tensor_model_parallel_size, a.pipeline_model_parallel_size = layout.tp, layout.pp
@@ -117,25 +118,24 @@ def args_for(args, layout: Layout, path: str):
     a.decoder_first_pipeline_num_layers = a.decoder_last_pipeline_num_layers = None
     multiple = args.make_vocab_size_divisible_by * layout.tp
     a.padded_vocab_size = -(-args.padded_vocab_size // multiple) * multiple
-    a._planned_path = path  # the path does not depend on the layout; read once
     return a
 
 
-def rank(args, gpu, layout: Layout, path: str) -> Ranked:
-    a = args_for(args, layout, path)
+def rank(args, runs: WhatRuns, gpu, layout: Layout) -> Ranked:
+    a = args_for(args, layout)
     params = est.count_parameters(a)
-    memory = est.estimate_memory(a, params, est.microbatches_per_step(a))
-    step = estimate_step(cost.shape_of(a), gpu.spec, params.most_per_gpu,
+    memory = est.estimate_memory(a, params, est.microbatches_per_step(a), runs)
+    step = estimate_step(cost.shape_of(a, runs), gpu.spec, params.most_per_gpu,
                          cost.parameter_tensors(a, params))
     return Ranked(layout, step, memory)
 
 
-def search(args, gpu, recompute=RECOMPUTE) -> list[Ranked]:
-    """Every layout that fits ``gpu``, fastest first."""
-    path = launch_path(args)
+def search(args, runs: WhatRuns, gpu, recompute=RECOMPUTE) -> list[Ranked]:
+    """Every layout that fits ``gpu``, fastest first (``runs``: the launch's choices, held
+    as launched for every layout)."""
     limit = gpu.memory_gib * est.GIB * SEARCH_MEMORY_SHARE
     ranked = [r for layout in candidate_layouts(args, gpu.spec.gpus_per_node, recompute)
-              if (r := rank(args, gpu, layout, path)).memory.total <= limit]
+              if (r := rank(args, runs, gpu, layout)).memory.total <= limit]
     return sorted(ranked, key=lambda r: r.step.seconds)
 
 
@@ -144,7 +144,7 @@ def search_lines(plan) -> list[str]:
     args, gpu = plan.args, plan.gpu
     if gpu.spec is None:
         return ["layouts: no speed figures for this GPU; pass --gpu-type to rank layouts"]
-    ranked = search(args, gpu)
+    ranked = search(args, plan.runs, gpu)
     if not ranked:
         return [f"layouts: none of this model's layouts on {args.world_size} GPUs fits "
                 f"{SEARCH_MEMORY_SHARE:.0%} of {gpu.memory_gib:.1f} GiB"]

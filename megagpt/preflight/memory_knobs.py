@@ -1,10 +1,11 @@
 """What lowers the dry run's memory estimate of a launch: the knobs the out-of-memory line names.
 
 The dry run's estimate (``megagpt.preflight.estimate``) computed again for a launch's
-validated arguments, and once more for each change that lowers it and still divides the
-GPUs (half the micro-batch, selective then full recompute, the distributed optimizer, twice
-the TP or PP), largest saving first. The entry hands ``memory_knobs`` to the diagnostics
-(``megagpt.diagnostics.out_of_memory``), which word the line.
+validated arguments and its choices (``launch_path.WhatRuns``), and once more for each change
+that lowers it and still divides the GPUs (half the micro-batch, selective then full
+recompute, the distributed optimizer, twice the TP or PP), largest saving first. The entry
+hands ``memory_knobs`` with its launch's choices to the diagnostics (``megagpt.diagnostics
+.out_of_memory``), which word the line.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ import copy
 
 from megagpt.diagnostics.out_of_memory import Knob
 from megagpt.preflight import estimate as est
+from megagpt.preflight.launch_path import WhatRuns
 
 
-def estimate_bytes(args) -> float:
-    """The dry run's memory estimate per GPU (most loaded rank) for validated ``args``."""
+def estimate_bytes(args, runs: WhatRuns) -> float:
+    """The dry run's memory estimate per GPU (most loaded rank) for validated ``args`` as the
+    launch runs them (``runs``)."""
     params = est.count_parameters(args)
-    return est.estimate_memory(args, params, est.microbatches_per_step(args)).total
+    return est.estimate_memory(args, params, est.microbatches_per_step(args), runs).total
 
 
 def _with(args, **changes):
@@ -61,13 +64,14 @@ def _layouts(args) -> list[tuple[str, object]]:
     return out
 
 
-def memory_knobs(args) -> tuple[float, list[Knob]]:
-    """(this launch's estimate, the knobs that lower it, largest saving first)."""
-    base = estimate_bytes(args)
+def memory_knobs(args, runs: WhatRuns) -> tuple[float, list[Knob]]:
+    """(this launch's estimate, the knobs that lower it, largest saving first), for its
+    validated ``args`` and its choices ``runs``."""
+    base = estimate_bytes(args, runs)
     knobs = []
     for flags, changed in _layouts(args):
         try:
-            knobs.append(Knob(flags, estimate_bytes(changed)))
+            knobs.append(Knob(flags, estimate_bytes(changed, runs)))
         except (NotImplementedError, ZeroDivisionError):
             continue
     knobs = [k for k in knobs if k.saving(base) > 0]

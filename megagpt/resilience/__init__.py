@@ -13,7 +13,7 @@ steps of the launch's resolution (``megagpt.launch.resolution``), before megatro
 ``interrupt.saving_on_ctrl_c(args, log)``
     around ``pretrain`` once megatron's globals are set: Ctrl-C as megatron's exit signal
     where the run saves (``interrupt``);
-``active(args, container, grad_norm_guard)``
+``active(args, load_earlier, container, grad_norm_guard)``
     a context manager around ``megatron.training.pretrain`` that installs the contained
     adaptations of megatron's training loop: resume fidelity (``fidelity``), the resolved
     configuration beside every checkpoint (``config_snapshot``), load errors as one-line
@@ -39,8 +39,11 @@ from megagpt.resilience import (checkpoint_guard, checkpoint_integrity, config_s
 
 
 @contextlib.contextmanager
-def active(args, container=None, grad_norm_guard: bool = False, ckpt_step_given: bool = False):
+def active(args, load_earlier: checkpoint_integrity.LoadEarlier, container=None,
+           grad_norm_guard: bool = False, ckpt_step_given: bool = False):
     """Install the training-loop adaptations for the duration of ``pretrain``.
+    ``load_earlier(args, iteration)``: points megatron's load at an earlier checkpoint where
+    the one to load is damaged (the launch's ``writer.load_earlier``).
     ``grad_norm_guard``: megatron's in-step NaN checks are off for the launch's CUDA graphs,
     and the gradient norm is checked after each step instead (the launch's ``NaN check``).
     ``ckpt_step_given``: ``--ckpt-step`` is among the launch's explicit flags (a damaged
@@ -58,7 +61,8 @@ def active(args, container=None, grad_norm_guard: bool = False, ckpt_step_given:
         ("save_checkpoint", checkpoint_integrity.__name__,
          lambda fn: checkpoint_integrity.recording_checksums(fn, args, log)),
         ("load_checkpoint", checkpoint_integrity.__name__,
-         lambda fn: checkpoint_integrity.verifying_checksums(fn, args, log, ckpt_step_given)),
+         lambda fn: checkpoint_integrity.verifying_checksums(fn, args, log, load_earlier,
+                                                             ckpt_step_given)),
     ]
     if grad_norm_guard:
         guard = divergence.GradNormGuard(lambda: checkpoint_guard.resume_hint(args),

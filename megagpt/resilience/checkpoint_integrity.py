@@ -12,7 +12,8 @@ Two wrappers, installed by ``resilience.active`` around ``pretrain``:
     a share each. A file that does not match makes the checkpoint damaged: in the run's own
     ``--save`` directory it is moved to ``.megagpt-set-aside/`` and the tracker rewritten;
     the newest earlier complete and intact checkpoint is loaded instead (megatron's
-    ``--ckpt-step``), with one log line naming the file. Where there is none, or the
+    ``--ckpt-step``, written by the function the launch hands in: ``launch.writer
+    .load_earlier``), with one log line naming the file. Where there is none, or the
     launch asked for that checkpoint with ``--ckpt-step``, a ``CheckpointError`` names the
     file. After the load, weights with NaN or Inf are a ``CheckpointError`` naming the
     checkpoint and the tensor, before any step could turn them into a diverging loss.
@@ -116,12 +117,16 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
-def choose_intact(args, load_dir: str, log: Callable[[str], None],
+LoadEarlier = Callable[[object, int], None]  # (args, iteration): megatron loads that one
+
+
+def choose_intact(args, load_dir: str, log: Callable[[str], None], load_earlier: LoadEarlier,
                   ckpt_step_given: bool = False) -> str | None:
     """Point megatron at the newest intact checkpoint of ``load_dir`` (every rank; a
-    collective). Returns its folder, or None when there is nothing to check.
-    ``ckpt_step_given``: the user asked for the iteration (``--ckpt-step`` among the launch's
-    explicit flags), rather than the resume's fallback writing it."""
+    collective), through ``load_earlier`` where it is not the one megatron was to load.
+    Returns its folder, or None when there is nothing to check. ``ckpt_step_given``: the
+    user asked for the iteration (``--ckpt-step`` among the launch's explicit flags), rather
+    than the resume's fallback writing it."""
     iteration = _loaded_iteration(args, load_dir)
     if iteration is None:
         return None  # nothing saved yet: megatron starts from scratch
@@ -153,7 +158,7 @@ def choose_intact(args, load_dir: str, log: Callable[[str], None],
             where = "left where it is (not this run's --save)"
         log(f"resume: {folder} is damaged: {mismatch}; {where}; loading iteration {earlier}, "
             "the newest earlier complete checkpoint, instead")
-        args.ckpt_step = earlier
+        load_earlier(args, earlier)
         iteration = earlier
 
 
@@ -202,9 +207,9 @@ def nonfinite_error(folder: str, bad, load_dir: str | None) -> CheckpointError:
 
 
 def verifying_checksums(load_checkpoint, args, log: Callable[[str], None],
-                        ckpt_step_given: bool = False):
-    """Wrap megatron's ``load_checkpoint`` (see the module docstring; ``ckpt_step_given`` as
-    ``choose_intact`` takes it)."""
+                        load_earlier: LoadEarlier, ckpt_step_given: bool = False):
+    """Wrap megatron's ``load_checkpoint`` (see the module docstring; ``load_earlier`` and
+    ``ckpt_step_given`` as ``choose_intact`` takes them)."""
 
     @functools.wraps(load_checkpoint)
     def wrapper(ddp_model, *a, load_arg="load", **kw):
@@ -212,7 +217,7 @@ def verifying_checksums(load_checkpoint, args, log: Callable[[str], None],
         folder = None
         if load_dir and args.ckpt_format in FORMATS:
             if enabled(args):
-                folder = choose_intact(args, load_dir, log, ckpt_step_given)
+                folder = choose_intact(args, load_dir, log, load_earlier, ckpt_step_given)
             else:
                 iteration = _loaded_iteration(args, load_dir)
                 folder = _folder(load_dir, iteration) if iteration is not None else None

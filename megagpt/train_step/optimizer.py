@@ -245,12 +245,15 @@ def megatron_uses_local_fallbacks() -> bool:
         return False
 
 
-def _replacements(fused_adam: bool, multi_tensor: bool, tensor_clip: bool
+def _replacements(fused_adam: bool, multi_tensor: bool, tensor_clip: bool,
+                  megatron_fused_optimizer: bool
                   ) -> tuple[list[tuple[object, str, object]], list[str]]:
     """(the ``(module, name, value)`` replacements megatron's optimizer modules get, the log
     lines saying what they change). Where TE or apex provides the multi-tensor kernels,
     theirs are kept (the norm, the scales); ``fused_adam`` still puts torch's fused AdamW in
-    place of their FusedAdam, which the flat AdamW step needs (``flat_adam``)."""
+    place of their FusedAdam, which the flat AdamW step needs (``flat_adam``).
+    ``megatron_fused_optimizer``: megatron bound TE's or apex's FusedAdam (``compat
+    .Installed``), for the log line."""
     import megatron.core.optimizer as mopt
     import megatron.core.optimizer.clip_grads as mclip
     import megatron.core.optimizer.optimizer as moo
@@ -259,11 +262,10 @@ def _replacements(fused_adam: bool, multi_tensor: bool, tensor_clip: bool
     swaps: list[tuple[object, str, object]] = []
     changed: List[str] = []
     if fused_adam:
-        local = megatron_uses_local_fallbacks()
         swaps += [(mopt, "Adam", torch_fused_adam), (mopt, "USING_PYTORCH_OPTIMIZER", False)]
         # torch's Adam, not TE's / apex's FusedAdam: the flat AdamW step builds on it
         changed.append("AdamW: torch fused=True (single kernel) instead of "
-                       + ("foreach" if local else "TE's/apex's FusedAdam"))
+                       + ("TE's/apex's FusedAdam" if megatron_fused_optimizer else "foreach"))
     if multi_tensor:
         if mclip.l2_norm_impl is mutils.local_multi_tensor_l2_norm:
             swaps.append((mclip, "l2_norm_impl", foreach_multi_tensor_l2norm))
@@ -285,17 +287,21 @@ def _replacements(fused_adam: bool, multi_tensor: bool, tensor_clip: bool
 
 
 @contextlib.contextmanager
-def fast_kernels(fused_adam: bool = True, multi_tensor: bool = True, tensor_clip: bool = False,
+def fast_kernels(megatron_fused_optimizer: bool, fused_adam: bool = True,
+                 multi_tensor: bool = True, tensor_clip: bool = False,
                  log: Optional[Callable[[str], None]] = None) -> Iterator[List[str]]:
     """megatron's optimizer modules with torch's fused AdamW and the foreach kernels for the
-    duration of the block; yields what was changed.
+    duration of the block; yields what was changed. ``megatron_fused_optimizer``: whether
+    megatron bound TE's or apex's FusedAdam, as what is installed says (``compat.Installed``;
+    the launch's ``installed``).
 
     ``tensor_clip`` also gives megatron a tensor-scale kernel, which makes it keep the
     gradient norm on the GPU (see ``foreach_multi_tensor_scale_tensor``): the norm that
     ``optimizer.step()`` returns is then a 1-element CUDA tensor. Enter before
     ``get_megatron_optimizer`` builds the optimizer (before ``setup_model_and_optimizer``).
     """
-    swaps, changed = _replacements(fused_adam, multi_tensor, tensor_clip)
+    swaps, changed = _replacements(fused_adam, multi_tensor, tensor_clip,
+                                   megatron_fused_optimizer)
     with megatron_wrappers.wrapped_all([(module, name, __name__, megatron_wrappers.replacing(value))
                                         for module, name, value in swaps]):
         for line in changed if log else ():
