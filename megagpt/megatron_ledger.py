@@ -174,6 +174,19 @@ LEDGER: tuple[Change, ...] = (
            "one level down, where the fp32 optimizer (CPU mode, a launch without --bf16) does "
            "not look, and megatron stops on 'Could not find parameter group'; they are moved "
            "up first", PRETRAIN, "4e445929e714"),
+    *(Change(f"{loader}.load_state_dict", WRAPS, "megagpt.resilience.optimizer_groups",
+             "it loads the checkpoint's parameter groups with the checkpoint's keys only; "
+             "saved by another install's inner optimizer (torch's AdamW), a group lacks a "
+             "setting the running one reads in every step (apex's FusedAdam: KeyError "
+             "'bias_correction' at the first step after the resume); the wrapper gives such a "
+             "setting the running optimizer's own value", PRETRAIN, fingerprint,
+             needle=needle)
+      for loader, fingerprint, needle in (
+          ("megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params",
+           "23d536b83658", "self.optimizer.load_state_dict(state_dict[optimizer_key])"),
+          ("megatron.core.optimizer.optimizer.FP32Optimizer", "4e445929e714", ""),
+          ("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer", "707490502424",
+           '{**param_groups_map[needed_groups], "params": inner_param_group[\'params\']}'))),
     Change(T + "train_step", WRAPS, "megagpt.resilience.divergence",
            "with megatron's in-step NaN checks off (the CUDA graph) a NaN or Inf gradient "
            "norm stops the run, read one iteration late so the check never idles the GPU",

@@ -24,7 +24,8 @@ def fast_optimizer_kernels(tensor_clip: bool = True):
         yield
 
 
-def tiny_ddp_gpt(spec=None, grad_dtype=torch.bfloat16, device="cpu", overlap_grad_reduce=False):
+def tiny_ddp_gpt(spec=None, grad_dtype=torch.bfloat16, device="cpu", overlap_grad_reduce=False,
+                 use_distributed_optimizer=False):
     """A 2-layer, 32-wide bf16 GPT (tied embeddings, no dropout) in megatron's DDP with a
     ``grad_dtype`` gradient buffer. Needs megatron's parallel state (``single_gloo_rank``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -47,7 +48,7 @@ def tiny_ddp_gpt(spec=None, grad_dtype=torch.bfloat16, device="cpu", overlap_gra
     model = Float16Module(config, model.to(device))
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_dtype == torch.float32,
                                         overlap_grad_reduce=overlap_grad_reduce,
-                                        use_distributed_optimizer=False)
+                                        use_distributed_optimizer=use_distributed_optimizer)
     return DistributedDataParallel(config, ddp, module=model)
 
 

@@ -19,9 +19,10 @@ steps of the launch's resolution (``megagpt.launch.resolution``), before megatro
     configuration beside every checkpoint (``config_snapshot``), load errors as one-line
     messages (``checkpoint_guard``), checksums of every checkpoint file recorded at save and
     checked before a load, and the loaded weights checked (``checkpoint_integrity``), a bf16/fp16 checkpoint resumed in fp32
-    (``precision_change``), and with the gradient-norm guard the divergence checks
+    (``precision_change``), an optimizer checkpoint of another install's inner optimizer
+    (``optimizer_groups``), and with the gradient-norm guard the divergence checks
     (``divergence``). Each wraps one function of megatron (``megatron.training.training``'s,
-    or ``FP32Optimizer.load_state_dict``) through ``megagpt.megatron_wrappers``, in the order
+    or its optimizers' ``load_state_dict``) through ``megagpt.megatron_wrappers``, in the order
     listed (the first innermost), and is undone on exit. The launch's one context of megatron
     changes enters it (``megagpt.launch.megatron_changes``).
 
@@ -35,7 +36,7 @@ import contextlib
 from megagpt import megatron_wrappers
 from megagpt.log import log
 from megagpt.resilience import (checkpoint_guard, checkpoint_integrity, config_snapshot,
-                                divergence, fidelity, precision_change)
+                                divergence, fidelity, optimizer_groups, precision_change)
 
 
 @contextlib.contextmanager
@@ -71,11 +72,15 @@ def active(args, load_earlier: checkpoint_integrity.LoadEarlier, container=None,
                      ("save_checkpoint", divergence.__name__, guard.save_checkpoint)]
     from megatron.core.optimizer.optimizer import FP32Optimizer
 
-    optimizer_wrappers = [("load_state_dict", precision_change.__name__,
-                           precision_change.reading_mixed_precision_checkpoints)]
+    optimizer_wrappers = [  # (class, name, owner, wrapper); the first innermost
+        (FP32Optimizer, "load_state_dict", precision_change.__name__,
+         precision_change.reading_mixed_precision_checkpoints),
+        *((loader, "load_state_dict", optimizer_groups.__name__,
+           optimizer_groups.keeping_the_running_settings)
+          for loader in optimizer_groups.loader_classes())]
     try:
         with megatron_wrappers.wrapped(mtraining, wrappers), \
-                megatron_wrappers.wrapped(FP32Optimizer, optimizer_wrappers):
+                megatron_wrappers.wrapped_all(optimizer_wrappers):
             yield
     except BaseException as exc:
         _stop_data_workers()
