@@ -326,6 +326,23 @@ TABLES = (
         summary=lambda r: f"{r['row']['shape']} {r['row']['compared']}",
     ),
     Table(
+        "loss-references", "Loss references: which layers and which step",
+        "The FP8 losses' call with references beside it (`bench/fp8_losses.py --precisions`): "
+        "megatron's own local layers, loss, optimizer and step (no piece of the fast path), TE's "
+        "layers in bf16, and the fast spec's layers on megatron's loss, optimizer and step; the "
+        "same 345M launch on text, 300 iterations, seed 1234 (and 1235 where two seeds ran). "
+        "Ratios are of the mean loss over the last 50 iterations, within the call.",
+        columns=(("shape", rowval("shape")), ("run", rowval("run")),
+                 ("seeds", fig("seeds", 0)), ("last 50 mean", fig("mean_last_50", 4)),
+                 ("per seed", lambda r: r["figures"].get("per_seed", "")),
+                 ("vs fast bf16", lambda r: _percent(r["figures"].get("vs_fast_bf16"))),
+                 ("vs TE FP8", lambda r: _percent(r["figures"].get("vs_te_fp8"))),
+                 ("values", values_link)),
+        sort=lambda r: (SHAPE_ORDER.get(r["shape"], 9), r["run"]),
+        text_columns=2,
+        summary=lambda r: f"{r['row']['shape']} {r['row']['run']}",
+    ),
+    Table(
         "cluster-check", "megagpt-check against the dry run's figures",
         "`python -m megagpt.cluster_check` (the launch check before a big run) and its GPU "
         "test: the bf16 GEMM rate of each GPU (8192³ products for 0.2 s) against the dry "

@@ -714,3 +714,18 @@ def test_te_refusing_its_pickled_state_inside_megatrons_loader_is_one_whole_line
     assert line.startswith(f"cannot load checkpoint: {it_dir(ckpt, 8)} holds Transformer "
                            "Engine's delayed-scaling FP8 state")
     assert "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 in the environment" in line
+
+
+def test_a_distributed_optimizer_saved_under_other_layers_is_named_with_what_to_do():
+    """The text megatron's loader gave on one H100 (2026-12-06) for a checkpoint of TE's layers
+    with the distributed optimizer resumed under the fast spec: the line says why and the way
+    out; another KeyError gets no such hint."""
+    from megagpt.resilience.checkpoint_guard import _hint
+
+    seen = KeyError("optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.bfloat16, "
+                    "torch.bfloat16).bucket_idx_0.param from model not in state dict: "
+                    "['common_state/shard_0_1', 'decoder.final_layernorm.bias']")
+    hint = _hint(seen)
+    assert "saved its state by gradient bucket" in hint
+    assert "add --no-load-optim to load the weights alone" in hint
+    assert _hint(KeyError("decoder.layers.0.mlp.linear_fc1.weight")) == ""

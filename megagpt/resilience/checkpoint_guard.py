@@ -505,6 +505,15 @@ def _hint(cause: BaseException) -> str:
                 "--lr-warmup-iters, ... in samples) differs from the checkpoint's: add "
                 "--override-opt_param-scheduler to take this launch's, or "
                 "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+    text = str(cause)
+    if isinstance(cause, KeyError) and "optimizer.distributed." in text and "bucket_idx" in text:
+        # the distributed optimizer's state is keyed by gradient bucket, and another set of
+        # layers (TE's norms live inside its linears) fills the buckets otherwise
+        return ("; the distributed optimizer saved its state by gradient bucket, and this "
+                "launch's parameters fill the buckets otherwise (other layers: Transformer "
+                "Engine's, the fast spec's or megatron's local ones, or another layout): "
+                "resume with the layers and layout that saved it, or add --no-load-optim to "
+                "load the weights alone (the optimizer's state then starts afresh)")
     return ""
 
 
