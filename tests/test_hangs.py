@@ -254,7 +254,10 @@ def test_a_stopped_tensor_parallel_rank_ends_the_run_and_the_same_command_resume
 
 @pytest.mark.slow
 def test_a_stopped_data_parallel_rank_is_named_and_an_even_run_names_no_straggler(tmp_path):
-    command = _hang_command(tmp_path / "ckpt", [], iters=1000)
+    # two single-threaded ranks on a shared 2-core host (CI's, the other test worker busy
+    # beside them) differ by up to ~25 % in compute per step (tests/test_cluster_check.py's
+    # CPU margin; 17 % seen here): the even run's check is made above that noise
+    command = _hang_command(tmp_path / "ckpt", ["--straggler-threshold", "30"], iters=1000)
     proc, worker, log, stopped = _stop_rank_1_at(command, tmp_path, 11)
     try:
         wait_for_log(log, r"(?m)^error: ", proc, timeout=60 + MARGIN_S)

@@ -87,3 +87,28 @@ def test_the_store_rendezvouses_a_gloo_group_of_one():
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[0] == "[1.0, 1.0, 1.0] 1"
+
+
+def test_a_plan_or_a_tools_arguments_made_in_process_leave_no_launcher_behind(monkeypatch):
+    """The dry run's plan and a tool's model arguments are library calls: the launch's
+    environment is theirs while megatron validates, then put back. Left behind, LOCAL_RANK
+    made megagpt-check started later from the same process skip its torchrun and stop on
+    'MASTER_PORT expected'."""
+    import os
+
+    from megagpt.inference.model_flags import parse_model_args
+    from megagpt.launch import resolve
+    from megagpt.preflight.dry_run import make_plan
+
+    for name in LAUNCH_VARIABLES + ("CUDA_DEVICE_MAX_CONNECTIONS",):
+        monkeypatch.delenv(name, raising=False)
+    before = dict(os.environ)
+    tiny = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size",
+            "2", "--global-batch-size", "2", "--train-iters", "3", "--lr", "1e-3",
+            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--cpu"]
+    launch = resolve(tiny)
+    assert any(name == "LOCAL_RANK" for name, _ in launch.environ)  # it is the launch's
+    assert make_plan(launch).params.total > 0
+    parse_model_args(tiny, cpu=True)
+    assert dict(os.environ) == before

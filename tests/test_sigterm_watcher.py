@@ -21,7 +21,9 @@ SCRIPT = textwrap.dedent("""
         from megatron.training.dist_signal_handler import DistributedSignalHandler
         handler = DistributedSignalHandler(signal.SIGTERM).__enter__()
     os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(2.0)  # longer than the watcher's look for a stuck collective
+    # longer than the watcher's look for a stuck collective; where it is to end the process,
+    # long enough for its thread on a loaded host (it looks into torch's flight recorder)
+    time.sleep({wait_s})
     if {megatron_takes_it}:
         print("megatron saw it:", handler._signal_received, flush=True)
         handler.release()
@@ -31,7 +33,8 @@ SCRIPT = textwrap.dedent("""
 
 
 def _run(dump_prefix, megatron_takes_it):
-    script = SCRIPT.format(dump_prefix=dump_prefix, megatron_takes_it=megatron_takes_it)
+    script = SCRIPT.format(dump_prefix=dump_prefix, megatron_takes_it=megatron_takes_it,
+                           wait_s=2.0 if megatron_takes_it else 60.0)
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120)
 

@@ -171,21 +171,23 @@ def parse_model_args(argv: list[str], cpu: bool):
     megatron's training settings unset."""
     from megagpt import arguments as entry_arguments
     from megagpt.option_errors import OptionError
-    from megagpt.launch import resolve, write
+    from megagpt.launch import resolve
+    from megagpt.launch.writer import written_for_the_block
 
     chatter = io.StringIO()
     try:
         with chatter_into(chatter):
             launch = resolve(argv)
-            args = write(launch)
-            # megatron validates a training run: these settings must exist, none is used here
-            if args.micro_batch_size is None:
-                args.micro_batch_size = 1
-            if args.lr is None:
-                args.lr = 0.0
-            if args.train_iters is None and args.train_samples is None:
-                args.train_iters = 1
-            entry_arguments.validate_arguments(args, device_arch=0 if cpu else None)
+            # the launch's environment while megatron validates; a tool is not the launch
+            with written_for_the_block(launch) as args:
+                # megatron validates a training run: these settings must exist, none is used
+                if args.micro_batch_size is None:
+                    args.micro_batch_size = 1
+                if args.lr is None:
+                    args.lr = 0.0
+                if args.train_iters is None and args.train_samples is None:
+                    args.train_iters = 1
+                entry_arguments.validate_arguments(args, device_arch=0 if cpu else None)
     except OptionError as exc:  # a flag or value the parser does not take, in one line
         raise ModelFlagsError(str(exc)) from None
     except SystemExit as exc:  # argparse's own error, printed into the chatter

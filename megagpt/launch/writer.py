@@ -1,5 +1,7 @@
 """The one writer of a launch: what the resolution decided, into megatron's arguments and the
-environment; and the two writes once megatron has validated them.
+environment; and the two writes once megatron has validated them. ``written_for_the_block``
+is the same write for a library call (the dry run's plan, a tool's model arguments), its
+environment put back after.
 
 ``write(launch)`` applies a ``Launch`` in this order, before megatron's ``validate_args``:
 
@@ -25,9 +27,10 @@ checkpoint a resume loads, which megatron reads nowhere before it loads:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
-from typing import Callable, MutableMapping, Optional
+from typing import Callable, Iterator, MutableMapping, Optional
 
 from .planner import Launch
 
@@ -61,3 +64,23 @@ def load_earlier(args, iteration: int) -> None:
     the one it was to load is damaged: megatron's ``load_checkpoint`` reads the iteration from
     ``args.ckpt_step`` alone (the launch's second write after megatron's validation)."""
     args.ckpt_step = iteration
+
+
+@contextlib.contextmanager
+def written_for_the_block(launch: Launch, log: Optional[Callable[[str], None]] = None
+                          ) -> Iterator:
+    """``write(launch)`` for a library call inside a process that is not the launch (the dry
+    run's plan, a tool's model arguments, a test): megatron's validation reads the launch's
+    environment, which is set for the block and put back after. Left behind, its
+    rendezvous variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR) would tell every
+    process started from here later that a launcher started it (megagpt-check then skips
+    its torchrun and waits for a MASTER_PORT nobody set). Yields the arguments."""
+    before = {name: os.environ.get(name) for name, _ in launch.environ}
+    try:
+        yield write(launch, log=log)
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

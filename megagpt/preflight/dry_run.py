@@ -207,13 +207,14 @@ def make_plan(launch, args=None) -> Plan:
     costs of what it runs (its choices: ``WhatRuns``).
 
     ``args``: as the launch wrote them (its world size the dry run's; None: written here,
-    with its environment, which megatron's validation reads). Raises LayoutError (a UserError) when the layout cannot run;
+    with its environment, which megatron's validation reads, for the call alone). Raises LayoutError (a UserError) when the layout cannot run;
     mutates ``args`` the way megatron's validation does, and no further.
     """
     if args is None:
-        from megagpt.launch import write
+        from megagpt.launch.writer import written_for_the_block
 
-        args = write(launch)
+        with written_for_the_block(launch) as args:
+            return make_plan(launch, args)
     world_size = args.world_size  # the launch's planned GPUs (--dry-run-world-size)
     gpu = resolve_gpu(args.gpu_type, args.gpu_memory_gb, cpu=args.cpu)
     cost.check_price(args)
