@@ -294,9 +294,10 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, a.skip.split(",")))
     precisions = chosen_precisions(a.precisions, bool(a.te_site))
-    earlier = {}
+    earlier, earlier_logs = {}, {}  # --also's runs: their losses, and their logs' paths
     for folder in a.also:
-        earlier.update(read_losses(Path(folder) / "fp8_losses.csv"))
+        for name, run in read_losses(Path(folder) / "fp8_losses.csv").items():
+            earlier[name], earlier_logs[name] = run, Path(folder) / f"{name}.log"
     data = corpus_data_flags()
     half = a.iters // 2
     saves = {x: out / "ckpt" / x for x in precisions}
@@ -386,10 +387,9 @@ def main(argv=None) -> int:
         from megagpt.plots import load_run, plot_runs
 
         logs = {x: out / f"{x}.log" for x in losses if losses[x]}
-        for folder in a.also:  # the earlier invocation's first seeds
-            for name in earlier:
-                if "-seed" not in name and name not in logs:
-                    logs[name] = Path(folder) / f"{name}.log"
+        for name, log in earlier_logs.items():  # --also's first seeds
+            if "-seed" not in name and name not in logs:
+                logs[name] = log
         plot_runs([load_run(str(log), x) for x, log in logs.items() if log.exists()],
                   out / "fp8_losses.png", title=f"{SHAPE} on text: bf16 and FP8")
     except Exception as e:  # noqa: BLE001 (the figures stand without the picture)
