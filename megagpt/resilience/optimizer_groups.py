@@ -33,12 +33,6 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
-# megatron's optimizers that load their inner optimizer's groups from a checkpoint
-LOADERS = ("megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params",
-           "megatron.core.optimizer.optimizer.FP32Optimizer",
-           "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer")
-
-
 def keeping_the_running_settings(load: Callable) -> Callable:
     """megatron's ``load_state_dict``, then the running optimizer's settings in each group
     where the checkpoint's group has none (groups matched by position: megatron loads them in
@@ -48,14 +42,15 @@ def keeping_the_running_settings(load: Callable) -> Callable:
     @functools.wraps(load)
     def load_state_dict(self, state_dict):
         inner = getattr(self, "optimizer", None)
-        own = ([{key: value for key, value in group.items() if key != "params"}
-                for group in inner.param_groups]
-               if isinstance(inner, torch.optim.Optimizer) else [])
+        if not isinstance(inner, torch.optim.Optimizer):
+            return load(self, state_dict)
+        own = [{key: value for key, value in group.items() if key != "params"}
+               for group in inner.param_groups]
         result = load(self, state_dict)
-        for group, settings in zip(inner.param_groups if own else [], own):
+        for group, settings in zip(inner.param_groups, own):
             for key, value in settings.items():
                 group.setdefault(key, value)
-            step = group.get("step", _shared_step(inner, group))
+            step = group["step"] if "step" in group else _shared_step(inner, group)
             if isinstance(step, float) and step.is_integer():
                 step = int(step)
             if step is not None:
@@ -67,20 +62,17 @@ def keeping_the_running_settings(load: Callable) -> Callable:
 
 def _shared_step(inner, group: dict) -> float | None:
     """The step every parameter's state in ``group`` holds (torch's AdamW), or None."""
-    import torch
-
-    steps = {float(state["step"]) for p in group["params"]
-             if isinstance((state := inner.state.get(p, {})).get("step"), (torch.Tensor, int,
-                                                                              float))}
+    steps = set()
+    for p in group["params"]:
+        step = inner.state.get(p, {}).get("step")
+        if step is not None:
+            steps.add(float(step))
     return steps.pop() if len(steps) == 1 else None
 
 
 def loader_classes() -> list[type]:
-    """The classes of ``LOADERS``, imported."""
-    import importlib
+    """megatron's optimizers that load their inner optimizer's groups from a checkpoint."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
-    classes = []
-    for target in LOADERS:
-        module, name = target.rsplit(".", 1)
-        classes.append(getattr(importlib.import_module(module), name))
-    return classes
+    return [Float16OptimizerWithFloat16Params, FP32Optimizer, DistributedOptimizer]
