@@ -21,7 +21,9 @@ on what else runs; their speed is not measured here):
    more, named in ``--precisions``: ``local`` (megatron's own layers, loss, optimizer and
    step, no fast-path piece: what every path is held to) and ``fastlayers`` (the fast spec's
    layers with megatron's loss, optimizer and step): where a curve parts from bf16's, they
-   tell the layers from the step;
+   tell the layers from the step; ``bf16flash`` and ``fp8flash`` (the fast path with torch's
+   flash attention kernel rather than the one torch picks): they tell the attention kernel
+   from the rest of the layer;
 2. **crossing**: from the half-way checkpoints of bf16, fp8 and tefp8, 20 iterations under
    each of those (``SRC->DST``; the same one: the resume's own difference), compared with the
    uninterrupted run of the checkpoint's source. TE's launches here run with
@@ -79,6 +81,10 @@ PRECISIONS = {
     "fastlayers": ["--transformer-impl", "local", "--fast-cuda-graphs", "none",
                    "--fast-disable", "optimizer,lm-loss,lm-grad-in-forward,bf16-grad-buffer,"
                    "grad-write"],
+    # the fast path with torch's flash attention kernel: on an H100 or H200 torch 2.11 picks
+    # cuDNN's for the fast spec's attention, which TE's and megatron's layers do not run
+    "bf16flash": ["--attention-backend", "flash"],
+    "fp8flash": ["--fp8-format", "hybrid", "--attention-backend", "flash"],
 }
 TE_PRECISIONS = {"tefp8", "tebf16"}
 DEFAULT_PRECISIONS = ("bf16", "fp8", "tefp8", "tebf16")

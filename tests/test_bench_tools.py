@@ -424,6 +424,10 @@ def test_fp8_losses_precisions_and_an_earlier_invocations_losses(tmp_path):
     local = fp8_losses.PRECISIONS["local"]
     assert "--no-fast-spec" in local and "optimizer,lm-loss" in " ".join(local)
     assert "--no-fast-spec" not in fp8_losses.PRECISIONS["fastlayers"]
+    # the attention kernel's references: the fast path's own runs with flash attention
+    assert fp8_losses.PRECISIONS["bf16flash"] == ["--attention-backend", "flash"]
+    assert fp8_losses.PRECISIONS["fp8flash"] == (fp8_losses.PRECISIONS["fp8"]
+                                                 + ["--attention-backend", "flash"])
 
     (tmp_path / "fp8_losses.csv").write_text(
         "iteration,bf16,local,local-seed1\n1,5.0,5.1,\n2,4.0,4.1,4.2\n")
@@ -437,6 +441,40 @@ def test_fp8_losses_precisions_and_an_earlier_invocations_losses(tmp_path):
         dict(bf16=flat, fp8=flat, local={i: 5.05 for i in flat}), warmup=30)
     assert figures["over_bf16"]["local"] == pytest.approx(0.01)
     assert figures["over_bf16"]["fp8"] == 0.0
+
+
+@pytest.mark.slow
+def test_grad_agreement_measures_each_parameters_gradient_against_fp32(tmp_path):
+    """bench/grad_agreement.py on the CPU (tiny shape, 2 layers): every parameter kind of each
+    path is compared with the fp32 local model's gradients, and the fast spec's bf16
+    gradients, its fused layer eager and with torch's math attention kernel, are no further
+    from them than megatron's local layers' (within a factor); a backend on the local path
+    is refused in one line."""
+    import subprocess
+
+    out = tmp_path / "grads.json"
+    script = [sys.executable, str(REPO / "bench" / "grad_agreement.py"), "--shape", "tiny",
+              "--layers", "2"]
+    r = subprocess.run(script + ["--paths", "local,fast,fast@unfused", "--json", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    local = report["paths"]["local"]["kinds"]
+    assert {"input_layernorm.weight", "self_attention.linear_qkv.weight", "mlp.linear_fc2.bias",
+            "embedding.word_embeddings.weight", "output_layer.weight"} <= local.keys()
+    for path in ("fast", "fast@unfused"):
+        kinds = report["paths"][path]["kinds"]
+        assert kinds.keys() == local.keys()
+        for kind, figures in kinds.items():
+            assert 0 < figures["rel_err"] < 0.05, (path, kind, figures)
+            assert figures["rel_err"] <= 2 * local[kind]["rel_err"] + 1e-3, (path, kind)
+            assert figures["sign_wrong"] < 0.02, (path, kind, figures)
+    assert "rel err" in r.stdout and "fast@unfused" in r.stdout
+
+    refused = subprocess.run(script + ["--paths", "local@flash"], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2
+    assert "error: --paths: 'local@flash'" in refused.stderr
 
 
 def test_fp8_losses_phases_run_at_most_parallel_launches_at_once(tmp_path):
