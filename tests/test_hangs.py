@@ -132,6 +132,49 @@ def test_who_did_not_join_is_read_from_real_dumps(tmp_path, monkeypatch):
     assert not (tmp_path / "silent" / "rank_1").exists()
 
 
+def _ended_outside_a_collective(rank, world_size, folder):
+    """torchrun signals a rank's whole process group: SIGTERM can find it computing, and
+    its data-loader workers killed raise before it reaches another collective. Its newest
+    collective is then one of a group of one (megatron's model-parallel group at TP=1), with
+    nobody missing from it. 1. rank 1 is gone (it writes no dump); 2. both ranks are ended
+    alike (a preemption): each writes its dump (their newest collective is then the barrier
+    between the two, in the DP group, which both joined)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel()
+    dp = parallel_state.get_data_parallel_group()
+    alone = parallel_state.get_model_parallel_group()
+    for _ in range(2):
+        dist.all_reduce(torch.ones(4), group=dp)
+        dist.all_reduce(torch.ones(4), group=alone)
+    killed = RuntimeError("DataLoader worker (pid 4242) is killed by signal: Terminated.")
+    gone = os.path.join(folder, "gone")
+    if rank == 0:  # rank 1 writes nothing here, as a killed rank would
+        raised = _reporter(gone, rank, wait_s=1.0).exception_for_termination(killed)
+        Path(gone, "line.txt").write_text(f"{type(raised).__name__}: {raised}")
+    dist.barrier(group=dp)
+    both = os.path.join(folder, "both")
+    raised = _reporter(both, rank, wait_s=5.0).exception_for_termination(killed)
+    Path(both, f"exit_{rank}.txt").write_text(f"{type(raised).__name__} {raised}")
+
+
+def test_a_rank_ended_outside_a_collective_names_the_rank_that_is_gone(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "100")
+    run_on_ranks(_ended_outside_a_collective, 2, str(tmp_path))
+
+    line = (tmp_path / "gone" / "line.txt").read_text()
+    assert line.startswith("CollectiveFailure: rank 1 wrote no dump (stopped, killed or "
+                           "unreachable) and the launcher then ended rank 0 outside any "
+                           "collective with it (a SIGTERM: DataLoader worker (pid 4242) is "
+                           "killed by signal: Terminated.); dumps in "), line
+    # ended alike, every rank wrote its dump: nobody is gone, each leaves as SIGTERM would
+    for rank in (0, 1):
+        assert (tmp_path / "both" / f"exit_{rank}.txt").read_text() == "SystemExit 143"
+        assert (tmp_path / "both" / f"rank_{rank}").exists()
+
+
 def test_the_cause_of_a_failed_collective_in_a_few_words():
     timed_out = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
                              "Timed out waiting 3000ms for recv operation to complete")

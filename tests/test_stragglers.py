@@ -106,10 +106,16 @@ def test_a_slowed_rank_is_named_and_when_killed_the_run_names_it(tmp_path):
                     r"median rank's", match.group(0)), match.group(0)
     excess = int(re.search(r"\+(\d+) %", match.group(0)).group(1))
     # a quarter speed: about 4 times the compute, (4 - 1) / (4 + 1) = 60 % above the median of
-    # two ranks (their mean)
-    assert excess >= 30, match.group(0)
+    # two ranks (their mean) on an idle host; on a loaded one less (21 % with two busy
+    # processes beside the ranks on 2 cores), still above the report's 10 %
+    assert excess >= 15, match.group(0)
     (line,) = [x for x in log.read_text().splitlines() if x.startswith("error:")]
+    # rank 0 waits for rank 1 in a collective, or the launcher's SIGTERM (sent to rank 0's
+    # whole process group once rank 1 has ended) finds it outside one: its data-loader
+    # workers end with it
     assert re.match(r"error: rank 1 did not join \w+ #\d+ of the (DP|world) group \(ranks 0, 1\)"
-                    r": rank 0 waited there", line), line
+                    r": rank 0 waited there", line) or line.startswith(
+        "error: rank 1 wrote no dump (stopped, killed or unreachable) and the launcher then "
+        "ended rank 0 outside any collective with it"), line
     assert "rank 1 wrote no dump (stopped, killed or unreachable)" in line
     assert "no --save" in line or "Nothing is saved" in line

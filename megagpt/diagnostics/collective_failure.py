@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from megagpt.diagnostics import flight_recorder
-from megagpt.diagnostics.hangs import Hang, describe, failure_cause, find_hang
+from megagpt.diagnostics.hangs import describe, describe_gone, failure_cause, find_hang
 from megagpt.errors import UserError
 
 # Seconds a rank whose collective failed waits for the other ranks' dumps: the others fail
@@ -87,33 +87,41 @@ class FailureReporter:
     def folder(self) -> str | None:
         return (os.path.dirname(self.dump_prefix) or ".") if self.dump_prefix else None
 
-    def report(self, cause: str, only_if_silent: bool = False) -> tuple[str, int] | None:
+    def report(self, cause: str, only_if_silent: bool = False,
+               ended_by: str | None = None) -> tuple[str, int] | None:
         """(the line, the rank that prints it), after this rank's dump and the wait for the
         others'; None where this process has reported already, or (``only_if_silent``)
-        where every member of the group wrote a dump (no rank is gone)."""
+        where every rank wrote a dump (no rank is gone). ``ended_by``: the launcher ended
+        this rank outside a collective, by the error in these few words; where a rank is gone,
+        the line says so (the dumps then show no collective it was missing from)."""
         with self._lock:
             if self.reported:
                 return None
             self.reported = True
-            text, reporter, hang = self._line(cause)
+            dumps = self._dumps()
+            hang = find_hang(dumps, self.world_size) if dumps else None
+            reporter = min(dumps) if dumps else self.rank
+            gone = set(range(self.world_size)) - set(dumps) if dumps else set()
+            if ended_by is not None and gone and not (hang is not None and hang.silent):
+                return describe_gone(gone, ended_by, self.rank, self.folder, set(dumps),
+                                     self.resume_hint()), reporter
             if only_if_silent and (hang is None or not hang.silent):
                 return None
-            return text, reporter
+            return describe(hang, cause, self.rank, self.folder, set(dumps), self.world_size,
+                            self.resume_hint()), reporter
 
-    def _line(self, cause: str) -> tuple[str, int, Hang | None]:
-        dumps: dict[int, dict] = {}
-        if self.dump_prefix is not None:
-            if not flight_recorder.written_since(self.dump_prefix, self.rank, self.launched_at):
-                with contextlib.suppress(Exception):  # a recorder that cannot dump says so below
-                    flight_recorder.write_this_ranks_dump(self.dump_prefix, self.rank,
-                                                          self.backend)
-            dumped = flight_recorder.wait_for_dumps(self.dump_prefix, self.world_size,
-                                                    self.launched_at, self.dump_wait_s)
-            dumps = flight_recorder.read_dumps(self.dump_prefix, dumped)
-        hang = find_hang(dumps, self.world_size) if dumps else None
-        reporter = min(dumps) if dumps else self.rank
-        return describe(hang, cause, self.rank, self.folder, set(dumps), self.world_size,
-                        self.resume_hint()), reporter, hang
+    def _dumps(self) -> dict[int, dict]:
+        """This rank's dump written, and the others' read once they are there (or after
+        ``dump_wait_s``); empty without a recorder."""
+        if self.dump_prefix is None:
+            return {}
+        if not flight_recorder.written_since(self.dump_prefix, self.rank, self.launched_at):
+            with contextlib.suppress(Exception):  # a recorder that cannot dump says so below
+                flight_recorder.write_this_ranks_dump(self.dump_prefix, self.rank,
+                                                      self.backend)
+        dumped = flight_recorder.wait_for_dumps(self.dump_prefix, self.world_size,
+                                                self.launched_at, self.dump_wait_s)
+        return flight_recorder.read_dumps(self.dump_prefix, dumped)
 
     def exception_for(self, exc: BaseException) -> BaseException:
         """What to raise in place of ``exc``: the one-line error on the reporting rank, a
@@ -126,10 +134,12 @@ class FailureReporter:
 
     def exception_for_termination(self, exc: BaseException) -> BaseException:
         """What to raise in place of ``exc``, an error raised while a SIGTERM ends this rank
-        (its data-loader workers killed with it, its collective cut short): the one line
-        where a rank of the group is gone, else the quiet exit SIGTERM would have been."""
+        (its collective cut short, or, outside any collective, its data-loader workers
+        killed with it: torchrun signals each rank's whole process group): the one line
+        where a rank is gone, else the quiet exit SIGTERM would have been."""
+        outside = None if is_collective_failure(exc) else failure_cause(exc)
         reported = self.report("was cut short by a SIGTERM (the launcher's, once a rank has "
-                               "ended)", only_if_silent=True)
+                               "ended)", only_if_silent=True, ended_by=outside)
         if reported is not None and reported[1] == self.rank:
             return CollectiveFailure(reported[0])
         return SystemExit(128 + signal.SIGTERM)

@@ -212,13 +212,29 @@ def failure_cause(exc: BaseException) -> str:
     return first[:160]
 
 
+def _where(folder: str | None, dumped: set[int]) -> str:
+    return (f"dumps in {folder} (python -m torch.distributed.flight_recorder.fr_trace -j "
+            f"{folder} prints every entry)" if dumped else
+            "no flight-recorder dumps (--no-flight-recorder)" if folder is None else
+            f"no flight-recorder dump in {folder}")
+
+
+def describe_gone(gone, cause: str, reporting_rank: int, folder: str | None, dumped: set[int],
+                  resume: str = "") -> str:
+    """The one line where the launcher ended ``reporting_rank`` outside any collective with
+    the ranks ``gone`` (they wrote no dump): what ended it (``cause``, its exception in a few
+    words), and who is gone."""
+    gone = tuple(sorted(gone))
+    head = (f"rank{'s' if len(gone) > 1 else ''} {ranks_text(gone)} wrote no dump (stopped, "
+            f"killed or unreachable) and the launcher then ended rank {reporting_rank} outside "
+            f"any collective with {'them' if len(gone) > 1 else 'it'} (a SIGTERM: {cause})")
+    return "; ".join(part for part in (head, _where(folder, dumped), resume) if part)
+
+
 def describe(hang: Hang | None, cause: str, reporting_rank: int, folder: str | None,
              dumped: set[int], world_size: int, resume: str = "") -> str:
     """The one line for ``hang`` (None: the dumps name no missing rank)."""
-    where = (f"dumps in {folder} (python -m torch.distributed.flight_recorder.fr_trace -j "
-             f"{folder} prints every entry)" if dumped else
-             "no flight-recorder dumps (--no-flight-recorder)" if folder is None else
-             f"no flight-recorder dump in {folder}")
+    where = _where(folder, dumped)
     if hang is None:
         head = (f"a collective failed on rank {reporting_rank} ({cause}); the dumps of ranks "
                 f"{ranks_text(dumped)} show no group with a missing member" if dumped else
