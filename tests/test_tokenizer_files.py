@@ -169,6 +169,12 @@ def test_a_hub_that_does_not_answer_is_asked_once_within_the_timeout(hf_cache, s
     assert len(silent_hub.accepted) == 1
 
 
+def test_a_hub_that_accepts_and_never_answers_timed_out(silent_hub):
+    """The request itself, without the probe's wait around it: connected, no answer on the
+    read, said as a connection's timeout says it."""
+    assert TF._request(silent_hub.url, 0.3) == "timed out"
+
+
 @pytest.mark.parametrize("variable,value", [("HF_HUB_OFFLINE", "1"),
                                             ("TRANSFORMERS_OFFLINE", "yes")])
 def test_offline_and_uncached_is_refused_without_asking_the_hub(hf_cache, silent_hub,

@@ -253,8 +253,10 @@ def _request(url: str, timeout: float) -> str | None:
     except urllib.error.HTTPError:
         return None  # a status from the server: the hub is there
     except urllib.error.URLError as exc:
-        return str(exc.reason)
-    except (OSError, ValueError) as exc:  # a timeout on read; a malformed HF_ENDPOINT
+        return str(exc.reason)  # a connection that timed out: "timed out"
+    except TimeoutError:  # connected, no answer on read: said as a connect's timeout says it
+        return "timed out"
+    except (OSError, ValueError) as exc:  # a malformed HF_ENDPOINT, a reset connection
         return f"{type(exc).__name__}: {exc}"
     return None
 
