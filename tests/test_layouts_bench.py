@@ -17,7 +17,7 @@ def test_layouts_bench_runs_compares_and_resumes_across_layouts(tmp_path):
     out = tmp_path / "layouts"
     cmd = [sys.executable, str(REPO / "bench" / "layouts.py"), "--cpu", "--shape", "tiny",
            "--gpus", "2", "--iters", "4", "--skip", "1", "--layouts", "tp2,dp2,cp2,tp2pp2dp2",
-           "--resume-check", "tp2,pp2", "--resume-check", "tp2,dp2", "--out", str(out), "--",
+           "--resume-check", "tp2,dp2", "--out", str(out), "--",
            "--mock-data",
            "--vocab-size", "512"]
     p = subprocess.run(cmd, cwd=REPO, env=entry_env(), stdout=subprocess.PIPE,
@@ -32,9 +32,10 @@ def test_layouts_bench_runs_compares_and_resumes_across_layouts(tmp_path):
         assert layouts[name]["against_one"]["max_rel_diff"] < 1e-3
     assert "Transformer Engine" in layouts["cp2"]["refused"]
     assert "needs 8 processes" in layouts["tp2pp2dp2"]["skipped"]
-    # under PP=2, and under DP=2 with the distributed optimizer (its optimizer state resharded)
+    # under DP=2 with the distributed optimizer (its optimizer state resharded); TP=2 -> PP=2
+    # is test_checkpoint_faults' (the entry alone, without this tool)
     assert [(r["saved_under"], r["resumed_under"]) for r in report["resumes"]] == [
-        ("tp2", "pp2"), ("tp2", "dp2")]
+        ("tp2", "dp2")]
     for resume in report["resumes"]:
         assert resume["runs_ok"] and resume["resumed_iterations"] == [3, 4]
         # The resumed layout sums in another order than the uninterrupted one (DP=2 adds two
@@ -46,7 +47,7 @@ def test_layouts_bench_runs_compares_and_resumes_across_layouts(tmp_path):
         # resume (docs/resilience.md), 60 times this bound.
         assert resume["against_uninterrupted"]["max_rel_diff"] < 1e-5, resume
     assert not list(out.glob("ckpt_*")), "checkpoints are removed after the check"
-    assert "resumed under pp2" in p.stdout and "resumed under dp2" in p.stdout
+    assert "resumed under dp2" in p.stdout
 
     # the report becomes rows of docs/benchmarks.md (bench/records.py)
     sys.path.insert(0, str(REPO / "bench"))
@@ -62,7 +63,7 @@ def test_layouts_bench_runs_compares_and_resumes_across_layouts(tmp_path):
     assert rows["one"]["command"].startswith("python bench/layouts.py --cpu --shape tiny")
     resumes = [r for r in made if r["table"] == "resume"]
     assert [(r["row"]["saved_under"], r["row"]["resumed_under"]) for r in resumes] == [
-        ("tp2", "pp2"), ("tp2", "dp2")]
+        ("tp2", "dp2")]
     assert all(r["figures"]["iterations"] == 2 for r in resumes)
 
     # a later invocation compares with that one-process log instead of running it again
