@@ -67,7 +67,9 @@ def _parallel_state(device: str) -> None:
     # (the inference tracker keeps its states off torch.cuda)
     model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True, force_reset_rng=True)
     # a smoke run on the CPU: megatron's local attention takes its scores' buffer, and its
-    # rotary and RNG code the device, from torch.cuda
+    # rotary and RNG code the device, from torch.cuda (two stand-ins of its own, not
+    # megagpt.cpu_mode.active(), which also turns torch.compile off: the compiled layer is
+    # one of the paths compared)
     import functools
     import operator
 
@@ -149,7 +151,7 @@ def kind_of(name: str) -> str:
 def compare(grads: dict, ref: dict) -> dict:
     """Per kind: the relative error and the share of wrong signs against ``ref``."""
     by_kind = defaultdict(list)
-    for name, g32 in ref.items():
+    for name in ref:
         by_kind[kind_of(name)].append(name)
     out = {}
     for kind, names in sorted(by_kind.items()):
