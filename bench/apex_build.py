@@ -151,6 +151,10 @@ def build_one(ext: Extension, source: Path, build_dir: Path) -> None:
     includes = [str(source / d) for d in ext.includes]
     generator = generator_flags() if ext.name == "fast_layer_norm" else ()
     build_dir.mkdir(parents=True, exist_ok=True)
+    # torch's build waits, silently and for ever, on a lock file that a build stopped
+    # mid-way (a killed call, an ended session) left behind; the extensions are built one
+    # process each, so no other build holds this one
+    (build_dir / "lock").unlink(missing_ok=True)
     load(name=ext.name, sources=[str(source / s) for s in ext.sources],
          extra_cflags=[*ext.cxx, *generator],
          extra_cuda_cflags=[*ext.nvcc, *generator, *(f"-I{d}" for d in includes)],
