@@ -23,7 +23,8 @@ on what else runs; their speed is not measured here):
    layers with megatron's loss, optimizer and step): where a curve parts from bf16's, they
    tell the layers from the step; ``bf16flash`` and ``fp8flash`` (the fast path with torch's
    flash attention kernel rather than the one torch picks): they tell the attention kernel
-   from the rest of the layer;
+   from the rest of the layer; ``bf16eager`` (the fast spec's layer uncompiled) and
+   ``bf16unfused`` (torch's math attention) tell the compiler's kernels from the rest;
 2. **crossing**: from the half-way checkpoints of bf16, fp8 and tefp8, 20 iterations under
    each of those (``SRC->DST``; the same one: the resume's own difference), compared with the
    uninterrupted run of the checkpoint's source. TE's launches here run with
@@ -85,6 +86,10 @@ PRECISIONS = {
     # cuDNN's for the fast spec's attention, which TE's and megatron's layers do not run
     "bf16flash": ["--attention-backend", "flash"],
     "fp8flash": ["--fp8-format", "hybrid", "--attention-backend", "flash"],
+    # the fast path's layer uncompiled (eager kernels, torch's pick of attention kernel), and
+    # with torch's unfused math attention: they tell the compiler's kernels from the rest
+    "bf16eager": ["--fast-compile", "off"],
+    "bf16unfused": ["--attention-backend", "unfused"],
 }
 TE_PRECISIONS = {"tefp8", "tebf16"}
 DEFAULT_PRECISIONS = ("bf16", "fp8", "tefp8", "tebf16")

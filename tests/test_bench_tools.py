@@ -502,6 +502,27 @@ def test_fast_spec_gradients_on_a_gpu_as_close_to_fp32_as_megatrons(tmp_path):
     assert not worse, f"fast spec's gradients further from fp32 than megatron's: {worse}"
 
 
+def test_sdpa_agreement_compares_each_layout_and_compile_with_fp32(tmp_path):
+    """bench/sdpa_agreement.py on the CPU (the math kernel, tiny shape): strided and
+    contiguous inputs, eager and compiled, each compared with fp32 on the same inputs; bf16
+    rounding alone separates them (a few 1e-3), and no sign of a gradient is lost."""
+    import subprocess
+
+    out = tmp_path / "sdpa.json"
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "sdpa_agreement.py"), "--shape",
+                        "tiny", "--sharpness", "1,8", "--json", str(out)], cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(x["sharpness"], x["layout"], x["compiled"]) for x in rows} == {
+        (s, layout, c) for s in (1.0, 8.0) for layout in ("strided", "contiguous")
+        for c in (False, True)}
+    for row in rows:
+        for name in ("out", "dq", "dk", "dv"):
+            assert 0 < row[name]["rel_err"] < 1e-2, (row, name)
+        assert row["dq"]["sign_wrong"] < 0.01 and row["dk"]["sign_wrong"] < 0.01, row
+
+
 def test_fp8_losses_phases_run_at_most_parallel_launches_at_once(tmp_path):
     import fp8_losses
     # each launch notes when it started and ended; a batch waits for the one before it
