@@ -25,6 +25,7 @@ on what else runs; their speed is not measured here):
    flash attention kernel rather than the one torch picks): they tell the attention kernel
    from the rest of the layer; ``bf16eager`` (the fast spec's layer uncompiled) and
    ``bf16unfused`` (torch's math attention) tell the compiler's kernels from the rest;
+   ``bf16modules`` (the fast spec without its fused layer) the fused layer's arithmetic;
 2. **crossing**: from the half-way checkpoints of bf16, fp8 and tefp8, 20 iterations under
    each of those (``SRC->DST``; the same one: the resume's own difference), compared with the
    uninterrupted run of the checkpoint's source. TE's launches here run with
@@ -90,6 +91,9 @@ PRECISIONS = {
     # with torch's unfused math attention: they tell the compiler's kernels from the rest
     "bf16eager": ["--fast-compile", "off"],
     "bf16unfused": ["--attention-backend", "unfused"],
+    # the fast spec without its fused layer: megatron's own layer modules around SDPA
+    # attention, which tells the fused layer's arithmetic from the spec's other pieces
+    "bf16modules": ["--fast-disable", "fused-layer"],
 }
 TE_PRECISIONS = {"tefp8", "tebf16"}
 DEFAULT_PRECISIONS = ("bf16", "fp8", "tefp8", "tebf16")

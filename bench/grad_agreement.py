@@ -12,6 +12,8 @@ every parameter's gradient compared with the fp32 local model's (TF32 off):
   sign      the share of elements whose sign differs from fp32's, among those above 1e-3 of
             the kind's largest: Adam's first steps move each element by about the learning
             rate in its gradient's sign, so a wrong sign is a wrong step of full size
+  adam sign the same among every element above Adam's eps (1e-8): each of them takes a
+            step of full size in Adam's first steps, the smallest with the sign rounding gave
 
 Kinds: the parameter's name with its layer number taken out (``decoder.layers.N.mlp.
 linear_fc1.weight`` -> ``mlp.linear_fc1.weight``).
@@ -51,6 +53,7 @@ PATHS = ("local", "fast", "fast-compiled")
 # a fast path's attention kernels, as --attention-backend narrows them (sdpa_kernels.py):
 # "fast-compiled@flash"; without a suffix torch picks (cuDNN's kernel on an H100 or H200)
 BACKENDS = ("auto", "flash", "fused", "unfused")
+ADAM_EPS = 1e-8  # megatron's --adam-eps default
 
 
 def _parallel_state(device: str) -> None:
@@ -162,13 +165,21 @@ def compare(grads: dict, ref: dict) -> dict:
         diff = sum(float((grads[n] - ref[n]).pow(2).sum()) for n in names) ** 0.5
         norm = sum(float(ref[n].pow(2).sum()) for n in names) ** 0.5
         top = max(float(ref[n].abs().max()) for n in names)
-        big = wrong = 0
+        big = wrong = moved = moved_wrong = 0
         for n in names:
+            differs = torch.sign(grads[n]) != torch.sign(ref[n])
             above = ref[n].abs() > 1e-3 * top
             big += int(above.sum())
-            wrong += int((above & (torch.sign(grads[n]) != torch.sign(ref[n]))).sum())
+            wrong += int((above & differs).sum())
+            # Adam's first steps move every element whose gradient is above its eps by about
+            # the learning rate, however small the gradient: a wrong sign there is a full step
+            # the wrong way, and rounding decides the signs of the smallest
+            steps = ref[n].abs() > ADAM_EPS
+            moved += int(steps.sum())
+            moved_wrong += int((steps & differs).sum())
         out[kind] = {"rel_err": diff / norm if norm else float("nan"),
-                     "sign_wrong": wrong / big if big else 0.0}
+                     "sign_wrong": wrong / big if big else 0.0,
+                     "adam_sign_wrong": moved_wrong / moved if moved else 0.0}
     return out
 
 
@@ -233,13 +244,15 @@ def main(argv=None) -> int:
         if device == "cuda":
             torch.cuda.empty_cache()
     kinds = sorted(next(iter(report["paths"].values()))["kinds"]) if paths else []
-    print(f"{'kind':44s}" + "".join(f"{p + ' rel err':>22s}{'sign':>8s}" for p in paths))
+    print(f"{'kind':44s}" + "".join(f"{p + ' rel err':>22s}{'sign':>8s}{'adam':>8s}"
+                                     for p in paths))
     for kind in kinds:
         row = f"{kind:44s}"
         for path in paths:
             r = report["paths"][path]["kinds"][kind]
-            row += (f"{r['rel_err']:22.3e}{100 * r['sign_wrong']:7.2f}%" if "rel_err" in r
-                    else f"{'missing':>30s}")
+            row += (f"{r['rel_err']:22.3e}{100 * r['sign_wrong']:7.2f}%"
+                    f"{100 * r['adam_sign_wrong']:7.2f}%" if "rel_err" in r
+                    else f"{'missing':>38s}")
         print(row)
     print("loss (bf16): " + ", ".join(f"{p} {report['paths'][p]['loss']:.6f}" for p in paths))
     if a.json:

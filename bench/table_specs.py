@@ -343,6 +343,25 @@ TABLES = (
         summary=lambda r: f"{r['row']['shape']} {r['row']['run']}",
     ),
     Table(
+        "loss-kernels", "Loss references: which kernels",
+        "The same 345M launch on text as the loss references (300 iterations, seed 1234), in "
+        "one call: the fast path in bf16 and FP8 with the attention kernel torch picks (cuDNN's "
+        "on an H100 or H200), with torch's flash kernel (`--attention-backend flash`), and with "
+        "its fused layer uncompiled (`--fast-compile off`), beside megatron's local layers, "
+        "loss, optimizer and step. Ratios are of the mean loss over the last 50 iterations, "
+        "within the call; iteration 3 is the first loss after two updates, where the runs on "
+        "the fast spec's layers first part from megatron's.",
+        columns=(("shape", rowval("shape")), ("run", rowval("run")),
+                 ("iteration 3", fig("loss_3", 4)), ("iteration 10", fig("loss_10", 4)),
+                 ("last 50 mean", fig("mean_last_50", 4)),
+                 ("vs fast bf16", lambda r: _percent(r["figures"].get("vs_fast_bf16"))),
+                 ("vs megatron's local", lambda r: _percent(r["figures"].get("vs_local"))),
+                 ("values", values_link)),
+        sort=lambda r: (SHAPE_ORDER.get(r["shape"], 9), r["run"]),
+        text_columns=2,
+        summary=lambda r: f"{r['row']['shape']} {r['row']['run']}",
+    ),
+    Table(
         "cluster-check", "megagpt-check against the dry run's figures",
         "`python -m megagpt.cluster_check` (the launch check before a big run) and its GPU "
         "test: the bf16 GEMM rate of each GPU (8192³ products for 0.2 s) against the dry "

@@ -469,6 +469,7 @@ def test_grad_agreement_measures_each_parameters_gradient_against_fp32(tmp_path)
             assert 0 < figures["rel_err"] < 0.05, (path, kind, figures)
             assert figures["rel_err"] <= 2 * local[kind]["rel_err"] + 1e-3, (path, kind)
             assert figures["sign_wrong"] < 0.02, (path, kind, figures)
+            assert figures["adam_sign_wrong"] < 0.05, (path, kind, figures)
     assert "rel err" in r.stdout and "fast@unfused" in r.stdout
 
     refused = subprocess.run(script + ["--paths", "local@flash"], cwd=REPO,
@@ -510,12 +511,12 @@ def test_sdpa_agreement_compares_each_layout_and_compile_with_fp32(tmp_path):
 
     out = tmp_path / "sdpa.json"
     r = subprocess.run([sys.executable, str(REPO / "bench" / "sdpa_agreement.py"), "--shape",
-                        "tiny", "--sharpness", "1,8", "--json", str(out)], cwd=REPO,
+                        "tiny", "--sharpness", "8", "--json", str(out)], cwd=REPO,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert {(x["sharpness"], x["layout"], x["compiled"]) for x in rows} == {
-        (s, layout, c) for s in (1.0, 8.0) for layout in ("strided", "contiguous")
+        (8.0, layout, c) for layout in ("strided", "contiguous")
         for c in (False, True)}
     for row in rows:
         for name in ("out", "dq", "dk", "dv"):
