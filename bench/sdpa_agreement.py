@@ -32,10 +32,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from grad_agreement import SHAPES as MODEL_SHAPES  # noqa: E402
 from run_info import run_info  # noqa: E402
 
-# heads, head_dim, seq, micro-batch (grad_agreement.py's shapes)
-SHAPES = {"345M": (16, 64, 1024, 8), "1.3B": (16, 128, 2048, 4), "tiny": (2, 16, 64, 2)}
+# heads, head_dim, seq, micro-batch of grad_agreement.py's shapes (hidden, heads, seq, batch)
+SHAPES = {name: (heads, hidden // heads, seq, batch)
+          for name, (hidden, heads, seq, batch) in MODEL_SHAPES.items()}
 KERNELS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 
