@@ -121,6 +121,11 @@ LEDGER: tuple[Change, ...] = (
            "DataLoader draws its worker seed from torch's CPU generator after the checkpoint "
            "is loaded, so a resumed CPU run's dropout masks differ; the wrapper leaves the "
            "host generators as it found them", PRETRAIN, "bd84366cbf26"),
+    Change(T + "save_checkpoint", WRAPS, "megagpt.resilience.checkpoint_guard",
+           "a save the file system refuses (folder gone, disk full) fails with a stack trace "
+           "from torch.distributed.checkpoint; the wrapper makes it one line naming the "
+           "iteration, the folder and the newest checkpoint that stays; innermost",
+           PRETRAIN, "42e813b3aa30"),
     Change(T + "save_checkpoint", WRAPS, "megagpt.resilience.config_snapshot",
            "each persistent save gets the resolved configuration beside it", PRETRAIN,
            "42e813b3aa30"),

@@ -154,3 +154,31 @@ def test_signal_handler_is_on_whenever_the_run_saves():
     assert args.exit_signal_handler and "SIGTERM saves a checkpoint to /ckpt" in lines[0]
     args, lines = decided(None)
     assert not args.exit_signal_handler and lines == []
+
+
+@pytest.mark.slow
+def test_a_save_that_fails_after_sigterm_says_why(tmp_path):
+    """One process, so no launcher is ending a peer: an error in the save SIGTERM asked
+    for is this run's own, and is said (not the quiet exit of a rank ended with the others)."""
+    ckpt = tmp_path / "ckpt"
+    command = TINY_MODEL + NO_DROPOUT + ["--train-iters", "1000", "--save", str(ckpt),
+                                         "--save-interval", "1000"]
+    log = tmp_path / "run.log"
+    proc = start_entry(command, tmp_path, log)
+    try:
+        wait_for_log(log, r"iteration\s+2/", proc)
+        # the save's folder becomes a file: it cannot be written, whoever runs the test
+        if ckpt.exists():
+            ckpt.rename(tmp_path / "ckpt.before")
+        ckpt.write_text("not a folder\n")
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text()
+    assert proc.returncode not in (0, 128 + signal.SIGTERM), text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    assert f"error: cannot save the checkpoint of iteration" in text, text[-3000:]
+    assert f"to {ckpt}: NotADirectoryError" in text, text[-3000:]

@@ -157,7 +157,8 @@ def active(args, plan: DiagnosticsPlan, memory_knobs=None):
     except Exception as exc:  # not SystemExit: megatron's own exits (preemption) are its say
         if out_of_memory.is_out_of_memory(exc):
             raise out_of_memory.out_of_memory_error(exc, args, memory_knobs) from None
-        if sigterm is not None and sigterm.received:
+        if (sigterm is not None and sigterm.received
+                and collective_failure.is_termination_consequence(exc)):
             raise reporter.exception_for_termination(exc) from None
         if collective_failure.is_collective_failure(exc):
             raise reporter.exception_for(exc) from None

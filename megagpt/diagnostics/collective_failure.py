@@ -51,6 +51,15 @@ def is_collective_failure(exc: BaseException) -> bool:
         "Watchdog caught collective"))
 
 
+def is_termination_consequence(exc: BaseException) -> bool:
+    """Whether ``exc`` is what a launcher's SIGTERM does to a rank it ends: a collective cut
+    short (a peer ended first), or the rank's data-loader workers ended under it (torchrun
+    signals each rank's whole process group). Any other error after a SIGTERM — a save that
+    megatron's exit-signal handler began and that failed, say — is the run's own."""
+    return is_collective_failure(exc) or (isinstance(exc, RuntimeError)
+                                          and "DataLoader worker" in str(exc))
+
+
 @contextlib.contextmanager
 def _sigterm_deferred():
     """While a rank reports, a launcher's SIGTERM (torchrun sends it to every rank once one

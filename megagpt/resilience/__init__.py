@@ -15,7 +15,8 @@ steps of the launch's resolution (``megagpt.launch.resolution``), before megatro
     where the run saves (``interrupt``);
 ``active(args, load_earlier, container, grad_norm_guard)``
     a context manager around ``megatron.training.pretrain`` that installs the contained
-    adaptations of megatron's training loop: resume fidelity (``fidelity``), the resolved
+    adaptations of megatron's training loop: resume fidelity (``fidelity``), the file
+    system's save errors as one-line messages (``checkpoint_guard``), the resolved
     configuration beside every checkpoint (``config_snapshot``), load errors as one-line
     messages (``checkpoint_guard``), checksums of every checkpoint file recorded at save and
     checked before a load, and the loaded weights checked (``checkpoint_integrity``), a bf16/fp16 checkpoint resumed in fp32
@@ -55,6 +56,8 @@ def active(args, load_earlier: checkpoint_integrity.LoadEarlier, container=None,
         ("training_log", fidelity.__name__, fidelity.first_log_boundary_resets),
         ("build_train_valid_test_data_iterators", fidelity.__name__,
          fidelity.without_drawing_random_numbers),
+        ("save_checkpoint", checkpoint_guard.__name__,
+         lambda fn: checkpoint_guard.one_line_save_errors(fn, args)),
         ("save_checkpoint", config_snapshot.__name__,
          lambda fn: config_snapshot.writing_snapshot(fn, args, container)),
         ("load_checkpoint", checkpoint_guard.__name__,

@@ -571,3 +571,35 @@ def one_line_load_errors(load_checkpoint, args):
 
     wrapper._megagpt_original = load_checkpoint
     return wrapper
+
+
+def one_line_save_errors(save_checkpoint, args):
+    """Wrap megatron's ``save_checkpoint``: a file-system error (the folder gone or turned
+    into a file, the disk full, no permission) becomes a ``CheckpointError`` naming the
+    iteration, the folder and the newest checkpoint that stays, rather than a stack trace
+    from deep in torch.distributed.checkpoint. The partial folder is left for the next
+    launch, which sets it aside (``prepare_load``); megatron's tracker still names the newest
+    complete save."""
+
+    @functools.wraps(save_checkpoint)
+    def wrapper(iteration, *a, **kw):
+        try:
+            return save_checkpoint(iteration, *a, **kw)
+        except (KeyboardInterrupt, GeneratorExit, SystemExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - sorted below: only the file system's
+            cause = _root_cause(exc)
+            if not isinstance(cause, OSError):
+                raise
+            try:
+                kept = read_tracker(args.save)
+            except (OSError, ValueError):
+                kept = None
+            stays = (f"the newest checkpoint is still {iteration_dir(args.save, kept)}"
+                     if isinstance(kept, int) else "no earlier checkpoint was saved there")
+            raise CheckpointError(f"cannot save the checkpoint of iteration {iteration} to "
+                                  f"{args.save}: {type(cause).__name__}: {_first_line(cause)}; "
+                                  f"{stays}") from exc
+
+    wrapper._megagpt_original = save_checkpoint
+    return wrapper
