@@ -95,6 +95,8 @@ class FusedLayerOptions:
 # (dynamo compiles it once for all of them); the settings whose compile failed run eagerly.
 _COMPILED: dict = {}
 _COMPILE_FAILED: set = set()
+# megatron's fused bias-dropout-add (``_bias_dropout_add``) failed to compile: not tried again
+_MEGATRON_BDA_FAILED: list = []
 
 
 @torch.library.custom_op("megagpt::wgrad_into_main_grad", mutates_args=("main_grad",))
@@ -272,24 +274,47 @@ def fused_layer_forward(
     o = o.permute(2, 0, 1, 3).reshape(s, b, groups * q_per_group * head_dim)
     a = _row_parallel_output(_linear(o, proj_w, None, proj_main_grad, step, fp8_linears.PROJ),
                              tp_group, sequence_parallel)
-    if proj_b is not None:
-        a = a + proj_b
-    x = x + _residual_dropout(a, hidden_p, training, dropout_seeds, 0)
+    x = _bias_dropout_add(a, proj_b, x, hidden_p, training, dropout_seeds, 0)
     y = model_math.norm(x, ln2_w, ln2_b, eps, rms)
     f = model_math.activation(_column_linear(y, fc1_w, fc1_b, fc1_main_grad, tp_group,
                                              sequence_parallel, step, fp8_linears.FC1), act)
     m = _row_parallel_output(_linear(f, fc2_w, None, fc2_main_grad, step, fp8_linears.FC2),
                              tp_group, sequence_parallel)
-    if fc2_b is not None:
-        m = m + fc2_b
-    return x + _residual_dropout(m, hidden_p, training, dropout_seeds, 1)
+    return _bias_dropout_add(m, fc2_b, x, hidden_p, training, dropout_seeds, 1)
 
 
-def _residual_dropout(x: Tensor, p: float, training: bool, seeds: Optional[Tensor],
-                      which: int) -> Tensor:
-    if seeds is None or not training:
-        return F.dropout(x, p, training)
-    return hash_dropout.dropout(x, p, seeds[which])
+def _bias_dropout_add(out: Tensor, bias: Optional[Tensor], residual: Tensor, p: float,
+                      training: bool, seeds: Optional[Tensor], which: int) -> Tensor:
+    """``residual + dropout(out + bias)`` rounded once, as megatron's fused bias-dropout-add
+    computes it. Rounded after each addition in bf16, a bias smaller than half a unit in the
+    last place of ``out`` is lost in ``out + bias`` before it reaches the residual stream,
+    where summed in fp32 it shifts the rounding; early in training every bias is that small
+    (Adam moves each by the learning rate, 1e-5 in the warm-up), and an eager layer that
+    added step by step trained as if it had none (its loss parted from megatron's layers' at
+    the third iteration). Compiled, inductor fuses the three into one kernel in fp32; eager,
+    megatron's own fused function (compiled by megatron's ``jit_fuser``) does it.
+    ``seeds``: the compiled layer's hash-dropout seeds (None: ``F.dropout``'s masks)."""
+    if seeds is not None and training:
+        y = out if bias is None else out + bias
+        return residual + hash_dropout.dropout(y, p, seeds[which])
+    if torch.compiler.is_compiling():
+        y = out if bias is None else out + bias
+        return residual + F.dropout(y, p, training)
+    if not _MEGATRON_BDA_FAILED:
+        from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+        try:
+            return get_bias_dropout_add(training, fused=True)((out, bias), residual, p)
+        except Exception as e:  # noqa: BLE001
+            if not is_compile_error(e):
+                raise
+            logger.warning("fast spec: megatron's fused bias-dropout-add did not compile "
+                           "(%s: %s); the eager layer adds in fp32 instead", type(e).__name__,
+                           str(e)[:300])
+            _MEGATRON_BDA_FAILED.append(True)
+    # the same sum in fp32, rounded once (more memory traffic than the fused kernel)
+    y = out.float() if bias is None else out.float() + bias.float()
+    return (residual.float() + F.dropout(y, p, training)).to(residual.dtype)
 
 
 def layer_function(options: FusedLayerOptions) -> Callable:
