@@ -300,6 +300,26 @@ def test_fused_layer_falls_back_and_still_matches(cpu_buffers, monkeypatch):
     assert spy.calls == 0
 
 
+def test_eager_layer_adds_bias_and_residual_rounded_once_as_megatron_does():
+    """A bias below half a unit in the last place of the projection's output still reaches
+    the residual stream in bf16: the eager layer's sum is rounded once, as megatron's fused
+    bias-dropout-add rounds it (added step by step, such a bias vanished in ``out + bias``)."""
+    from megatron.core.fusions.fused_bias_dropout import bias_dropout_add_fused_train
+
+    from megagpt.fast_spec.layer import _bias_dropout_add
+
+    g = torch.Generator().manual_seed(0)
+    out = (torch.randn(32, 2, 64, generator=g) * 0.05).bfloat16()
+    residual = (torch.randn(32, 2, 64, generator=g) * 0.02).bfloat16()
+    bias = torch.full((64,), 3e-5).bfloat16()  # Adam's first steps move a bias about this far
+    once = (residual.float() + (out.float() + bias.float())).bfloat16()
+    step_by_step = residual + (out + bias)
+    assert not torch.equal(step_by_step, once)  # a bias the old sum lost
+    got = _bias_dropout_add(out, bias, residual, 0.0, True, None, 0)
+    assert torch.equal(got, once)
+    assert torch.equal(got, bias_dropout_add_fused_train((out, bias), residual, 0.0))
+
+
 def test_dropout_is_applied_in_training_and_not_in_eval(cpu_buffers):
     cfg = _config(hidden_dropout=0.5, attention_dropout=0.5)
     _, fast = _models(cfg, _args())
