@@ -478,6 +478,29 @@ def test_grad_agreement_measures_each_parameters_gradient_against_fp32(tmp_path)
     assert "error: --paths: 'local@flash'" in refused.stderr
 
 
+@pytest.mark.slow
+def test_early_steps_eager_layer_rounds_as_megatrons_layers(tmp_path):
+    """bench/early_steps.py on the CPU: at the weights two Adam steps from initialisation
+    (biases about 1e-5) the fused layer run eagerly gives megatron's local layers' bf16 loss
+    to 5e-5 (it lost those biases in the residual sums, 2.4e-4 apart, before it rounded them
+    once), and both stay within 1e-3 of fp32's."""
+    import subprocess
+
+    out = tmp_path / "early.json"
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "early_steps.py"), "--paths",
+                        "local,fast", "--json", str(out)], cwd=REPO, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["lrs"] == [0.0, pytest.approx(1e-5)]
+    local, fast = report["paths"]["local"], report["paths"]["fast"]
+    assert report["fp32"]["stepped"] < report["fp32"]["init"]  # the two steps moved it
+    assert abs(fast["stepped"] / local["stepped"] - 1) < 5e-5, r.stdout
+    for figures in (local, fast):
+        assert abs(figures["stepped_vs_fp32"]) < 1e-3 and abs(figures["init_vs_fp32"]) < 1e-3
+    assert "two steps on" in r.stdout
+
+
 @pytest.mark.gpu
 def test_fast_spec_gradients_on_a_gpu_as_close_to_fp32_as_megatrons(tmp_path):
     """On the GPU, with the kernels a launch runs (the compiled fused layer, the attention
