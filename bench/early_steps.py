@@ -126,6 +126,7 @@ def main(argv=None) -> int:
                                  "stepped": loss_at(model, stepped, data[2])}
         # the same two steps from this path's bf16 gradients, the loss in fp32: what the
         # gradients' rounding alone does
+        getattr(model, "module", model).load_state_dict(init, strict=False)
         grads16 = [ga.gradients(model, b)[1] for b in data[:2]]
         del model
         ref.load_state_dict(init, strict=False)
