@@ -362,6 +362,25 @@ TABLES = (
         summary=lambda r: f"{r['row']['shape']} {r['row']['run']}",
     ),
     Table(
+        "loss-seeds", "Loss references: three seeds",
+        "The same 345M launch on text as the loss references (300 iterations), each run with "
+        "seeds 1234, 1235 and 1236 (TE's with the first two), on one machine: megatron's local "
+        "layers, loss, optimizer and step, the fast path in bf16 and FP8, its fused layer "
+        "uncompiled (one seed), and TE's layers in bf16 and FP8. Ratios are of the mean over "
+        "the seeds of each run's mean loss over its last 50 iterations, taken over the seeds "
+        "both runs have; iterations 3 and 10 are seed 1234's.",
+        columns=(("shape", rowval("shape")), ("run", rowval("run")),
+                 ("seeds", fig("seeds", 0)), ("per seed", lambda r: r["figures"]["per_seed"]),
+                 ("mean", fig("mean_last_50", 4)),
+                 ("iteration 3", fig("loss_3", 4)), ("iteration 10", fig("loss_10", 4)),
+                 ("vs megatron's local", lambda r: _percent(r["figures"].get("vs_local"))),
+                 ("vs TE FP8", lambda r: _percent(r["figures"].get("vs_te_fp8"))),
+                 ("values", values_link)),
+        sort=lambda r: (SHAPE_ORDER.get(r["shape"], 9), r["run"]),
+        text_columns=2,
+        summary=lambda r: f"{r['row']['shape']} {r['row']['run']}",
+    ),
+    Table(
         "cluster-check", "megagpt-check against the dry run's figures",
         "`python -m megagpt.cluster_check` (the launch check before a big run) and its GPU "
         "test: the bf16 GEMM rate of each GPU (8192³ products for 0.2 s) against the dry "
