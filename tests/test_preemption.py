@@ -20,12 +20,15 @@ from megagpt.resilience import interrupt, preemption
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
-def _preempt(command, tmp_path, name, nproc=1, after_iteration=r"\d+"):
-    """Start, wait for a logged iteration, SIGTERM the process group; (status, log text)."""
+def _preempt(command, tmp_path, name, nproc=1, after_iteration=r"\d+", before_signal=None):
+    """Start, wait for a logged iteration, SIGTERM the process group (``before_signal()``
+    called just before); (status, log text)."""
     log = tmp_path / f"{name}.log"
     proc = start_entry(command, tmp_path, log, nproc=nproc)
     try:
         wait_for_log(log, rf"iteration\s+{after_iteration}/", proc)
+        if before_signal is not None:
+            before_signal()
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=180)
     finally:
@@ -163,22 +166,15 @@ def test_a_save_that_fails_after_sigterm_says_why(tmp_path):
     ckpt = tmp_path / "ckpt"
     command = TINY_MODEL + NO_DROPOUT + ["--train-iters", "1000", "--save", str(ckpt),
                                          "--save-interval", "1000"]
-    log = tmp_path / "run.log"
-    proc = start_entry(command, tmp_path, log)
-    try:
-        wait_for_log(log, r"iteration\s+2/", proc)
-        # the save's folder becomes a file: it cannot be written, whoever runs the test
+
+    def save_folder_becomes_a_file():  # it cannot be written, whoever runs the test
         if ckpt.exists():
             ckpt.rename(tmp_path / "ckpt.before")
         ckpt.write_text("not a folder\n")
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    text = log.read_text()
-    assert proc.returncode not in (0, 128 + signal.SIGTERM), text[-3000:]
+
+    status, text = _preempt(command, tmp_path, "run", after_iteration="2",
+                            before_signal=save_folder_becomes_a_file)
+    assert status not in (0, 128 + signal.SIGTERM), text[-3000:]
     assert "Traceback" not in text, text[-3000:]
-    assert f"error: cannot save the checkpoint of iteration" in text, text[-3000:]
+    assert "error: cannot save the checkpoint of iteration" in text, text[-3000:]
     assert f"to {ckpt}: NotADirectoryError" in text, text[-3000:]
