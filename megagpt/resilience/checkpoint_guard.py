@@ -589,8 +589,8 @@ def one_line_save_errors(save_checkpoint, args):
             raise
         except BaseException as exc:  # noqa: BLE001 - sorted below: only the file system's
             cause = _root_cause(exc)
-            if not isinstance(cause, OSError):
-                raise
+            if not isinstance(cause, OSError) or isinstance(cause, ConnectionError):
+                raise  # (a connection's error is a collective's: diagnostics says which)
             try:
                 kept = read_tracker(args.save)
             except (OSError, ValueError):
