@@ -121,6 +121,13 @@ LEDGER: tuple[Change, ...] = (
            "DataLoader draws its worker seed from torch's CPU generator after the checkpoint "
            "is loaded, so a resumed CPU run's dropout masks differ; the wrapper leaves the "
            "host generators as it found them", PRETRAIN, "bd84366cbf26"),
+    Change("megatron.training.dist_signal_handler.DistributedSignalHandler.__enter__",
+           RELIES_ON, "megagpt.resilience.preemption",
+           "a process forked while SIGTERM's handler is this method's local function (its "
+           "qualified name) is a data-loader worker of a run that saves on SIGTERM, and keeps "
+           "SIGTERM blocked: torch's worker loop installs a SIGTERM handler that ends the "
+           "worker before megatron's worker_init_fn installs this one", PRETRAIN,
+           "60098ea61fd9", needle="def handler(signum, frame):"),
     Change(T + "save_checkpoint", WRAPS, "megagpt.resilience.checkpoint_guard",
            "a save the file system refuses (folder gone, disk full) fails with a stack trace "
            "from torch.distributed.checkpoint; the wrapper makes it one line naming the "

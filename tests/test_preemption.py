@@ -5,6 +5,7 @@ Real processes: the signal is sent to the training process (or, under torchrun, 
 whole process group, as SLURM does) once the log shows a few iterations.
 """
 
+import contextlib
 import os
 import re
 import signal
@@ -178,3 +179,76 @@ def test_a_save_that_fails_after_sigterm_says_why(tmp_path):
     assert "Traceback" not in text, text[-3000:]
     assert "error: cannot save the checkpoint of iteration" in text, text[-3000:]
     assert f"to {ckpt}: NotADirectoryError" in text, text[-3000:]
+
+
+def _start_like_a_torch_data_loader_worker_then_wait(ready):
+    from torch.utils.data._utils import signal_handling
+
+    signal_handling._set_worker_signal_handlers()  # the first thing torch's worker loop does
+    ready.set()
+    time.sleep(60)
+
+
+def test_a_worker_forked_in_a_run_that_saves_outlives_a_sigterm_before_its_init():
+    """torch's worker loop installs a SIGTERM handler that ends the worker before megatron's
+    worker_init_fn installs megatron's; a SIGTERM to the process group in between (a
+    preemption while the workers start) killed the worker, and the trainer then stopped in
+    the middle of its save. Forked while megatron's handler holds SIGTERM, the worker keeps
+    the signal blocked."""
+    import multiprocessing
+
+    from megatron.training.dist_signal_handler import DistributedSignalHandler
+
+    megatrons = DistributedSignalHandler(signal.SIGTERM).__enter__()
+    ctx = multiprocessing.get_context("fork")
+    try:
+        outcomes = {}
+        for keeping in (False, True):
+            with preemption.workers_keep_running_through_sigterm() if keeping \
+                    else contextlib.nullcontext():
+                ready = ctx.Event()
+                worker = ctx.Process(target=_start_like_a_torch_data_loader_worker_then_wait,
+                                     args=(ready,), daemon=True)
+                worker.start()
+            try:
+                assert ready.wait(60)
+                os.kill(worker.pid, signal.SIGTERM)
+                worker.join(timeout=2)
+                outcomes[keeping] = worker.is_alive()
+            finally:
+                worker.kill()
+                worker.join()
+    finally:
+        megatrons.release()
+    assert outcomes == {False: False, True: True}
+
+
+@pytest.mark.slow
+def test_a_worker_killed_after_sigterm_ends_the_run_with_one_line_saying_so(tmp_path):
+    """A data-loader worker killed outright after the SIGTERM (the kernel's out-of-memory
+    killer, say) ends the rank as SIGTERM would, status 143, with a line naming it."""
+    import subprocess
+
+    ckpt = tmp_path / "ckpt"
+    command = TINY_MODEL + NO_DROPOUT + ["--train-iters", "1000", "--save", str(ckpt),
+                                         "--save-interval", "1000"]
+    log = tmp_path / "run.log"
+    proc = start_entry(command, tmp_path, log)
+    try:
+        wait_for_log(log, r"iteration\s+2/", proc)
+        workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                 text=True).stdout.split()
+        assert workers, "no data-loader workers"
+        os.kill(proc.pid, signal.SIGTERM)
+        for pid in workers:
+            os.kill(int(pid), signal.SIGKILL)
+        proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text()
+    assert proc.returncode == 128 + signal.SIGTERM, text[-3000:]
+    assert "[megagpt] SIGTERM: this rank leaves with status 143 after RuntimeError: " \
+           "DataLoader worker" in text, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]

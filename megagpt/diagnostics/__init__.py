@@ -35,8 +35,8 @@ import sys
 import time
 
 from megagpt import megatron_wrappers
-from megagpt.diagnostics import (collective_failure, on_sigterm, out_of_memory, stragglers,
-                                 timeouts)
+from megagpt.diagnostics import (collective_failure, hangs, on_sigterm, out_of_memory,
+                                 stragglers, timeouts)
 from megagpt.diagnostics.settings import DiagnosticsPlan, plan_diagnostics
 from megagpt.log import log
 
@@ -159,7 +159,12 @@ def active(args, plan: DiagnosticsPlan, memory_knobs=None):
             raise out_of_memory.out_of_memory_error(exc, args, memory_knobs) from None
         if (sigterm is not None and sigterm.received
                 and collective_failure.is_termination_consequence(exc)):
-            raise reporter.exception_for_termination(exc) from None
+            ended = reporter.exception_for_termination(exc)
+            if isinstance(ended, SystemExit):
+                # the exit SIGTERM would have been, with what ended it said in one line
+                _to_stderr(f"[megagpt] SIGTERM: this rank leaves with status {ended.code} "
+                           f"after {type(exc).__name__}: {hangs.failure_cause(exc)}")
+            raise ended from None
         if collective_failure.is_collective_failure(exc):
             raise reporter.exception_for(exc) from None
         raise

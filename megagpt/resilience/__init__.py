@@ -24,8 +24,10 @@ steps of the launch's resolution (``megagpt.launch.resolution``), before megatro
     (``optimizer_groups``), and with the gradient-norm guard the divergence checks
     (``divergence``). Each wraps one function of megatron (``megatron.training.training``'s,
     or its optimizers' ``load_state_dict``) through ``megagpt.megatron_wrappers``, in the order
-    listed (the first innermost), and is undone on exit. The launch's one context of megatron
-    changes enters it (``megagpt.launch.megatron_changes``).
+    listed (the first innermost), and is undone on exit. Inside it, processes forked while
+    megatron's exit-signal handler holds SIGTERM (the data-loader workers) keep the signal
+    blocked (``preemption``). The launch's one context of megatron changes enters it
+    (``megagpt.launch.megatron_changes``).
 
 docs/resilience.md describes the behaviour and the rules.
 """
@@ -37,7 +39,8 @@ import contextlib
 from megagpt import megatron_wrappers
 from megagpt.log import log
 from megagpt.resilience import (checkpoint_guard, checkpoint_integrity, config_snapshot,
-                                divergence, fidelity, optimizer_groups, precision_change)
+                                divergence, fidelity, optimizer_groups, precision_change,
+                                preemption)
 
 
 @contextlib.contextmanager
@@ -83,7 +86,8 @@ def active(args, load_earlier: checkpoint_integrity.LoadEarlier, container=None,
           for loader in optimizer_groups.loader_classes())]
     try:
         with megatron_wrappers.wrapped(mtraining, wrappers), \
-                megatron_wrappers.wrapped_all(optimizer_wrappers):
+                megatron_wrappers.wrapped_all(optimizer_wrappers), \
+                preemption.workers_keep_running_through_sigterm():
             yield
     except BaseException as exc:
         _stop_data_workers()
