@@ -114,6 +114,24 @@ def _percent(value) -> str:
     return "" if value is None else f"{value * 100:+.2f} %"
 
 
+def fig_percent(key: str) -> Callable[[dict], str]:
+    """A figure that is a ratio less one, as a signed per cent (blank where absent)."""
+    return lambda r: _percent(r["figures"].get(key))
+
+
+def _loss_runs_table(name: str, title: str, text: str, *columns) -> "Table":
+    """One of the "Loss references" tables: a row per run of one shape, ``columns`` between
+    the shape and run and the values' link."""
+    return Table(
+        name, title, text,
+        columns=(("shape", rowval("shape")), ("run", rowval("run")), *columns,
+                 ("values", values_link)),
+        sort=lambda r: (SHAPE_ORDER.get(r["shape"], 9), r["run"]),
+        text_columns=2,
+        summary=lambda r: f"{r['row']['shape']} {r['row']['run']}",
+    )
+
+
 def _train_summary(r: dict) -> str:
     f = r["figures"]
     return (f"{r['row']['shape']} {PATHS[r['row']['path']]}, dropout {rowval('dropout')(r)}: "
@@ -325,24 +343,18 @@ TABLES = (
         text_columns=2,
         summary=lambda r: f"{r['row']['shape']} {r['row']['compared']}",
     ),
-    Table(
+    _loss_runs_table(
         "loss-references", "Loss references: which layers and which step",
         "The FP8 losses' call with references beside it (`bench/fp8_losses.py --precisions`): "
         "megatron's own local layers, loss, optimizer and step (no piece of the fast path), TE's "
         "layers in bf16, and the fast spec's layers on megatron's loss, optimizer and step; the "
         "same 345M launch on text, 300 iterations, seed 1234 (and 1235 where two seeds ran). "
         "Ratios are of the mean loss over the last 50 iterations, within the call.",
-        columns=(("shape", rowval("shape")), ("run", rowval("run")),
-                 ("seeds", fig("seeds", 0)), ("last 50 mean", fig("mean_last_50", 4)),
-                 ("per seed", lambda r: r["figures"].get("per_seed", "")),
-                 ("vs fast bf16", lambda r: _percent(r["figures"].get("vs_fast_bf16"))),
-                 ("vs TE FP8", lambda r: _percent(r["figures"].get("vs_te_fp8"))),
-                 ("values", values_link)),
-        sort=lambda r: (SHAPE_ORDER.get(r["shape"], 9), r["run"]),
-        text_columns=2,
-        summary=lambda r: f"{r['row']['shape']} {r['row']['run']}",
+        ("seeds", fig("seeds", 0)), ("last 50 mean", fig("mean_last_50", 4)),
+        ("per seed", lambda r: r["figures"].get("per_seed", "")),
+        ("vs fast bf16", fig_percent("vs_fast_bf16")), ("vs TE FP8", fig_percent("vs_te_fp8")),
     ),
-    Table(
+    _loss_runs_table(
         "loss-kernels", "Loss references: which kernels",
         "The same 345M launch on text as the loss references (300 iterations, seed 1234), in "
         "one call: the fast path in bf16 and FP8 with the attention kernel torch picks (cuDNN's "
@@ -351,17 +363,12 @@ TABLES = (
         "loss, optimizer and step. Ratios are of the mean loss over the last 50 iterations, "
         "within the call; iteration 3 is the first loss after two updates, where the runs on "
         "the fast spec's layers first part from megatron's.",
-        columns=(("shape", rowval("shape")), ("run", rowval("run")),
-                 ("iteration 3", fig("loss_3", 4)), ("iteration 10", fig("loss_10", 4)),
-                 ("last 50 mean", fig("mean_last_50", 4)),
-                 ("vs fast bf16", lambda r: _percent(r["figures"].get("vs_fast_bf16"))),
-                 ("vs megatron's local", lambda r: _percent(r["figures"].get("vs_local"))),
-                 ("values", values_link)),
-        sort=lambda r: (SHAPE_ORDER.get(r["shape"], 9), r["run"]),
-        text_columns=2,
-        summary=lambda r: f"{r['row']['shape']} {r['row']['run']}",
+        ("iteration 3", fig("loss_3", 4)), ("iteration 10", fig("loss_10", 4)),
+        ("last 50 mean", fig("mean_last_50", 4)),
+        ("vs fast bf16", fig_percent("vs_fast_bf16")),
+        ("vs megatron's local", fig_percent("vs_local")),
     ),
-    Table(
+    _loss_runs_table(
         "loss-seeds", "Loss references: three seeds",
         "The same 345M launch on text as the loss references (300 iterations), each run with "
         "seeds 1234, 1235 and 1236 (TE's with the first two), on one machine: megatron's local "
@@ -369,16 +376,10 @@ TABLES = (
         "uncompiled (one seed), and TE's layers in bf16 and FP8. Ratios are of the mean over "
         "the seeds of each run's mean loss over its last 50 iterations, taken over the seeds "
         "both runs have; iterations 3 and 10 are seed 1234's.",
-        columns=(("shape", rowval("shape")), ("run", rowval("run")),
-                 ("seeds", fig("seeds", 0)), ("per seed", lambda r: r["figures"]["per_seed"]),
-                 ("mean", fig("mean_last_50", 4)),
-                 ("iteration 3", fig("loss_3", 4)), ("iteration 10", fig("loss_10", 4)),
-                 ("vs megatron's local", lambda r: _percent(r["figures"].get("vs_local"))),
-                 ("vs TE FP8", lambda r: _percent(r["figures"].get("vs_te_fp8"))),
-                 ("values", values_link)),
-        sort=lambda r: (SHAPE_ORDER.get(r["shape"], 9), r["run"]),
-        text_columns=2,
-        summary=lambda r: f"{r['row']['shape']} {r['row']['run']}",
+        ("seeds", fig("seeds", 0)), ("per seed", lambda r: r["figures"]["per_seed"]),
+        ("mean", fig("mean_last_50", 4)),
+        ("iteration 3", fig("loss_3", 4)), ("iteration 10", fig("loss_10", 4)),
+        ("vs megatron's local", fig_percent("vs_local")), ("vs TE FP8", fig_percent("vs_te_fp8")),
     ),
     Table(
         "cluster-check", "megagpt-check against the dry run's figures",

@@ -96,7 +96,7 @@ class FusedLayerOptions:
 _COMPILED: dict = {}
 _COMPILE_FAILED: set = set()
 # megatron's fused bias-dropout-add (``_bias_dropout_add``) failed to compile: not tried again
-_MEGATRON_BDA_FAILED: list = []
+_megatron_bda_failed = False
 
 
 @torch.library.custom_op("megagpt::wgrad_into_main_grad", mutates_args=("main_grad",))
@@ -300,7 +300,8 @@ def _bias_dropout_add(out: Tensor, bias: Optional[Tensor], residual: Tensor, p: 
     if torch.compiler.is_compiling():
         y = out if bias is None else out + bias
         return residual + F.dropout(y, p, training)
-    if not _MEGATRON_BDA_FAILED:
+    global _megatron_bda_failed
+    if not _megatron_bda_failed:
         from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
         try:
@@ -311,7 +312,7 @@ def _bias_dropout_add(out: Tensor, bias: Optional[Tensor], residual: Tensor, p: 
             logger.warning("fast spec: megatron's fused bias-dropout-add did not compile "
                            "(%s: %s); the eager layer adds in fp32 instead", type(e).__name__,
                            str(e)[:300])
-            _MEGATRON_BDA_FAILED.append(True)
+            _megatron_bda_failed = True
     # the same sum in fp32, rounded once (more memory traffic than the fused kernel)
     y = out.float() if bias is None else out.float() + bias.float()
     return (residual.float() + F.dropout(y, p, training)).to(residual.dtype)
