@@ -2,17 +2,22 @@
 """FP8 against bf16 on real text, and checkpoints crossing between them (one GPU).
 
     MEGAGPT_CACHE_DIR=... python bench/fp8_losses.py --out OUT [--te-site DIR] [--iters 300]
-                                   [--seeds N] [--parallel K] [--precisions A,B] [--also DIR]
+                                   [--shape 345M|1.3B] [--seeds N] [--parallel K]
+                                   [--precisions A,B] [--also DIR]
 
-The embedded corpus (GPT-2 BPE Shakespeare), the 345M shape of bench_throughput.py, dropout
-0, ``--lr 3e-4`` with ``--lr-warmup-iters 30`` and cosine decay to ``3e-5``, a loss logged
+The embedded corpus (GPT-2 BPE Shakespeare), a shape of bench_throughput.py (345M unless
+``--shape``), dropout 0, ``--lr 3e-4`` with ``--lr-warmup-iters 30`` and cosine decay to ``3e-5``, a loss logged
 every iteration. The launches share the GPU, several at once (their losses do not depend
 on what else runs; their speed is not measured here):
 
 1. **tracking**: ``bf16`` (the fast path's default), ``fp8`` (``--fp8-format hybrid``: the
    fast spec's FP8 linears, delayed scaling) and, with ``--te-site`` (a folder holding
    Transformer Engine), ``tefp8`` (TE's layers, ``--fp8-format hybrid``) and ``tebf16`` (TE's
-   layers in bf16: what tells TE's layers from TE's FP8 where TE's curve parts from ours),
+   layers in bf16: what tells TE's layers from TE's FP8 where TE's curve parts from ours);
+   ``fp8cs`` and ``tefp8cs`` are the two FP8s under current scaling (``--fp8-recipe
+   tensorwise``), named in ``--precisions``: delayed scaling's first step differs between
+   them (TE starts every scale at 1, the fast spec at each tensor's own amax), current
+   scaling's does not, so they compare the FP8 arithmetic alone,
    ``--iters`` iterations each, saving at the half way point; with ``--seeds N`` each of them
    N times (``--seed`` 1234, 1235, ...: ``NAME`` and ``NAME-seedK``), the goal's means taken
    over the seeds and each precision's spread between its seeds stated: on one GPU two calls
@@ -67,12 +72,15 @@ sys.path.insert(0, str(ROOT))
 from bench_throughput import corpus_data_flags, parse_entry_log, shape_flags  # noqa: E402
 from run_info import run_info  # noqa: E402
 
-SHAPE = "345M"
+SHAPE = "345M"  # unless --shape
 PRECISIONS = {
     "bf16": [],
     "fp8": ["--fp8-format", "hybrid"],
+    "fp8cs": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
     "tefp8": ["--transformer-impl", "transformer_engine", "--fast-cuda-graphs", "iteration",
               "--fp8-format", "hybrid"],
+    "tefp8cs": ["--transformer-impl", "transformer_engine", "--fast-cuda-graphs", "iteration",
+                "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
     "tebf16": ["--transformer-impl", "transformer_engine", "--fast-cuda-graphs", "iteration"],
     # the references: megatron's own everything, and the fast spec's layers on megatron's step;
     # megatron's local attention keeps the [b, heads, s, s] scores (13.5 GB more at 345M), so
@@ -95,7 +103,7 @@ PRECISIONS = {
     # attention, which tells the fused layer's arithmetic from the spec's other pieces
     "bf16modules": ["--fast-disable", "fused-layer"],
 }
-TE_PRECISIONS = {"tefp8", "tebf16"}
+TE_PRECISIONS = {"tefp8", "tefp8cs", "tebf16"}
 DEFAULT_PRECISIONS = ("bf16", "fp8", "tefp8", "tebf16")
 CROSSED = ("bf16", "fp8", "tefp8")  # tebf16 is the tracking's reference only
 # the variable under which TE unpickles its delayed-scaling FP8 state (checkpoint_guard)
@@ -164,6 +172,9 @@ def tracking_figures(losses: dict[str, dict[int, float] | list[dict[int, float]]
                                                       relative=excursion[1])
     if "tefp8" in means:
         out["fp8_over_tefp8"] = means["fp8"] / means["tefp8"] - 1
+    if {"fp8cs", "tefp8cs"} <= set(means):
+        # the same recipe on both sides, first step included
+        out["fp8cs_over_tefp8cs"] = means["fp8cs"] / means["tefp8cs"] - 1
     if "tebf16" in means:
         # TE's own FP8 against TE's own bf16: how much of TE's curve is its FP8
         out["tefp8_over_tebf16"] = means.get("tefp8", float("nan")) / means["tebf16"] - 1
@@ -173,15 +184,17 @@ def tracking_figures(losses: dict[str, dict[int, float] | list[dict[int, float]]
                         if name != "bf16"}
     out["holds"] = (abs(out["fp8_over_bf16"]) <= 0.01
                     and out.get("fp8_over_tefp8", 0.0) <= 0.005
+                    and out.get("fp8cs_over_tefp8cs", 0.0) <= 0.005
                     and not any(out["nonfinite"].values()))
     return out
 
 
 # ---- the launches -------------------------------------------------------------------------
 
-def entry_argv(precision: str, iters: int, data: list[str], seed: int = SEED) -> list[str]:
+def entry_argv(precision: str, iters: int, data: list[str], seed: int = SEED,
+               shape: str = SHAPE) -> list[str]:
     return ([sys.executable, str(ROOT / "pretrain_gpt.py")]
-            + shape_flags(SHAPE, iters, 1, seed, data) + TRAINING + PRECISIONS[precision])
+            + shape_flags(shape, iters, 1, seed, data) + TRAINING + PRECISIONS[precision])
 
 
 def chosen_precisions(names: str | None, te: bool) -> list[str]:
@@ -292,6 +305,7 @@ def main(argv=None) -> int:
     p.add_argument("--te-site", default=os.environ.get("TE_SITE"),
                    help="a folder holding Transformer Engine, for the tefp8 runs")
     p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--shape", choices=("345M", "1.3B"), default=SHAPE)
     p.add_argument("--timeout", type=float, default=420,
                    help="seconds per phase (per batch of --parallel launches)")
     p.add_argument("--seeds", type=int, default=1,
@@ -326,7 +340,7 @@ def main(argv=None) -> int:
         for x in precisions:
             saving = (["--save", str(saves[x]), "--save-interval", str(half)]
                       if k == 0 and x in kept else [])
-            launches.append((seeded_name(x, k), entry_argv(x, a.iters, data, SEED + k)
+            launches.append((seeded_name(x, k), entry_argv(x, a.iters, data, SEED + k, a.shape)
                              + saving, environment(x, a.te_site)))
     tracking = run_phase(launches, out, a.timeout, a.parallel)
     losses = {x: tracking[x]["losses"] for x in precisions}  # the first seed's
@@ -339,7 +353,7 @@ def main(argv=None) -> int:
                   + (", run here too)" if base in precisions else ")"), flush=True)
             continue
         seeded.setdefault(base, []).append(run)
-    result = dict(info=run_info(), shape=SHAPE, iters=a.iters, training=TRAINING,
+    result = dict(info=run_info(), shape=a.shape, iters=a.iters, training=TRAINING,
                   seeds=[SEED + k for k in range(a.seeds)],
                   launches={x: dict(rc=r["rc"], wall_s=r["wall_s"]) for x, r in tracking.items()})
     ran = all(r["rc"] == 0 and len(r["losses"]) == a.iters for r in tracking.values())
@@ -356,7 +370,7 @@ def main(argv=None) -> int:
         for src, dst in pairs:
             name = f"{src}-to-{dst}"
             folder = resume_folder(saves[src], half, out / "resume" / name)
-            launches.append((name, entry_argv(dst, a.iters, data) + [
+            launches.append((name, entry_argv(dst, a.iters, data, shape=a.shape) + [
                 "--load", str(folder), "--exit-interval", str(half + CROSS_ITERS)],
                 environment(dst, a.te_site, TE_TRUSTS_PICKLES)))
         crossed = run_phase(launches, out, a.timeout, a.parallel)
@@ -406,7 +420,7 @@ def main(argv=None) -> int:
             if "-seed" not in name and name not in logs:
                 logs[name] = log
         plot_runs([load_run(str(log), x) for x, log in logs.items() if log.exists()],
-                  out / "fp8_losses.png", title=f"{SHAPE} on text: bf16 and FP8")
+                  out / "fp8_losses.png", title=f"{a.shape} on text: bf16 and FP8")
     except Exception as e:  # noqa: BLE001 (the figures stand without the picture)
         print(f"[fp8-losses] no plot: {e}", flush=True)
     (out / "fp8_losses.json").write_text(json.dumps(result, indent=1, default=str))

@@ -380,6 +380,30 @@ def test_fp8_losses_figures():
     assert figures["tebf16_over_bf16"] == pytest.approx(-0.01, rel=1e-9)
 
 
+def test_fp8_losses_compares_current_scaling_with_current_scaling():
+    """fp8cs and tefp8cs (--fp8-recipe tensorwise on both sides) are held to each other by
+    the same 0.5 % bound as the delayed-scaling pair, and the shape reaches the entry."""
+    import fp8_losses
+
+    bf16 = {i: 5.0 for i in range(1, 301)}
+    runs = dict(bf16=bf16, fp8=bf16, fp8cs={i: 5.02 for i in bf16},
+                tefp8cs={i: 5.0 for i in bf16})
+    figures = fp8_losses.tracking_figures(runs, warmup=30)
+    assert figures["fp8cs_over_tefp8cs"] == pytest.approx(0.004)
+    assert figures["over_bf16"]["fp8cs"] == pytest.approx(0.004) and figures["holds"]
+    runs["fp8cs"] = {i: 5.03 for i in bf16}
+    assert not fp8_losses.tracking_figures(runs, warmup=30)["holds"]
+    for name in ("fp8cs", "tefp8cs"):
+        flags = fp8_losses.PRECISIONS[name]
+        assert flags[flags.index("--fp8-recipe") + 1] == "tensorwise"
+    assert fp8_losses.chosen_precisions("tefp8cs,fp8cs", te=True) == ["fp8cs", "tefp8cs"]
+    with pytest.raises(SystemExit, match="give --te-site"):
+        fp8_losses.chosen_precisions("tefp8cs", te=False)
+    argv = fp8_losses.entry_argv("fp8cs", 300, ["--mock-data"], shape="1.3B")
+    assert argv[argv.index("--hidden-size") + 1] == "2048"
+    assert argv[argv.index("--micro-batch-size") + 1] == "4"
+
+
 def test_fp8_losses_figures_over_seeds():
     """With several seeds per precision the goal compares the seeds' average of the last-50
     means, and says each precision's spread; the excursion is the first seed's."""
