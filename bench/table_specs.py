@@ -310,7 +310,7 @@ TABLES = (
     ),
     Table(
         "fp8-losses", "FP8 losses on text, and checkpoints crossing precisions",
-        "`bench/fp8_losses.py`: the embedded corpus with GPT-2 BPE, the 345M shape, 300 "
+        "`bench/fp8_losses.py`: the embedded corpus with GPT-2 BPE, the 345M or 1.3B shape, 300 "
         "iterations, lr 3e-4 with 30 warm-up iterations and cosine decay to 3e-5, dropout 0, "
         "one launch per precision sharing the GPU (bf16: the fast path's default; FP8: the "
         "fast spec's, `--fp8-format hybrid`, delayed scaling; TE FP8: TE's layers with the "
@@ -371,15 +371,19 @@ TABLES = (
     _loss_runs_table(
         "loss-seeds", "Loss references: three seeds",
         "The same 345M launch on text as the loss references (300 iterations), each run with "
-        "seeds 1234, 1235 and 1236 (TE's with the first two), on one machine: megatron's local "
-        "layers, loss, optimizer and step, the fast path in bf16 and FP8, its fused layer "
-        "uncompiled (one seed), and TE's layers in bf16 and FP8. Ratios are of the mean over "
-        "the seeds of each run's mean loss over its last 50 iterations, taken over the seeds "
-        "both runs have; iterations 3 and 10 are seed 1234's.",
+        "seeds 1234, 1235 and 1236 (TE's bf16 and delayed-scaling FP8 with the first two), on "
+        "one machine type: megatron's local layers, loss, optimizer and step, the fast path in "
+        "bf16 and FP8, its fused layer uncompiled (one seed), and TE's layers in bf16 and FP8; "
+        "FP8 under delayed scaling (megatron's default recipe) and current scaling "
+        "(`--fp8-recipe tensorwise`). Ratios are of the mean over the seeds of each run's mean "
+        "loss over its last 50 iterations, taken over the seeds both runs have; \"vs TE FP8\" "
+        "is against TE's delayed-scaling FP8, \"same recipe\" against TE's FP8 under the row's "
+        "own recipe; iterations 3 and 10 are seed 1234's.",
         ("seeds", fig("seeds", 0)), ("per seed", lambda r: r["figures"]["per_seed"]),
         ("mean", fig("mean_last_50", 4)),
         ("iteration 3", fig("loss_3", 4)), ("iteration 10", fig("loss_10", 4)),
         ("vs megatron's local", fig_percent("vs_local")), ("vs TE FP8", fig_percent("vs_te_fp8")),
+        ("vs TE FP8, same recipe", fig_percent("vs_te_same_recipe")),
     ),
     Table(
         "cluster-check", "megagpt-check against the dry run's figures",
