@@ -163,6 +163,9 @@ def _greedy(tmp_path, ckpt, install: str, *flags) -> list[int]:
 
 
 DISTRIBUTED = ["--use-distributed-optimizer"]
+# the distributed optimizer's state by parameter rather than by gradient bucket: the format
+# that loads under other layers (TE's and the fast spec's fill their buckets differently)
+BY_PARAMETER = DISTRIBUTED + ["--dist-ckpt-optim-fully-reshardable"]
 TE_LAYERS = ["--transformer-impl", "transformer_engine"]
 LOCAL_SPEC = ["--transformer-impl", "local", "--no-fast-spec"]
 # (trained under, its flags, resumed under, its flags)
@@ -172,8 +175,8 @@ CROSSINGS = [
     ("apex", DISTRIBUTED, "plain", DISTRIBUTED),  # apex's FusedAdam's layout to torch's Adam
     ("plain", DISTRIBUTED, "apex", DISTRIBUTED),
     ("apex", LOCAL_SPEC, "plain", []),  # apex's FusedLayerNorm to the fast spec's torch norm
-    ("apex_te", TE_LAYERS + DISTRIBUTED, "apex", DISTRIBUTED),
-    ("apex", DISTRIBUTED, "te", TE_LAYERS + DISTRIBUTED),
+    ("apex_te", TE_LAYERS + BY_PARAMETER, "apex", BY_PARAMETER),
+    ("apex", BY_PARAMETER, "te", TE_LAYERS + BY_PARAMETER),
 ]
 
 
@@ -194,6 +197,24 @@ def test_checkpoints_cross_between_installs(tmp_path, before, before_flags, afte
     print(f"{before} -> {after}: largest relative loss difference {worst:.2e}")
     assert worst < 2e-2, (after_move, uninterrupted)
     assert _greedy(tmp_path, moved / "iter_0000003", after) == tokens_before
+
+
+@pytest.mark.parametrize("before,before_flags,after,after_flags", [
+    ("apex_te", TE_LAYERS + DISTRIBUTED, "apex", DISTRIBUTED),
+    ("apex", DISTRIBUTED, "te", TE_LAYERS + DISTRIBUTED)], ids=["te->fast", "fast->te"])
+def test_the_bucketed_optimizer_state_across_layers_is_one_line_with_the_ways_out(
+        tmp_path, before, before_flags, after, after_flags):
+    """megatron's default format of the distributed optimizer keeps its state by gradient
+    bucket: TE's layers and the fast spec fill theirs otherwise (TE's norms inside its
+    linears; the fast path's bf16 gradient buffer against TE's float32 one), and the resume
+    under the other layers is one error line that names the ways out, not a traceback."""
+    moved, _ = _run(tmp_path, "moved", before, 3, before_flags)
+    out = run_entry([*TINY, *EAGER, "--train-iters", "6", "--load", str(moved), *after_flags],
+                    cwd=tmp_path, env=install_env(after), timeout=600)
+    errors = [line for line in out.stdout.splitlines() if line.startswith("error:")]
+    assert out.returncode != 0 and "Traceback" not in out.stdout, why(out.stdout)
+    assert len(errors) == 1 and "saved its state by gradient bucket" in errors[0], errors
+    assert "--no-load-optim" in errors[0] and "--dist-ckpt-optim-fully-reshardable" in errors[0]
 
 
 def test_an_apex_checkpoint_generates_and_exports_under_every_install(tmp_path):

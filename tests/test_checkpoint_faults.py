@@ -717,9 +717,9 @@ def test_te_refusing_its_pickled_state_inside_megatrons_loader_is_one_whole_line
 
 
 def test_a_distributed_optimizer_saved_under_other_layers_is_named_with_what_to_do():
-    """The text megatron's loader gave on one H100 (2026-12-06) for a checkpoint of TE's layers
-    with the distributed optimizer resumed under the fast spec: the line says why and the way
-    out; another KeyError gets no such hint."""
+    """The texts megatron's loader gave on one H100 (2026-12-06) for a checkpoint of TE's layers
+    with the distributed optimizer resumed under the fast spec, and the other way: the line
+    says why and the ways out; another KeyError or AssertionError gets no such hint."""
     from megagpt.resilience.checkpoint_guard import _hint
 
     seen = KeyError("optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.bfloat16, "
@@ -728,4 +728,12 @@ def test_a_distributed_optimizer_saved_under_other_layers_is_named_with_what_to_
     hint = _hint(seen)
     assert "saved its state by gradient bucket" in hint
     assert "add --no-load-optim to load the weights alone" in hint
+    assert "--dist-ckpt-optim-fully-reshardable" in hint
     assert _hint(KeyError("decoder.layers.0.mlp.linear_fc1.weight")) == ""
+    # the fast spec's checkpoint (bf16 gradient buffer) resumed under TE's layers (float32
+    # gradients), as megatron said it on one H100 (2026-12-06): as many elements, other dtype
+    seen = AssertionError("Number of unpadded elements in each bucket need to be the same in "
+                          "current run ([{(torch.bfloat16, torch.float32): [136960]}]) and "
+                          "checkpoint ([{(torch.bfloat16, torch.bfloat16): [136960]}])")
+    assert _hint(seen) == hint
+    assert _hint(AssertionError("loss is NaN")) == ""

@@ -506,15 +506,27 @@ def _hint(cause: BaseException) -> str:
                 "--override-opt_param-scheduler to take this launch's, or "
                 "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
     text = str(cause)
-    if isinstance(cause, KeyError) and "optimizer.distributed." in text and "bucket_idx" in text:
-        # the distributed optimizer's state is keyed by gradient bucket, and another set of
-        # layers (TE's norms live inside its linears) fills the buckets otherwise
+    if _buckets_differ(cause, text):
         return ("; the distributed optimizer saved its state by gradient bucket, and this "
                 "launch's parameters fill the buckets otherwise (other layers: Transformer "
                 "Engine's, the fast spec's or megatron's local ones, or another layout): "
                 "resume with the layers and layout that saved it, or add --no-load-optim to "
-                "load the weights alone (the optimizer's state then starts afresh)")
+                "load the weights alone (the optimizer's state then starts afresh); a run "
+                "that saves with --dist-ckpt-optim-fully-reshardable keeps the state by "
+                "parameter, which loads under other layers too")
     return ""
+
+
+def _buckets_differ(cause: BaseException, text: str) -> bool:
+    """megatron's distributed optimizer keys its default format by gradient bucket and by
+    (parameter, gradient) dtype, and fails in two ways where this launch fills its buckets
+    otherwise: a KeyError on a bucket the checkpoint lacks (TE's norms live inside its
+    linears, the fast spec's beside them), and an AssertionError where the buckets hold as
+    many elements under another gradient dtype (the fast path's bf16 gradient buffer
+    against TE's float32 one)."""
+    if isinstance(cause, KeyError):
+        return "optimizer.distributed." in text and "bucket_idx" in text
+    return isinstance(cause, AssertionError) and "unpadded elements in each bucket" in text
 
 
 def _root_cause(exc: BaseException) -> BaseException:
