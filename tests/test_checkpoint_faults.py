@@ -354,6 +354,95 @@ def test_bad_checkpoints_stop_with_one_line(ckpt, tmp_path):
     assert sorted(parse_losses(proc.stdout)) == [9, 10]
 
 
+def _saved_by_bucket(ckpt, gradient_buffer):
+    """The snapshot of iteration 8 rewritten as a distributed optimizer's in megatron's default
+    format whose gradient buffers were ``gradient_buffer``; its folder."""
+    where = it_dir(ckpt, 8)
+    snapshot = os.path.join(where, "megagpt_config.yaml")
+    data = yaml.safe_load(open(snapshot))
+    data["entry"]["optimizer"].update(use_distributed_optimizer=True,
+                                      dist_ckpt_optim_fully_reshardable=False,
+                                      gradient_buffer=gradient_buffer)
+    with open(snapshot, "w") as f:
+        yaml.safe_dump(data, f)
+    return where
+
+
+def test_the_snapshot_names_the_gradient_buffers_and_the_cpu_run_keeps_float32(ckpt):
+    """The tiny CPU run trains in float32: its snapshot says so, as megatron's buffers are
+    named; a bf16 run's buffers are bf16 weights with float32 gradients unless the gradients
+    are reduced in bf16 (the fast path's bf16 buffer)."""
+    from megagpt.resilience import config_snapshot
+
+    import torch
+
+    saved = config_snapshot.read(it_dir(ckpt, 8))["optimizer"]
+    assert saved["gradient_buffer"] == "float32/float32"
+    bf16 = Namespace(params_dtype=torch.bfloat16, accumulate_allreduce_grads_in_fp32=True)
+    assert config_snapshot.gradient_buffer_dtypes(bf16) == "bfloat16/float32"
+    bf16.accumulate_allreduce_grads_in_fp32 = False
+    assert config_snapshot.gradient_buffer_dtypes(bf16) == "bfloat16/bfloat16"
+    assert config_snapshot.gradient_buffer_dtypes(Namespace()) is None
+
+
+def test_the_distributed_optimizers_buckets_of_other_gradients_are_named_before_loading(ckpt):
+    """megatron's default format names the distributed optimizer's buckets by their
+    parameter and gradient dtypes (on one H100 a KeyError or a bare AssertionError after the
+    model was built): other buckets are one line before it, with the ways out; the same
+    buckets, a format kept by parameter, or no optimizer state loaded pass."""
+    import torch
+
+    where = _saved_by_bucket(ckpt, "bfloat16/bfloat16")
+    run = dict(use_distributed_optimizer=True, params_dtype=torch.bfloat16,
+               accumulate_allreduce_grads_in_fp32=True)
+    line = guard.optimizer_state_mismatch(where, _optimizer_run(**run))
+    assert line == (
+        f"--load {where}: the distributed optimizer saved its state by gradient bucket "
+        "(megatron's default format), its buckets bfloat16/bfloat16 (parameters/gradients) "
+        "there and bfloat16/float32 here (the fast path keeps bf16 gradients on one GPU, TE's "
+        "and megatron's layers float32 ones): resume it with the layers and gradients that "
+        "saved it, or pass --no-load-optim to resume its weights with a fresh optimizer (a run "
+        "that saves with --dist-ckpt-optim-fully-reshardable keeps the state by parameter, "
+        "which loads under other layers too)")
+    same = dict(run, accumulate_allreduce_grads_in_fp32=False)
+    assert guard.optimizer_state_mismatch(where, _optimizer_run(**same)) is None
+    assert guard.optimizer_state_mismatch(where, _optimizer_run(no_load_optim=True, **run)) is None
+    data = yaml.safe_load(open(os.path.join(where, "megagpt_config.yaml")))
+    data["entry"]["optimizer"]["dist_ckpt_optim_fully_reshardable"] = True
+    with open(os.path.join(where, "megagpt_config.yaml"), "w") as f:
+        yaml.safe_dump(data, f)
+    assert guard.optimizer_state_mismatch(where, _optimizer_run(**run)) is None
+
+
+def test_a_resume_of_float32_buckets_keeps_float32_gradients_on_the_fast_path(ckpt):
+    """The fast path's bf16 gradient buffer (one GPU, one micro-batch) is left off where the
+    run resumes a distributed optimizer saved by bucket with float32 gradients (TE's layers,
+    several GPUs, megatron's default): its buckets are then found, and the numbers are the
+    same; bf16 buckets, the plain optimizer or --no-load-optim leave the choice as it was."""
+    from megatron_parts import fast_path_namespace
+
+    from megagpt.launch.fast_path_reasons import bf16_grad_buffer_unsupported_reason
+
+    def reason(**attrs):
+        run = dict(load=ckpt, save=None, ckpt_step=None, ckpt_format="torch_dist",
+                   use_distributed_optimizer=True)
+        return bf16_grad_buffer_unsupported_reason(fast_path_namespace([], **{**run, **attrs}))
+
+    assert reason() is None  # the CPU run's own snapshot: the plain optimizer
+    where = _saved_by_bucket(ckpt, "bfloat16/float32")
+    assert guard.bucketed_gradient_buffer(Namespace(
+        load=ckpt, save=None, ckpt_step=None, use_distributed_optimizer=True)) == (
+        where, "bfloat16/float32")
+    assert reason() == (f"resuming {where}, whose distributed optimizer keeps its state in "
+                        "buckets of float32 gradients (megatron's default format names the "
+                        "buckets by dtype)")
+    assert reason(no_load_optim=True) is None
+    assert reason(use_distributed_optimizer=False) is None
+    assert reason(ckpt_step=4) is None  # iteration 4's snapshot is the plain optimizer's
+    _saved_by_bucket(ckpt, "bfloat16/bfloat16")
+    assert reason() is None
+
+
 def test_a_damaged_checkpoint_gives_way_to_the_previous_intact_one_unless_asked_for(ckpt):
     """What loading does (checkpoint_integrity.choose_intact, one process): in the run's own
     --save the damaged newest checkpoint is moved aside and the tracker and --ckpt-step point

@@ -178,7 +178,21 @@ def bf16_grad_buffer_unsupported_reason(args, given: frozenset[str] = frozenset(
         return "more than one micro-batch per step (gradients are accumulated)"
     if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
         return "FSDP"
-    return None
+    return _resumed_float32_buckets(args)
+
+
+def _resumed_float32_buckets(args) -> Optional[str]:
+    """Why a resume keeps float32 gradients: the checkpoint it loads keeps the distributed
+    optimizer's state by gradient bucket (megatron's default format), and megatron names each
+    bucket by its parameter and gradient dtypes, so a bf16 buffer's buckets would not be
+    found in it. The numbers are the same either way (one micro-batch, one rank)."""
+    from megagpt.resilience import checkpoint_guard
+
+    found = checkpoint_guard.bucketed_gradient_buffer(args)
+    if found is None or not found[1].endswith("/float32"):
+        return None
+    return (f"resuming {found[0]}, whose distributed optimizer keeps its state in buckets "
+            "of float32 gradients (megatron's default format names the buckets by dtype)")
 
 
 def wgrad_fusion_unused_reason(args, chunked_loss: bool) -> Optional[str]:

@@ -248,8 +248,9 @@ def optimizer_state_mismatch(ckpt_dir: str, args) -> str | None:
     loader: a bare AssertionError, a KeyError on a missing state key); the optimizer's
     algorithm has to match too; and the distributed optimizer's default checkpoint format
     (``dp_reshardable``) loads only under the same TP x PP (megatron says so after the model
-    is built, advising a flag that does not change the format). The weights load in every
-    case, with a fresh optimizer."""
+    is built, advising a flag that does not change the format) and into buckets of the same
+    parameter and gradient dtypes, by which it names them. The weights load in every case,
+    with a fresh optimizer."""
     if getattr(args, "no_load_optim", False) or getattr(args, "finetune", False):
         return None
     snapshot = config_snapshot.read(ckpt_dir) or {}
@@ -275,9 +276,22 @@ def optimizer_state_mismatch(ckpt_dir: str, args) -> str | None:
     tp_pp = lambda d: (d.get("tensor_model_parallel_size") or 1,  # noqa: E731
                        d.get("pipeline_model_parallel_size") or 1)
     saved_tp_pp, run_tp_pp = tp_pp(snapshot.get("layout") or {}), tp_pp(run["layout"])
-    if (saved.get("use_distributed_optimizer") and now["use_distributed_optimizer"]
-            and "dist_ckpt_optim_fully_reshardable" in saved
-            and not saved["dist_ckpt_optim_fully_reshardable"] and saved_tp_pp != run_tp_pp):
+    by_bucket = (saved.get("use_distributed_optimizer") and now["use_distributed_optimizer"]
+                 and "dist_ckpt_optim_fully_reshardable" in saved
+                 and not saved["dist_ckpt_optim_fully_reshardable"])
+    saved_buffer, run_buffer = saved.get("gradient_buffer"), now.get("gradient_buffer")
+    if by_bucket and saved_buffer and run_buffer and saved_buffer != run_buffer:
+        # megatron names each bucket by its (parameter, gradient) dtypes and looks for this
+        # run's names in the checkpoint: a KeyError or a bare AssertionError after the build
+        return (f"--load {ckpt_dir}: the distributed optimizer saved its state by gradient "
+                f"bucket (megatron's default format), its buckets {saved_buffer} "
+                f"(parameters/gradients) there and {run_buffer} here (the fast path keeps "
+                f"bf16 gradients on one GPU, TE's and megatron's layers float32 ones): resume "
+                f"it with the layers and gradients that saved it, or pass --no-load-optim to "
+                f"resume its weights with a fresh optimizer (a run that saves with "
+                f"--dist-ckpt-optim-fully-reshardable keeps the state by parameter, which "
+                f"loads under other layers too)")
+    if by_bucket and saved_tp_pp != run_tp_pp:
         return (f"--load {ckpt_dir}: its distributed optimizer's state was saved in megatron's "
                 f"default format, which loads only under the TP x PP it was saved with "
                 f"({saved_tp_pp[0]} x {saved_tp_pp[1]} there, {run_tp_pp[0]} x {run_tp_pp[1]} "
@@ -285,6 +299,35 @@ def optimizer_state_mismatch(ckpt_dir: str, args) -> str | None:
                 f"--no-load-optim to resume its weights with a fresh optimizer (a run that "
                 f"saves with --dist-ckpt-optim-fully-reshardable can change its layout later)")
     return None
+
+
+def bucketed_gradient_buffer(args) -> tuple[str, str] | None:
+    """(checkpoint folder, its "parameters/gradients" dtypes) of the checkpoint a resume of
+    ``args`` loads, where that checkpoint keeps its distributed optimizer's state by gradient
+    bucket (megatron's default format, which names each bucket by those dtypes) and this run
+    loads it into the distributed optimizer; None otherwise, and where the checkpoint cannot
+    be read (``prepare_load`` says what is wrong with it once megatron has validated)."""
+    if (not getattr(args, "load", None) or not getattr(args, "use_distributed_optimizer", False)
+            or getattr(args, "no_load_optim", False) or getattr(args, "finetune", False)
+            or getattr(args, "ckpt_format", "torch_dist") not in ("torch_dist", "torch")):
+        return None
+    try:
+        step = getattr(args, "ckpt_step", None)
+        if step is not None:
+            ckpt_dir = iteration_dir(args.load, step)
+        else:
+            plan = plan_load(args.load, getattr(args, "save", None))
+            if plan.iteration is None:
+                return None
+            ckpt_dir = iteration_dir(plan.root, plan.iteration)
+        saved = (config_snapshot.read(ckpt_dir) or {}).get("optimizer")
+    except (CheckpointError, config_snapshot.SnapshotError, OSError, ValueError):
+        return None
+    if (not isinstance(saved, dict) or not saved.get("use_distributed_optimizer")
+            or saved.get("dist_ckpt_optim_fully_reshardable") is not False
+            or not saved.get("gradient_buffer")):
+        return None
+    return ckpt_dir, saved["gradient_buffer"]
 
 
 def _vocab_padding_hint(saved: dict, args) -> str:

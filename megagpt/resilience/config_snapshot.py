@@ -62,7 +62,7 @@ def entry_section(args, iteration: int) -> dict:
         "consumed_train_samples": int(getattr(args, "consumed_train_samples", 0) or 0),
         "model": model,
         "tokenizer": pick(TOKENIZER_KEYS),
-        "optimizer": pick(OPTIMIZER_KEYS),
+        "optimizer": {**pick(OPTIMIZER_KEYS), "gradient_buffer": gradient_buffer_dtypes(args)},
         "layout": pick(LAYOUT_KEYS),
         "ckpt_format": args.ckpt_format,
         # TE's layers keep delayed-scaling FP8's scales and amax history as a pickle in their
@@ -70,6 +70,19 @@ def entry_section(args, iteration: int) -> dict:
         "te_pickled_fp8_state": te_pickles_fp8_state(args),
         "argv": [str(a) for a in (getattr(args, "entry_argv", None) or [])],
     }
+
+
+def gradient_buffer_dtypes(args) -> str | None:
+    """"parameters/gradients" dtypes of megatron's gradient buffers (``bfloat16/float32``:
+    bf16 weights with float32 gradients, megatron's default; ``bfloat16/bfloat16``: the fast
+    path's bf16 gradient buffer), which name the distributed optimizer's buckets in its
+    default checkpoint format; None before megatron's validation sets ``params_dtype``."""
+    params = getattr(args, "params_dtype", None)
+    if params is None:
+        return None
+    grads = "torch.float32" if getattr(args, "accumulate_allreduce_grads_in_fp32", False) \
+        else str(params)
+    return f"{str(params).replace('torch.', '')}/{grads.replace('torch.', '')}"
 
 
 def te_pickles_fp8_state(args) -> bool:
