@@ -6,9 +6,9 @@
                                    [--precisions A,B] [--also DIR]
 
 The embedded corpus (GPT-2 BPE Shakespeare), a shape of bench_throughput.py (345M unless
-``--shape``), dropout 0, ``--lr 3e-4`` with ``--lr-warmup-iters 30`` and cosine decay to ``3e-5``, a loss logged
-every iteration. The launches share the GPU, several at once (their losses do not depend
-on what else runs; their speed is not measured here):
+``--shape``), dropout 0, ``--lr 3e-4`` with ``--lr-warmup-iters 30`` and cosine decay to
+``3e-5``, a loss logged every iteration. The launches share the GPU, several at once (their
+losses do not depend on what else runs; their speed is not measured here):
 
 1. **tracking**: ``bf16`` (the fast path's default), ``fp8`` (``--fp8-format hybrid``: the
    fast spec's FP8 linears, delayed scaling) and, with ``--te-site`` (a folder holding
