@@ -84,7 +84,10 @@ apex_tests() {  # NAME PYTHONPATH -k EXPRESSION: tests/test_apex_gpu.py, its fai
     MEGAGPT_FAILURE_LOG="$OUT/${name}_failures.txt" PYTHONPATH=$path timeout $(( $(left) - 5 )) \
         $PY -m pytest -v -p no:cacheprovider -s -rA $WORKERS -m apex_gpu -k "$expr" \
         tests/test_apex_gpu.py > "$OUT/$name.txt" 2>&1
-    grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|largest relative" "$OUT/$name.txt" \
+    # each test's outcome as pytest-xdist prints it when it ends ("[gw0] [ 25%] PASSED ..."),
+    # so that a run the call's time cuts short still says which passed
+    local outcome="(PASSED|FAILED|ERROR|SKIPPED) tests/[^ ]+.*|[0-9]+ (passed|failed).*"
+    grep -oE "$outcome|[a-z_]+ -> [a-z_]+: largest relative.*" "$OUT/$name.txt" | sort -u \
         | cut -c1-200 | tail -40
 }
 
