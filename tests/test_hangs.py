@@ -183,6 +183,14 @@ def test_the_cause_of_a_failed_collective_in_a_few_words():
     closed = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection "
                           "closed by peer [127.0.0.1]:23456")
     assert hangs.failure_cause(closed) == "lost its connection to a peer"
+    # NCCL's message as a launch beside two others on an 80 GB card gave it (2026-12-06)
+    nccl = RuntimeError("NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:93, "
+                        "unhandled cuda error (run with NCCL_DEBUG=INFO for details), NCCL "
+                        "version 2.28.9\nncclUnhandledCudaError: Call to CUDA function failed.")
+    cause = hangs.failure_cause(nccl)
+    assert cause.startswith("NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp")
+    assert cause.endswith("a CUDA call inside NCCL failed, most often an allocation on a GPU "
+                          "whose memory is full (other processes on it, or a batch at the limit)")
     assert not collective_failure.is_collective_failure(RuntimeError("shape mismatch"))
     assert hangs.group_label("DATA_PARALLEL_GROUP_WITH_CP_GLOO") == "DP (gloo)"
     assert hangs.ranks_text([3, 0, 1, 2]) == "0-3" and hangs.ranks_text([0, 2]) == "0, 2"

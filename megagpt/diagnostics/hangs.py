@@ -209,6 +209,11 @@ def failure_cause(exc: BaseException) -> str:
     if "Application timeout caused pair closure" in text:
         return "timed out (gloo closed the connection)"
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    if "unhandled cuda error" in text.lower():
+        # NCCL's own CUDA call failed; twice on one H100 (2026-12-06) it was the GPU's memory
+        # running out under other processes, which NCCL's message does not say
+        return (f"{first[:160]}: a CUDA call inside NCCL failed, most often an allocation on "
+                "a GPU whose memory is full (other processes on it, or a batch at the limit)")
     return first[:160]
 
 
