@@ -154,7 +154,8 @@ def layer_graphs_default_off_reason(args) -> Optional[str]:
 
 def bf16_grad_buffer_unsupported_reason(args, given: frozenset[str] = frozenset()
                                         ) -> Optional[str]:
-    """Why a bf16 gradient buffer would not equal the fp32 one here (None: it would).
+    """Why a bf16 gradient buffer would not equal the fp32 one here, or would not load the
+    checkpoint this run resumes (None: it would do both).
 
     With bf16 parameters every gradient autograd delivers is a bf16 tensor (a parameter used
     twice, like tied embeddings, gets the bf16 sum of its uses). An fp32 buffer that is

@@ -276,9 +276,7 @@ def optimizer_state_mismatch(ckpt_dir: str, args) -> str | None:
     tp_pp = lambda d: (d.get("tensor_model_parallel_size") or 1,  # noqa: E731
                        d.get("pipeline_model_parallel_size") or 1)
     saved_tp_pp, run_tp_pp = tp_pp(snapshot.get("layout") or {}), tp_pp(run["layout"])
-    by_bucket = (saved.get("use_distributed_optimizer") and now["use_distributed_optimizer"]
-                 and "dist_ckpt_optim_fully_reshardable" in saved
-                 and not saved["dist_ckpt_optim_fully_reshardable"])
+    by_bucket = _saved_by_bucket(saved) and now["use_distributed_optimizer"]
     saved_buffer, run_buffer = saved.get("gradient_buffer"), now.get("gradient_buffer")
     if by_bucket and saved_buffer and run_buffer and saved_buffer != run_buffer:
         # megatron names each bucket by its (parameter, gradient) dtypes and looks for this
@@ -323,11 +321,18 @@ def bucketed_gradient_buffer(args) -> tuple[str, str] | None:
         saved = (config_snapshot.read(ckpt_dir) or {}).get("optimizer")
     except (CheckpointError, config_snapshot.SnapshotError, OSError, ValueError):
         return None
-    if (not isinstance(saved, dict) or not saved.get("use_distributed_optimizer")
-            or saved.get("dist_ckpt_optim_fully_reshardable") is not False
-            or not saved.get("gradient_buffer")):
+    if not isinstance(saved, dict) or not _saved_by_bucket(saved) \
+            or not saved.get("gradient_buffer"):
         return None
     return ckpt_dir, saved["gradient_buffer"]
+
+
+def _saved_by_bucket(saved: dict) -> bool:
+    """Whether a snapshot's optimizer section is the distributed optimizer's in megatron's
+    default format (by gradient bucket); a snapshot older than the format's key does not say."""
+    return bool(saved.get("use_distributed_optimizer")
+                and "dist_ckpt_optim_fully_reshardable" in saved
+                and not saved["dist_ckpt_optim_fully_reshardable"])
 
 
 def _vocab_padding_hint(saved: dict, args) -> str:

@@ -80,9 +80,9 @@ def gradient_buffer_dtypes(args) -> str | None:
     params = getattr(args, "params_dtype", None)
     if params is None:
         return None
-    grads = "torch.float32" if getattr(args, "accumulate_allreduce_grads_in_fp32", False) \
-        else str(params)
-    return f"{str(params).replace('torch.', '')}/{grads.replace('torch.', '')}"
+    params = str(params).removeprefix("torch.")
+    grads = "float32" if getattr(args, "accumulate_allreduce_grads_in_fp32", False) else params
+    return f"{params}/{grads}"
 
 
 def te_pickles_fp8_state(args) -> bool:
