@@ -24,6 +24,7 @@ owner): a change to megatron that is not in the ledger is an error here.
 from __future__ import annotations
 
 import contextlib
+import signal
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -101,10 +102,33 @@ def _chain(module, name: str) -> _Chain | None:
     return chain
 
 
+# Signals whose Python handlers raise: torch's DataLoader raises from SIGCHLD when a worker
+# dies, the launch from SIGTERM and SIGINT. Raised between a chain's layers and the attribute
+# it sets, the chain no longer matches the attribute, and every later install or remove of
+# it fails (seen once: a worker killed after a SIGTERM, during the unwinding).
+_HELD = {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT}
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Those signals held back while a chain and its attribute change together; they are
+    delivered, and their handlers run, once both agree again."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 def install(module, name: str, owner: str, wrapper: Wrapper, megatron_sets: bool = False
             ) -> None:
     """Put ``wrapper`` (original -> wrapped function) over ``module.name``, outside the
     wrappers installed before it; an owner's second install replaces its first in place."""
+    with _signals_held():
+        _install(module, name, owner, wrapper, megatron_sets)
+
+
+def _install(module, name: str, owner: str, wrapper: Wrapper, megatron_sets: bool) -> None:
     target = _target(module, name)
     _check_listed(target, owner)
     chain = _chain(module, name)
@@ -140,6 +164,11 @@ def replace(module, name: str, owner: str, value: object, megatron_sets: bool = 
 
 def remove(module, name: str, owner: str) -> None:
     """Take ``owner``'s wrapper off ``module.name``; the others stay, in order."""
+    with _signals_held():
+        _remove(module, name, owner)
+
+
+def _remove(module, name: str, owner: str) -> None:
     chain = _chain(module, name)
     owners = [layer[0] for layer in chain.layers] if chain else []
     if owner not in owners:
