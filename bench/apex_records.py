@@ -3,7 +3,7 @@
 
     python bench/apex_records.py OUT_DIR [--commit C] [--dry-run]
 
-OUT_DIR is what one run of ``bench/gpu_record_apex.sh OUT_DIR speed,pieces`` left: per step
+OUT_DIR is what one run of ``bench/gpu_record_apex.sh OUT_DIR speed,pieces,pieces_local`` left: per step
 folders ``<install>_<shape>/bench_<shape>.json`` (bench/bench_throughput.py's output) and
 ``versions.txt`` (the apex tag and build). One record per path measured: ms/iter, TFLOP/s,
 peak memory, and against the same launch without apex in the same run (``vs_without_apex``:
@@ -57,6 +57,12 @@ def _runs(out: Path) -> dict:
     return found
 
 
+def _step_of(folder: str, install: str) -> str:
+    """The gpu_record_apex.sh step that made a run: the local spec's pieces land in the
+    fast path's folder (``pieces``) but are their own step."""
+    return "pieces_local" if folder == "pieces" and install.endswith("_local") else folder
+
+
 def make_records(out: Path, commit: str | None = None) -> list[dict]:
     runs = _runs(out)
     version = apex_version(out)
@@ -81,7 +87,7 @@ def make_records(out: Path, commit: str | None = None) -> list[dict]:
                 figures["vs_piece_on"] = results[PIECES[path][0]]["ms_per_iter"] / r["ms_per_iter"]
             made.append(dict(table="apex", row=dict(shape=shape, install=row_install, path=path),
                              figures=records._rounded(figures, 3), **base,
-                             note=NOTE.format(step=step)))
+                             note=NOTE.format(step=_step_of(step, install))))
     return made
 
 

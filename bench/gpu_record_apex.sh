@@ -19,9 +19,11 @@
 #   speed        throughput, bf16, mock data, dropout 0, 345M and 1.3B: the default with apex
 #                importable, then hidden; then beside TE against TE alone if time is left
 #                (SPEED_PAIRS="apex_te:te" measures only the latter)
-#   pieces       345M: each piece megatron takes from apex switched off by its flag, where a
-#                launch takes it (the fast path's optimizer; megatron's local spec's norms,
-#                softmax and weight-gradient fusion), and the same launches with apex hidden
+#   pieces       345M: each piece megatron takes from apex for the fast path (writing
+#                gradients against megatron's fusion, its optimizers on apex's FusedAdam and
+#                amp_C) switched off by its flag, and the same launches with apex hidden
+#   pieces_local the same for megatron's local spec (its norms, softmax and weight-gradient
+#                fusion); the two steps take about 4 minutes each, so they fit two calls
 #   checkpoints  tests/test_apex_gpu.py's crossings (apex <-> plain <-> TE, the distributed
 #                optimizer's layout too) and the generation and Hugging Face export of an
 #                apex checkpoint under every install
@@ -41,8 +43,9 @@ NODROP="--hidden-dropout 0 --attention-dropout 0"
 APEX_SITE=${APEX_SITE:-/tmp/apex-site}
 [ -n "${MCORE_SITE:-}" ] || { echo "error: MCORE_SITE is not set: source bench/gpu_site.sh first"; exit 2; }
 for step in ${STEPS//,/ }; do
-    case "$step" in smoke|smoke_te|speed|pieces|checkpoints) ;;
-    *) echo "error: unknown step $step (smoke, smoke_te, speed, pieces, checkpoints)"; exit 2 ;;
+    case "$step" in smoke|smoke_te|speed|pieces|pieces_local|checkpoints) ;;
+    *) echo "error: unknown step $step (smoke, smoke_te, speed, pieces, pieces_local," \
+            "checkpoints)"; exit 2 ;;
     esac
 done
 if [ ! -f "$APEX_SITE/apex-build.json" ]; then
@@ -186,7 +189,10 @@ pieces)
         --variant "distopt=--use-distributed-optimizer" \
         --variant "megatron_optimizer=--fast-disable optimizer"
     compare pieces 345M apex hidden
+    ;;
+pieces_local)
     # megatron's local spec, where apex's norms, softmax and weight-gradient fusion are taken
+    # (its runs land beside the fast path's, in OUT/pieces)
     bench pieces apex_local "$APEX" 345M --paths local,nopersist,nosoftmax,nofusion \
         --variant "nopersist=$LOCAL_FLAGS --no-persist-layer-norm" \
         --variant "nosoftmax=$LOCAL_FLAGS --no-masked-softmax-fusion" \

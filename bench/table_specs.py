@@ -88,6 +88,8 @@ APEX_PATHS = {"fast": "the entry's default (fast spec)",
               "nopersist": "local spec, --no-persist-layer-norm",
               "nosoftmax": "local spec, --no-masked-softmax-fusion",
               "nofusion": "local spec, --no-gradient-accumulation-fusion"}
+# the local spec's pieces: their own step of bench/gpu_record_apex.sh
+APEX_LOCAL_PIECES = ("local", "nopersist", "nosoftmax", "nofusion")
 APEX_INSTALLS = ("apex", "without apex", "apex beside TE", "TE without apex")
 FP8_PATHS = {"te": "TE's layers, bf16", "tefp8": "TE's layers, FP8, delayed scaling",
              "tefp8cs": "TE's layers, FP8, current scaling", "fast": "fast path, bf16"}
@@ -404,7 +406,7 @@ TABLES = (
         "The same launches with NVIDIA apex (built from its source at a release tag for the "
         "GPU's architecture, `bench/gpu_apex_build.sh`) importable and hidden from the "
         "process, one after the other in one run on the GPU machine (`bench/gpu_record_apex.sh OUT "
-        "speed` and `... pieces`), alone and beside Transformer Engine: bf16, mock data, "
+        "speed`, `... pieces` and `... pieces_local`), alone and beside Transformer Engine: bf16, mock data, "
         "dropout 0. vs without apex = ms/iter of the same launch without apex ÷ this row's; "
         "vs the piece on = ms/iter of the launch that keeps the piece (the default, or "
         "megatron's local spec) ÷ this row's (above 1: faster). What megatron takes from apex "
@@ -428,7 +430,8 @@ TABLES = (
              "bash bench/gpu_record_apex.sh OUT speed")
             for shape in ("345M", "1.3B") for install in ("apex", "without apex"))
         + tuple((dict(shape="345M", install="apex", path=path),
-                 "bash bench/gpu_record_apex.sh OUT pieces")
+                 "bash bench/gpu_record_apex.sh OUT "
+                 + ("pieces_local" if path in APEX_LOCAL_PIECES else "pieces"))
                 for path in APEX_PATHS if path != "fast"),
     ),
     Table(
