@@ -18,7 +18,7 @@
 #   smoke_te     the same beside TE (needs TE_SITE)
 #   speed        throughput, bf16, mock data, dropout 0, 345M and 1.3B: the default with apex
 #                importable, then hidden; then beside TE against TE alone if time is left
-#                (SPEED_PAIRS="apex_te:te" measures only the latter)
+#                (SPEED_PAIRS="apex_te:te" measures only the latter, SPEED_SHAPES="1.3B" one shape)
 #   pieces       345M: each piece megatron takes from apex for the fast path (writing
 #                gradients against megatron's fusion, its optimizers on apex's FusedAdam and
 #                amp_C) switched off by its flag, and the same launches with apex hidden
@@ -166,7 +166,7 @@ speed)
     for pair in ${SPEED_PAIRS:-apex:hidden apex_te:te}; do
         with=${pair%%:*} without=${pair##*:}
         [ "$with" = apex ] || [ -n "$APEX_TE" ] || { echo "== speed $pair: no TE_SITE"; continue; }
-        for shape in 345M 1.3B; do
+        for shape in ${SPEED_SHAPES:-345M 1.3B}; do
             if [ "$with" = apex ]; then
                 bench speed apex "$APEX" $shape --paths fast
                 bench speed hidden "$PLAIN" $shape --paths fast

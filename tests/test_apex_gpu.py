@@ -177,6 +177,9 @@ CROSSINGS = [
     ("apex", LOCAL_SPEC, "plain", []),  # apex's FusedLayerNorm to the fast spec's torch norm
     ("apex_te", TE_LAYERS + BY_PARAMETER, "apex", BY_PARAMETER),
     ("apex", BY_PARAMETER, "te", TE_LAYERS + BY_PARAMETER),
+    # TE's float32 gradient buckets in megatron's default format: the fast path resuming them
+    # keeps float32 gradients on one GPU (fast_path_reasons), so the buckets' names match
+    ("apex_te", TE_LAYERS + DISTRIBUTED, "apex", DISTRIBUTED),
 ]
 
 
