@@ -177,9 +177,10 @@ CROSSINGS = [
     ("apex", LOCAL_SPEC, "plain", []),  # apex's FusedLayerNorm to the fast spec's torch norm
     ("apex_te", TE_LAYERS + BY_PARAMETER, "apex", BY_PARAMETER),
     ("apex", BY_PARAMETER, "te", TE_LAYERS + BY_PARAMETER),
-    # TE's float32 gradient buckets in megatron's default format: the fast path resuming them
-    # keeps float32 gradients on one GPU (fast_path_reasons), so the buckets' names match
+    # megatron's default format, by gradient bucket: the fast path keeps float32 gradients
+    # where it saves or resumes it (fast_path_reasons), as TE's layers do
     ("apex_te", TE_LAYERS + DISTRIBUTED, "apex", DISTRIBUTED),
+    ("apex", DISTRIBUTED, "te", TE_LAYERS + DISTRIBUTED),
 ]
 
 
@@ -204,10 +205,11 @@ def test_checkpoints_cross_between_installs(tmp_path, before, before_flags, afte
 
 def test_the_fast_paths_bucketed_optimizer_state_crossing_to_tes_layers_is_one_line(tmp_path):
     """megatron's default format of the distributed optimizer names its buckets by their
-    parameter and gradient dtypes: the fast path's bf16 gradients on one GPU against TE's
-    float32 ones is one error line before TE's layers are built, naming the ways out (on an
-    H100 it was megatron's bare AssertionError after the build)."""
-    moved, _ = _run(tmp_path, "moved", "apex", 3, DISTRIBUTED)
+    parameter and gradient dtypes: bf16 gradient buckets (the fast path saved them on one GPU
+    before it kept float32 ones for this format) against TE's float32 ones is one error line
+    before TE's layers are built, naming the ways out (on an H100 it was megatron's bare
+    AssertionError after the build)."""
+    moved, _ = _run(tmp_path, "moved", "apex", 3, DISTRIBUTED + ["--grad-reduce-in-bf16"])
     out = run_entry([*TINY, *EAGER, "--train-iters", "6", "--load", str(moved), *TE_LAYERS,
                      *DISTRIBUTED], cwd=tmp_path, env=install_env("te"), timeout=600)
     errors = [line for line in out.stdout.splitlines() if line.startswith("error:")]

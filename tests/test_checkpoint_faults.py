@@ -414,11 +414,14 @@ def test_the_distributed_optimizers_buckets_of_other_gradients_are_named_before_
     assert guard.optimizer_state_mismatch(where, _optimizer_run(**run)) is None
 
 
-def test_a_resume_of_float32_buckets_keeps_float32_gradients_on_the_fast_path(ckpt):
+def test_the_distributed_optimizers_buckets_keep_float32_gradients_on_the_fast_path(ckpt):
     """The fast path's bf16 gradient buffer (one GPU, one micro-batch) is left off where the
     run resumes a distributed optimizer saved by bucket with float32 gradients (TE's layers,
     several GPUs, megatron's default): its buckets are then found, and the numbers are the
-    same; bf16 buckets, the plain optimizer or --no-load-optim leave the choice as it was."""
+    same; bf16 buckets, the plain optimizer or --no-load-optim leave the choice as it was.
+    A run that saves the distributed optimizer by bucket keeps float32 gradients, so that
+    its checkpoint resumes on several GPUs and under TE's layers; saved by parameter it need
+    not."""
     from megatron_parts import fast_path_namespace
 
     from megagpt.launch.fast_path_reasons import bf16_grad_buffer_unsupported_reason
@@ -441,6 +444,13 @@ def test_a_resume_of_float32_buckets_keeps_float32_gradients_on_the_fast_path(ck
     assert reason(ckpt_step=4) is None  # iteration 4's snapshot is the plain optimizer's
     _saved_by_bucket(ckpt, "bfloat16/bfloat16")
     assert reason() is None
+    assert reason(save=ckpt) is None  # bf16 buckets resumed as they were saved
+
+    saving = "the distributed optimizer saves by gradient bucket"
+    assert saving in reason(load=None, save=ckpt)
+    assert reason(load=None, save=ckpt, dist_ckpt_optim_fully_reshardable=True) is None
+    assert reason(load=None, save=ckpt, use_distributed_optimizer=False) is None
+    assert reason(load=None, save=None) is None
 
 
 def test_a_damaged_checkpoint_gives_way_to_the_previous_intact_one_unless_asked_for(ckpt):

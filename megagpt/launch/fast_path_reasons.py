@@ -179,21 +179,33 @@ def bf16_grad_buffer_unsupported_reason(args, given: frozenset[str] = frozenset(
         return "more than one micro-batch per step (gradients are accumulated)"
     if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
         return "FSDP"
-    return _resumed_float32_buckets(args)
+    return _float32_buckets_reason(args)
 
 
-def _resumed_float32_buckets(args) -> Optional[str]:
-    """Why a resume keeps float32 gradients: the checkpoint it loads keeps the distributed
-    optimizer's state by gradient bucket (megatron's default format), and megatron names each
-    bucket by its parameter and gradient dtypes, so a bf16 buffer's buckets would not be
-    found in it. The numbers are the same either way (one micro-batch, one rank)."""
+def _float32_buckets_reason(args) -> Optional[str]:
+    """Why the distributed optimizer's checkpoints keep float32 gradients: megatron's default
+    format keeps its state by gradient bucket and names each bucket by its parameter and
+    gradient dtypes, so bf16 buckets load only into bf16 buckets. A resume follows the
+    buckets of the checkpoint it loads; a run that saves in that format keeps float32 ones,
+    those of the same run on several GPUs and of TE's and megatron's layers, so that its
+    checkpoints resume there (on one GPU the distributed optimizer saves no memory: it is
+    there for such checkpoints). The numbers are the same either way (one micro-batch, one
+    rank)."""
     from megagpt.resilience import checkpoint_guard
 
     found = checkpoint_guard.bucketed_gradient_buffer(args)
-    if found is None or not found[1].endswith("/float32"):
-        return None
-    return (f"resuming {found[0]}, whose distributed optimizer keeps its state in buckets "
-            "of float32 gradients (megatron's default format names the buckets by dtype)")
+    if found is not None:
+        if not found[1].endswith("/float32"):
+            return None  # bf16 buckets: resumed as they were saved
+        return (f"resuming {found[0]}, whose distributed optimizer keeps its state in buckets "
+                "of float32 gradients (megatron's default format names the buckets by dtype)")
+    if (getattr(args, "use_distributed_optimizer", False) and getattr(args, "save", None)
+            and not getattr(args, "dist_ckpt_optim_fully_reshardable", False)
+            and getattr(args, "ckpt_format", "torch_dist") in ("torch_dist", "torch")):
+        return ("the distributed optimizer saves by gradient bucket (megatron's default "
+                "format names the buckets by dtype): float32 buckets, as on several GPUs and "
+                "under TE's layers, so that its checkpoints resume there")
+    return None
 
 
 def wgrad_fusion_unused_reason(args, chunked_loss: bool) -> Optional[str]:
