@@ -47,9 +47,12 @@ def test_a_slow_gpu_and_a_slow_rail_are_named_in_one_line():
 
 
 # Two single-threaded gloo processes on a shared 2-core host differ by up to ~25 % in their
-# best burst (measured here, 2026-12-04): a margin of 30 % is above that, and below the 60 %
-# by which a rank stopped three quarters of the time falls behind the median.
-CPU_MARGIN = "30"
+# best burst (measured here, 2026-12-04), and one was 31 % below the median of two while the
+# suite's other worker ran beside them (2026-12-06, 58a03bb): a margin of 50 % is above that
+# (the even check fails only where one rank is a third of the other), and below the ~78 % by
+# which a rank stopped seven eighths of the time falls behind the median.
+CPU_MARGIN = "50"
+STOPPED_S = 0.04375  # of every 50 ms (DutyCycle)
 
 
 def _check(tmp_path, *flags):
@@ -69,12 +72,12 @@ def test_a_slowed_cpu_rank_is_named_and_an_even_run_passes(tmp_path):
     assert "check OK" in out and "error:" not in err
 
     slowed = _check(tmp_path)
-    with DutyCycle(rank_process(slowed, 1), stopped_s=0.0375):  # 3/4 of every 50 ms
+    with DutyCycle(rank_process(slowed, 1), stopped_s=STOPPED_S):
         out, err = slowed.communicate(timeout=180)
     assert slowed.returncode == 1, out + err
     (line,) = [x for x in err.splitlines() if x.startswith("error:")]
     assert re.match(r"error: 1 slow: rank 1 \(\S+, node 0, local rank 1\) [0-9.]+ TFLOP/s "
-                    r"\(\d+ % below the median [0-9.]+\) \(margin 30 %\)$", line), line
+                    r"\(\d+ % below the median [0-9.]+\) \(margin 50 %\)$", line), line
     measured = json.loads((tmp_path / "check.json").read_text())
     assert [r["rank"] for r in measured["ranks"]] == [0, 1]
     assert measured["ranks"][1]["gemm_tflops"] < 0.5 * measured["ranks"][0]["gemm_tflops"]
@@ -92,11 +95,11 @@ def test_the_sbatch_examples_check_runs_on_every_node_and_stops_a_slow_job(tmp_p
                         capture_output=True, text=True, timeout=180)
     assert ok.returncode == 0 and "check OK" in ok.stdout, ok.stdout + ok.stderr
 
-    # the same with rank 1 running a quarter of the time: named, and the job not started
+    # the same with rank 1 running an eighth of the time: named, and the job not started
     env["MASTER_PORT"] = str(_free_port())
     slow = subprocess.Popen(["bash", str(EXAMPLES / "cluster_check.sh")], cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    with DutyCycle(rank_process(slow, 1), stopped_s=0.0375):
+    with DutyCycle(rank_process(slow, 1), stopped_s=STOPPED_S):
         out, err = slow.communicate(timeout=180)
     assert slow.returncode == 1, out + err
     assert re.search(r"^error: 1 slow: rank 1 ", err, re.M), err
