@@ -399,8 +399,9 @@ def test_the_distributed_optimizers_buckets_of_other_gradients_are_named_before_
     assert line == (
         f"--load {where}: the distributed optimizer saved its state by gradient bucket "
         "(megatron's default format), its buckets bfloat16/bfloat16 (parameters/gradients) "
-        "there and bfloat16/float32 here (the fast path keeps bf16 gradients on one GPU, TE's "
-        "and megatron's layers float32 ones): resume it with the layers and gradients that "
+        "there and bfloat16/float32 here (--grad-reduce-in-bf16 keeps bf16 gradients; TE's "
+        "and megatron's layers, several GPUs and the fast path saving this format float32 "
+        "ones): resume it with the layers and gradients that "
         "saved it, or pass --no-load-optim to resume its weights with a fresh optimizer (a run "
         "that saves with --dist-ckpt-optim-fully-reshardable keeps the state by parameter, "
         "which loads under other layers too)")

@@ -283,8 +283,9 @@ def optimizer_state_mismatch(ckpt_dir: str, args) -> str | None:
         # run's names in the checkpoint: a KeyError or a bare AssertionError after the build
         return (f"--load {ckpt_dir}: the distributed optimizer saved its state by gradient "
                 f"bucket (megatron's default format), its buckets {saved_buffer} "
-                f"(parameters/gradients) there and {run_buffer} here (the fast path keeps "
-                f"bf16 gradients on one GPU, TE's and megatron's layers float32 ones): resume "
+                f"(parameters/gradients) there and {run_buffer} here (--grad-reduce-in-bf16 "
+                f"keeps bf16 gradients; TE's and megatron's layers, several GPUs and the "
+                f"fast path saving this format float32 ones): resume "
                 f"it with the layers and gradients that saved it, or pass --no-load-optim to "
                 f"resume its weights with a fresh optimizer (a run that saves with "
                 f"--dist-ckpt-optim-fully-reshardable keeps the state by parameter, which "
