@@ -3,8 +3,8 @@
 
     python bench/apex_records.py OUT_DIR [--commit C] [--dry-run]
 
-OUT_DIR is what one run of ``bench/gpu_record_apex.sh OUT_DIR speed,pieces,pieces_local`` left: per step
-folders ``<install>_<shape>/bench_<shape>.json`` (bench/bench_throughput.py's output) and
+OUT_DIR is what one run of ``bench/gpu_record_apex.sh OUT_DIR speed,pieces,pieces_local``
+left: per step folders ``<install>_<shape>/bench_<shape>.json`` (bench/bench_throughput.py's output) and
 ``versions.txt`` (the apex tag and build). One record per path measured: ms/iter, TFLOP/s,
 peak memory, and against the same launch without apex in the same run (``vs_without_apex``:
 its ms/iter ÷ this row's, above 1: faster with apex) and, for a piece switched off by its

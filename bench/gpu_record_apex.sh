@@ -18,7 +18,8 @@
 #   smoke_te     the same beside TE (needs TE_SITE)
 #   speed        throughput, bf16, mock data, dropout 0, 345M and 1.3B: the default with apex
 #                importable, then hidden; then beside TE against TE alone if time is left
-#                (SPEED_PAIRS="apex_te:te" measures only the latter, SPEED_SHAPES="1.3B" one shape)
+#                (SPEED_PAIRS="apex_te:te" measures only the latter; SPEED_SHAPES="1.3B"
+#                one shape)
 #   pieces       345M: each piece megatron takes from apex for the fast path (writing
 #                gradients against megatron's fusion, its optimizers on apex's FusedAdam and
 #                amp_C) switched off by its flag, and the same launches with apex hidden

@@ -203,7 +203,7 @@ def test_checkpoints_cross_between_installs(tmp_path, before, before_flags, afte
     assert _greedy(tmp_path, moved / "iter_0000003", after) == tokens_before
 
 
-def test_the_fast_paths_bucketed_optimizer_state_crossing_to_tes_layers_is_one_line(tmp_path):
+def test_bf16_gradient_buckets_crossing_to_tes_layers_is_one_line(tmp_path):
     """megatron's default format of the distributed optimizer names its buckets by their
     parameter and gradient dtypes: bf16 gradient buckets (the fast path saved them on one GPU
     before it kept float32 ones for this format) against TE's float32 ones is one error line
