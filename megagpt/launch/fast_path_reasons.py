@@ -199,9 +199,7 @@ def _float32_buckets_reason(args) -> Optional[str]:
             return None  # bf16 buckets: resumed as they were saved
         return (f"resuming {found[0]}, whose distributed optimizer keeps its state in buckets "
                 "of float32 gradients (megatron's default format names the buckets by dtype)")
-    if (getattr(args, "use_distributed_optimizer", False) and getattr(args, "save", None)
-            and not getattr(args, "dist_ckpt_optim_fully_reshardable", False)
-            and getattr(args, "ckpt_format", "torch_dist") in ("torch_dist", "torch")):
+    if checkpoint_guard.saves_by_bucket(args):
         return ("the distributed optimizer saves by gradient bucket (megatron's default "
                 "format names the buckets by dtype): float32 buckets, as on several GPUs and "
                 "under TE's layers, so that its checkpoints resume there")

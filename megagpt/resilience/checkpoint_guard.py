@@ -300,6 +300,19 @@ def optimizer_state_mismatch(ckpt_dir: str, args) -> str | None:
     return None
 
 
+# the checkpoint formats in which megatron keeps the distributed optimizer's state by gradient
+# bucket unless --dist-ckpt-optim-fully-reshardable is given
+BUCKETED_FORMATS = ("torch_dist", "torch")
+
+
+def saves_by_bucket(args) -> bool:
+    """Whether this run saves its distributed optimizer's state by gradient bucket (megatron's
+    default format, which names each bucket by its parameter and gradient dtypes)."""
+    return bool(getattr(args, "use_distributed_optimizer", False) and getattr(args, "save", None)
+                and not getattr(args, "dist_ckpt_optim_fully_reshardable", False)
+                and getattr(args, "ckpt_format", "torch_dist") in BUCKETED_FORMATS)
+
+
 def bucketed_gradient_buffer(args) -> tuple[str, str] | None:
     """(checkpoint folder, its "parameters/gradients" dtypes) of the checkpoint a resume of
     ``args`` loads, where that checkpoint keeps its distributed optimizer's state by gradient
@@ -308,7 +321,7 @@ def bucketed_gradient_buffer(args) -> tuple[str, str] | None:
     be read (``prepare_load`` says what is wrong with it once megatron has validated)."""
     if (not getattr(args, "load", None) or not getattr(args, "use_distributed_optimizer", False)
             or getattr(args, "no_load_optim", False) or getattr(args, "finetune", False)
-            or getattr(args, "ckpt_format", "torch_dist") not in ("torch_dist", "torch")):
+            or getattr(args, "ckpt_format", "torch_dist") not in BUCKETED_FORMATS):
         return None
     try:
         step = getattr(args, "ckpt_step", None)
