@@ -17,7 +17,8 @@ losses do not depend on what else runs; their speed is not measured here):
    ``fp8cs`` and ``tefp8cs`` are the two FP8s under current scaling (``--fp8-recipe
    tensorwise``), named in ``--precisions``: delayed scaling's first step differs between
    them (TE starts every scale at 1, the fast spec at each tensor's own amax), current
-   scaling's does not, so they compare the FP8 arithmetic alone,
+   scaling's does not, so they compare the FP8 arithmetic alone; ``fp8unit`` is the fast
+   spec's delayed scaling started as TE's (``--fast-fp8-first-scales unit``),
    ``--iters`` iterations each, saving at the half way point; with ``--seeds N`` each of them
    N times (``--seed`` 1234, 1235, ...: ``NAME`` and ``NAME-seedK``), the goal's means taken
    over the seeds and each precision's spread between its seeds stated: on one GPU two calls
@@ -77,6 +78,8 @@ PRECISIONS = {
     "bf16": [],
     "fp8": ["--fp8-format", "hybrid"],
     "fp8cs": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
+    # delayed scaling with TE's first step: every scale 1 before an amax is recorded
+    "fp8unit": ["--fp8-format", "hybrid", "--fast-fp8-first-scales", "unit"],
     "tefp8": ["--transformer-impl", "transformer_engine", "--fast-cuda-graphs", "iteration",
               "--fp8-format", "hybrid"],
     "tefp8cs": ["--transformer-impl", "transformer_engine", "--fast-cuda-graphs", "iteration",
@@ -172,6 +175,9 @@ def tracking_figures(losses: dict[str, dict[int, float] | list[dict[int, float]]
                                                       relative=excursion[1])
     if "tefp8" in means:
         out["fp8_over_tefp8"] = means["fp8"] / means["tefp8"] - 1
+    if {"fp8unit", "tefp8"} <= set(means):
+        # delayed scaling on both sides with the same first step (scales of 1)
+        out["fp8unit_over_tefp8"] = means["fp8unit"] / means["tefp8"] - 1
     if {"fp8cs", "tefp8cs"} <= set(means):
         # the same recipe on both sides, first step included
         out["fp8cs_over_tefp8cs"] = means["fp8cs"] / means["tefp8cs"] - 1

@@ -1,4 +1,4 @@
-"""The fast path's command line: seven options added to megatron's parser.
+"""The fast path's command line: eight options added to megatron's parser.
 
   --no-fast-spec                  megatron's layers instead of the fast spec
   --fast-cuda-graphs {auto,none,iteration,layers}
@@ -7,6 +7,8 @@
   --fast-disable PIECE[,PIECE]    turn named pieces off, to measure what each is worth
   --fast-cuda-graph-capture-timeout SECONDS
   --fast-fp8-min-width N          with --fp8-format, linears narrower than N in bf16
+  --fast-fp8-first-scales {amax,unit}
+                                  delayed scaling's first forward: own amax, or TE's 1
   --fast-multi-gpu-path           on one GPU, the path of a launch on several GPUs
 
 They set the namespace attributes the launch's resolution reads (``fast_cuda_graph``,
@@ -47,6 +49,7 @@ SWITCH_DEFAULTS = (
     ("fast_cuda_graph_capture_timeout", 300.0),
     ("fast_multi_gpu_path", False),
     ("fast_fp8_min_width", None),
+    ("fast_fp8_first_scales", None),
     ("fast_step_nan_checks", False),
     ("fast_optimizer", True),
     ("fast_lm_loss", True),
@@ -162,6 +165,11 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
         help="With --fp8-format, a fused-layer linear whose GEMM has a dimension (tokens, "
         "in or out features) below N stays in bf16 (default 1024, the narrowest measured to "
         "gain; 0: every linear in FP8).")
+    group.add_argument(
+        "--fast-fp8-first-scales", choices=("amax", "unit"), default=None,
+        help="With --fp8-format under delayed scaling, what a layer's first forward scales "
+        "by before any amax is recorded: each tensor's own amax (amax, the default) or 1 for "
+        "inputs, weights and gradients, as Transformer Engine's delayed scaling (unit).")
     group.add_argument(
         "--fast-multi-gpu-path", action="store_true",
         help="On one GPU, take the path of a launch on several data-parallel GPUs, to "

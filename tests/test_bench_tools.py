@@ -1,5 +1,6 @@
 """Pieces of the benchmark scripts that run without a GPU."""
 
+import argparse
 import json
 import os
 import sys
@@ -402,6 +403,22 @@ def test_fp8_losses_compares_current_scaling_with_current_scaling():
     argv = fp8_losses.entry_argv("fp8cs", 300, ["--mock-data"], shape="1.3B")
     assert argv[argv.index("--hidden-size") + 1] == "2048"
     assert argv[argv.index("--micro-batch-size") + 1] == "4"
+
+
+def test_fp8_losses_holds_te_started_delayed_scaling_to_tes():
+    """fp8unit (the fast spec's delayed scaling started with scales of 1, as TE's) is held to
+    TE's delayed scaling, and its flags reach the entry's parser."""
+    import fp8_losses
+    from megagpt.fast_path_flags import add_fast_path_arguments
+
+    bf16 = {i: 5.0 for i in range(1, 301)}
+    figures = fp8_losses.tracking_figures(
+        dict(bf16=bf16, fp8=bf16, fp8unit={i: 4.98 for i in bf16},
+             tefp8={i: 4.97 for i in bf16}), warmup=30)
+    assert figures["fp8unit_over_tefp8"] == pytest.approx(4.98 / 4.97 - 1)
+    argv = fp8_losses.entry_argv("fp8unit", 300, ["--mock-data"])
+    parsed, _ = add_fast_path_arguments(argparse.ArgumentParser()).parse_known_args(argv)
+    assert parsed.fast_fp8_first_scales == "unit"
 
 
 def test_fp8_losses_figures_over_seeds():

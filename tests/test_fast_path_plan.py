@@ -394,6 +394,18 @@ def test_fp8_where_every_linear_is_too_narrow_is_bf16_with_the_reason():
         plan_of(["--fast-fp8-min-width", "-1"], fp8="hybrid", **SHAPE_345M)
 
 
+def test_fp8_first_scales_reach_the_recipe_under_delayed_scaling_only():
+    plan = plan_of(["--fast-fp8-first-scales", "unit"], fp8="hybrid", fp8_recipe="delayed",
+                   **SHAPE_345M)
+    assert plan.value("FP8").first_scales == "unit"
+    assert plan_of(fp8="hybrid", fp8_recipe="delayed", **SHAPE_345M).value(
+        "FP8").first_scales == "amax"
+    with pytest.raises(UserError, match="--fast-fp8-first-scales unit: .*--fp8-recipe "
+                       "tensorwise scales every tensor by its own amax"):
+        plan_of(["--fast-fp8-first-scales", "unit"], fp8="hybrid", fp8_recipe="tensorwise",
+                **SHAPE_345M)
+
+
 @pytest.mark.parametrize("attrs, needle", [
     (dict(spec=["local"]), "megatron's local modules have no FP8.*--spec local"),
     (dict(overlap_param_gather=True, use_distributed_optimizer=True),

@@ -146,6 +146,42 @@ def test_delayed_scaling_scales_by_the_amaxes_of_the_forward_before():
     assert not torch.allclose(y_second, current)
 
 
+def test_unit_first_scales_cast_the_first_forward_and_its_gradients_by_one():
+    """TE's delayed scaling: before any amax is recorded every scale is 1, so the first
+    forward's small values round through e4m3 unscaled, and gradients below e5m2's
+    smallest subnormal (2^-16) vanish; the second forward scales by the first's amaxes."""
+    recipe = fp8.Fp8Recipe(scaling="delayed", first_scales="unit", emulate=True)
+    history = fp8.new_history(recipe, "cpu")
+    x, w, b, grad_out = _operands(seed=4)
+    first = fp8.start_step(recipe, history, warm=False)
+    assert first.unit_grads and torch.equal(first.scales, torch.ones(fp8.HISTORY_COLUMNS))
+    y = fp8.fp8_linear(x, w, b, None, first, fp8.FC2)
+    y.backward(grad_out)
+    xq, wq = (t.detach().to(E4M3).double() for t in (x, w))
+    gq = grad_out.to(E5M2).double()
+    for got, exact in ((y, xq @ wq.t() + b.detach().double()), (x.grad, gq @ wq),
+                       (w.grad, gq.t() @ xq)):
+        assert (got.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    # the amaxes are still recorded, for the next forward to scale by
+    assert history[0, 2 * fp8.FC2] == x.detach().abs().max()
+    # a gradient of 1e-6 is below e5m2's range at scale 1: the first backward's are zero,
+    # the second's (scaled by its own amax) are not
+    tiny = grad_out * 1e-3
+    x.grad = w.grad = None
+    fp8.fp8_linear(x, w, b, None, fp8.start_step(recipe, fp8.new_history(recipe, "cpu"),
+                                                 warm=False), fp8.FC2).backward(tiny)
+    assert not w.grad.any() and not x.grad.any()
+    second = fp8.start_step(recipe, history, warm=True)
+    assert not second.unit_grads
+    assert second.scales[2 * fp8.FC2] == pytest.approx(448.0 / x.detach().abs().max().item())
+    x.grad = w.grad = None
+    fp8.fp8_linear(x, w, b, None, second, fp8.FC2).backward(tiny)
+    assert w.grad.abs().max() > 0 and x.grad.abs().max() > 0
+    assert "the first forward's scales 1" in recipe.describe()
+    with pytest.raises(ValueError, match="first scales"):
+        fp8.Fp8Recipe(first_scales="ones")
+
+
 def test_an_amax_history_longer_than_one_step_takes_its_maximum():
     recipe = fp8.Fp8Recipe(scaling="delayed", history_len=3, amax_algo="max")
     history = fp8.new_history(recipe, "cpu")
@@ -314,7 +350,7 @@ def test_the_emulation_matches_cublas_fp8_kernels(fmt):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("scaling", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("scaling", ["tensorwise", "delayed", "delayed-unit"])
 def test_the_compiled_fp8_layer_on_the_gpu(scaling):
     """inductor's kernels around cuBLAS's FP8 GEMMs, weight gradients into main_grad, under a
     CUDA graph as the fast path runs it; against the bf16 layer."""
@@ -351,7 +387,8 @@ def test_the_compiled_fp8_layer_on_the_gpu(scaling):
         return out.detach(), x.grad.clone(), main_grads
 
     out_bf16, dx_bf16, mg_bf16 = grads({})
-    recipe = fp8.Fp8Recipe(scaling=scaling)
+    scaling, _, first = scaling.partition("-")
+    recipe = fp8.Fp8Recipe(scaling=scaling, first_scales=first or "amax")
     extra = {"fp8": recipe}
     if recipe.delayed:
         extra.update(fp8_history=fp8.new_history(recipe, dev), fp8_warm=False)

@@ -17,8 +17,10 @@ amax comes from:
 - ``delayed`` (megatron's default, TE's delayed scaling): for inputs and weights, the amax
   recorded by the layer's earlier forwards (``--fp8-amax-history-len``,
   ``--fp8-amax-compute-algo``), so the cast needs no reduction before it and records this
-  step's amax in the same pass. A layer's first forward has no history and scales by the
-  tensor's own amax. Output gradients are
+  step's amax in the same pass. A layer's first forward has no history: it scales by each
+  tensor's own amax (``first_scales="amax"``), or, as TE's delayed scaling does, by 1 for
+  its inputs, weights and output gradients (``"unit"``, ``--fast-fp8-first-scales``).
+  Output gradients are otherwise
   scaled by their own amax under both recipes: a gradient's range is known only once
   backward has made it, and scaling it from earlier steps' would tie the scale to state
   written in backward.
@@ -57,6 +59,9 @@ HISTORY_COLUMNS = 2 * LINEARS
 FORMATS = ("e4m3", "hybrid")
 RECIPES = ("tensorwise", "delayed")
 AMAX_ALGOS = ("most_recent", "max")
+# a delayed-scaling layer's first forward, before any amax is recorded: each tensor's own
+# amax, or scales of 1 (TE's delayed scaling starts its scales at 1)
+FIRST_SCALES = ("amax", "unit")
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,7 @@ class Fp8Recipe:
     history_len: int = 1  # --fp8-amax-history-len
     amax_algo: str = "most_recent"  # --fp8-amax-compute-algo
     wgrad: bool = True  # --no-fp8-wgrad: the weight gradient's GEMM in bf16
+    first_scales: str = "amax"  # --fast-fp8-first-scales (delayed scaling's first forward)
     emulate: bool = False  # float32 products of the dequantised operands (tests)
     # the linears that run in FP8; the others in bf16 (too narrow to gain: fp8_support)
     linears: tuple = ALL_LINEARS
@@ -82,6 +88,8 @@ class Fp8Recipe:
             raise ValueError(f"amax algorithm {self.amax_algo!r}: one of {AMAX_ALGOS}")
         if self.history_len < 1:
             raise ValueError("the amax history holds at least one step")
+        if self.first_scales not in FIRST_SCALES:
+            raise ValueError(f"first scales {self.first_scales!r}: one of {FIRST_SCALES}")
         if not self.linears or not set(self.linears) <= set(ALL_LINEARS):
             raise ValueError(f"FP8 linears {self.linears!r}: some of {ALL_LINEARS}")
 
@@ -105,8 +113,9 @@ class Fp8Recipe:
         history = ("the forward before's amax" if self.history_len == 1 else
                    f"the {self.amax_algo.replace('_', ' ')} amax of the last "
                    f"{self.history_len} forwards")
-        scaling = (f"delayed scaling ({history}; gradients by their own)" if self.delayed
-                   else "current scaling")
+        first = "; the first forward's scales 1" if self.first_scales == "unit" else ""
+        scaling = (f"delayed scaling ({history}; gradients by their own{first})"
+                   if self.delayed else "current scaling")
         wgrad = "" if self.wgrad else "; weight gradients in bf16"
         return (f"{self.format}: e4m3 inputs and weights, {grads} gradients, {scaling}{wgrad}"
                 f"{self._bf16_part()}")
@@ -143,11 +152,14 @@ def advance_history(history: Tensor) -> None:
 class Fp8Step:
     """One layer forward's FP8 state: the recipe, the layer's amax history (delayed
     scaling; None for current scaling) and the scales read from it before this forward
-    (None: scale each tensor by its own amax, as on a layer's first forward)."""
+    (None: scale each tensor by its own amax, as on a layer's first forward).
+    ``unit_grads``: this forward's output gradients are cast with a scale of 1 (a first
+    forward under ``first_scales="unit"``)."""
 
     recipe: Fp8Recipe
     history: Optional[Tensor] = None
     scales: Optional[Tensor] = None
+    unit_grads: bool = False
 
 
 def start_step(recipe: Fp8Recipe, history: Optional[Tensor], warm: bool) -> Fp8Step:
@@ -155,9 +167,13 @@ def start_step(recipe: Fp8Recipe, history: Optional[Tensor], warm: bool) -> Fp8S
     history (``warm``: a forward has recorded it) and the history advanced to this step."""
     if not recipe.delayed or history is None:
         return Fp8Step(recipe)
-    scales = delayed_scales(history, recipe) if warm else None
+    unit = not warm and recipe.first_scales == "unit"
+    if warm:
+        scales = delayed_scales(history, recipe)
+    else:
+        scales = torch.ones(HISTORY_COLUMNS, device=history.device) if unit else None
     advance_history(history)
-    return Fp8Step(recipe, history, scales)
+    return Fp8Step(recipe, history, scales, unit_grads=unit)
 
 
 def for_linear(step: Optional[Fp8Step], linear: int) -> Optional[Fp8Step]:
@@ -228,7 +244,7 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Optional[Tensor],
                 x8: Tensor, x8_t: Tensor, x_scale: Tensor, w8: Tensor, w8_t: Tensor,
-                w_scale: Tensor, recipe: Fp8Recipe) -> Tensor:
+                w_scale: Tensor, recipe: Fp8Recipe, unit_grads: bool) -> Tensor:
         lead = x.shape[:-1]
         x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
         y = scaled_mm(x8, w8.t(), x_inv, w_inv, b, x.dtype, True, recipe.emulate)
@@ -239,6 +255,7 @@ class _Fp8Linear(torch.autograd.Function):
         # not a saved tensor: every view of the gradient buffer shares one version counter
         ctx.main_grad = main_grad
         ctx.recipe = recipe
+        ctx.unit_grads = unit_grads
         ctx.has_bias = b is not None
         ctx.lead = lead
         ctx.weight_dtype = w.dtype
@@ -249,7 +266,10 @@ class _Fp8Linear(torch.autograd.Function):
         kept, w8_t, x_inv, w_inv = ctx.saved_tensors
         recipe: Fp8Recipe = ctx.recipe
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        g_scale = scale_from_amax(g2.abs().amax(), recipe.grad_dtype, recipe.margin)
+        if ctx.unit_grads:
+            g_scale = torch.ones((), dtype=torch.float32, device=g2.device)
+        else:
+            g_scale = scale_from_amax(g2.abs().amax(), recipe.grad_dtype, recipe.margin)
         wgrad = ctx.needs_input_grad[1] and recipe.wgrad
         g8, g8_t, _ = fp8_cast.cast_transpose(g2, g_scale.reshape(1), recipe.grad_dtype,
                                               wgrad)
@@ -262,7 +282,7 @@ class _Fp8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_w = _weight_gradient(ctx, g2, g8_t, g_inv, kept, x_inv)
         grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None, None
 
 
 def _weight_gradient(ctx, g2: Tensor, g8_t: Tensor, g_inv: Tensor, kept: Tensor,
@@ -288,4 +308,4 @@ def fp8_linear(x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Optional[Te
     x8, x8_t, x_scale = cast(x2, 2 * linear, step, transpose=step.recipe.wgrad)
     w8, w8_t, w_scale = cast(w, 2 * linear + 1, step, transpose=True)
     return _Fp8Linear.apply(x, w, b, main_grad, x8, x8_t, x_scale, w8, w8_t, w_scale,
-                            step.recipe)
+                            step.recipe, step.unit_grads)

@@ -42,7 +42,8 @@ def recipe_from_args(args, emulate: bool = False) -> Fp8Recipe:
         margin=int(getattr(args, "fp8_margin", 0) or 0),
         history_len=int(getattr(args, "fp8_amax_history_len", 1) or 1),
         amax_algo=getattr(args, "fp8_amax_compute_algo", None) or "most_recent",
-        wgrad=bool(getattr(args, "fp8_wgrad", True)), emulate=emulate)
+        wgrad=bool(getattr(args, "fp8_wgrad", True)),
+        first_scales=getattr(args, "fast_fp8_first_scales", None) or "amax", emulate=emulate)
 
 
 def _size(args, name: str) -> int:
