@@ -18,7 +18,9 @@ losses do not depend on what else runs; their speed is not measured here):
    tensorwise``), named in ``--precisions``: delayed scaling's first step differs between
    them (TE starts every scale at 1, the fast spec at each tensor's own amax), current
    scaling's does not, so they compare the FP8 arithmetic alone; ``fp8unit`` is the fast
-   spec's delayed scaling started as TE's (``--fast-fp8-first-scales unit``),
+   spec's delayed scaling started as TE's (``--fast-fp8-first-scales unit``), ``fp8te`` that
+   with its gradients scaled by the backward before's amax too (``--fast-fp8-grad-scaling
+   delayed``): TE's delayed scaling throughout,
    ``--iters`` iterations each, saving at the half way point; with ``--seeds N`` each of them
    N times (``--seed`` 1234, 1235, ...: ``NAME`` and ``NAME-seedK``), the goal's means taken
    over the seeds and each precision's spread between its seeds stated: on one GPU two calls
@@ -80,6 +82,9 @@ PRECISIONS = {
     "fp8cs": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
     # delayed scaling with TE's first step: every scale 1 before an amax is recorded
     "fp8unit": ["--fp8-format", "hybrid", "--fast-fp8-first-scales", "unit"],
+    # delayed scaling as TE's throughout: scales of 1 first, gradients by the history too
+    "fp8te": ["--fp8-format", "hybrid", "--fast-fp8-first-scales", "unit",
+              "--fast-fp8-grad-scaling", "delayed"],
     "tefp8": ["--transformer-impl", "transformer_engine", "--fast-cuda-graphs", "iteration",
               "--fp8-format", "hybrid"],
     "tefp8cs": ["--transformer-impl", "transformer_engine", "--fast-cuda-graphs", "iteration",
@@ -178,6 +183,8 @@ def tracking_figures(losses: dict[str, dict[int, float] | list[dict[int, float]]
     if {"fp8unit", "tefp8"} <= set(means):
         # delayed scaling on both sides with the same first step (scales of 1)
         out["fp8unit_over_tefp8"] = means["fp8unit"] / means["tefp8"] - 1
+    if {"fp8te", "tefp8"} <= set(means):
+        out["fp8te_over_tefp8"] = means["fp8te"] / means["tefp8"] - 1
     if {"fp8cs", "tefp8cs"} <= set(means):
         # the same recipe on both sides, first step included
         out["fp8cs_over_tefp8cs"] = means["fp8cs"] / means["tefp8cs"] - 1

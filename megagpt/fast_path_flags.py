@@ -1,4 +1,4 @@
-"""The fast path's command line: eight options added to megatron's parser.
+"""The fast path's command line: nine options added to megatron's parser.
 
   --no-fast-spec                  megatron's layers instead of the fast spec
   --fast-cuda-graphs {auto,none,iteration,layers}
@@ -9,6 +9,8 @@
   --fast-fp8-min-width N          with --fp8-format, linears narrower than N in bf16
   --fast-fp8-first-scales {amax,unit}
                                   delayed scaling's first forward: own amax, or TE's 1
+  --fast-fp8-grad-scaling {current,delayed}
+                                  delayed scaling's gradients: own amax, or TE's history
   --fast-multi-gpu-path           on one GPU, the path of a launch on several GPUs
 
 They set the namespace attributes the launch's resolution reads (``fast_cuda_graph``,
@@ -50,6 +52,7 @@ SWITCH_DEFAULTS = (
     ("fast_multi_gpu_path", False),
     ("fast_fp8_min_width", None),
     ("fast_fp8_first_scales", None),
+    ("fast_fp8_grad_scaling", None),
     ("fast_step_nan_checks", False),
     ("fast_optimizer", True),
     ("fast_lm_loss", True),
@@ -170,6 +173,11 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
         help="With --fp8-format under delayed scaling, what a layer's first forward scales "
         "by before any amax is recorded: each tensor's own amax (amax, the default) or 1 for "
         "inputs, weights and gradients, as Transformer Engine's delayed scaling (unit).")
+    group.add_argument(
+        "--fast-fp8-grad-scaling", choices=("current", "delayed"), default=None,
+        help="With --fp8-format under delayed scaling, what output gradients scale by: their "
+        "own amax (current, the default) or the amax the backwards before recorded, as "
+        "Transformer Engine's delayed scaling (delayed).")
     group.add_argument(
         "--fast-multi-gpu-path", action="store_true",
         help="On one GPU, take the path of a launch on several data-parallel GPUs, to "

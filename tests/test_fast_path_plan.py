@@ -394,7 +394,7 @@ def test_fp8_where_every_linear_is_too_narrow_is_bf16_with_the_reason():
         plan_of(["--fast-fp8-min-width", "-1"], fp8="hybrid", **SHAPE_345M)
 
 
-def test_fp8_first_scales_reach_the_recipe_under_delayed_scaling_only():
+def test_fp8_first_scales_and_grad_scaling_reach_the_recipe_under_delayed_scaling_only():
     plan = plan_of(["--fast-fp8-first-scales", "unit"], fp8="hybrid", fp8_recipe="delayed",
                    **SHAPE_345M)
     assert plan.value("FP8").first_scales == "unit"
@@ -404,6 +404,13 @@ def test_fp8_first_scales_reach_the_recipe_under_delayed_scaling_only():
                        "tensorwise scales every tensor by its own amax"):
         plan_of(["--fast-fp8-first-scales", "unit"], fp8="hybrid", fp8_recipe="tensorwise",
                 **SHAPE_345M)
+    plan = plan_of(["--fast-fp8-grad-scaling", "delayed"], fp8="hybrid",
+                   fp8_recipe="delayed", **SHAPE_345M)
+    assert plan.value("FP8").grad_scaling == "delayed"
+    with pytest.raises(UserError, match="--fast-fp8-grad-scaling delayed: the gradients' "
+                       "scaling is delayed scaling's"):
+        plan_of(["--fast-fp8-grad-scaling", "delayed"], fp8="hybrid",
+                fp8_recipe="tensorwise", **SHAPE_345M)
 
 
 @pytest.mark.parametrize("attrs, needle", [

@@ -154,7 +154,7 @@ def test_unit_first_scales_cast_the_first_forward_and_its_gradients_by_one():
     history = fp8.new_history(recipe, "cpu")
     x, w, b, grad_out = _operands(seed=4)
     first = fp8.start_step(recipe, history, warm=False)
-    assert first.unit_grads and torch.equal(first.scales, torch.ones(fp8.HISTORY_COLUMNS))
+    assert first.first_unit and torch.equal(first.scales, torch.ones(fp8.HISTORY_COLUMNS))
     y = fp8.fp8_linear(x, w, b, None, first, fp8.FC2)
     y.backward(grad_out)
     xq, wq = (t.detach().to(E4M3).double() for t in (x, w))
@@ -172,7 +172,7 @@ def test_unit_first_scales_cast_the_first_forward_and_its_gradients_by_one():
                                                  warm=False), fp8.FC2).backward(tiny)
     assert not w.grad.any() and not x.grad.any()
     second = fp8.start_step(recipe, history, warm=True)
-    assert not second.unit_grads
+    assert not second.first_unit and second.grad_scale(fp8.FC2) is None
     assert second.scales[2 * fp8.FC2] == pytest.approx(448.0 / x.detach().abs().max().item())
     x.grad = w.grad = None
     fp8.fp8_linear(x, w, b, None, second, fp8.FC2).backward(tiny)
@@ -180,6 +180,35 @@ def test_unit_first_scales_cast_the_first_forward_and_its_gradients_by_one():
     assert "the first forward's scales 1" in recipe.describe()
     with pytest.raises(ValueError, match="first scales"):
         fp8.Fp8Recipe(first_scales="ones")
+
+
+def test_delayed_gradient_scaling_scales_by_the_backward_before():
+    """TE's delayed scaling of gradients: the backward records its gradient's amax; the next
+    forward's step reads the scale from it (the gradient type's range), and a gradient
+    beyond that range saturates rather than overflowing."""
+    recipe = fp8.Fp8Recipe(scaling="delayed", grad_scaling="delayed", emulate=True)
+    history = fp8.new_history(recipe, "cpu")
+    x, w, b, grad_out = _operands(seed=5)
+    first = fp8.start_step(recipe, history, warm=False)
+    assert first.grad_scale(fp8.PROJ) is None  # nothing recorded: the gradient's own amax
+    fp8.fp8_linear(x, w, b, None, first, fp8.PROJ).backward(grad_out)
+    column = fp8.GRAD_COLUMNS + fp8.PROJ
+    assert history[0, column] == grad_out.abs().max()
+    second = fp8.start_step(recipe, history, warm=True)
+    assert second.grad_scale(fp8.PROJ) == pytest.approx(57344.0 / grad_out.abs().max().item())
+    x.grad = w.grad = None
+    fp8.fp8_linear(x, w, b, None, second, fp8.PROJ).backward(grad_out * 4)
+    # scaled by the smaller amax before: the largest quarter of the gradient saturates
+    xq, wq = (dequantised(t.detach(), E4M3, 448.0) for t in (x, w))
+    g_scale = second.grad_scale(fp8.PROJ).double()
+    gq = ((grad_out * 4).double() * g_scale).clamp(-57344, 57344).float().to(E5M2).double()
+    exact = (gq / g_scale) @ wq
+    assert torch.isfinite(x.grad).all()
+    assert (x.grad.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    assert history[0, column] == (grad_out * 4).abs().max()  # recorded for the step after
+    assert "gradients by the backward before's" in recipe.describe()
+    with pytest.raises(ValueError, match="gradient scaling"):
+        fp8.Fp8Recipe(grad_scaling="history")
 
 
 def test_an_amax_history_longer_than_one_step_takes_its_maximum():
@@ -260,10 +289,12 @@ def test_linears_left_out_of_the_recipe_run_in_bf16(cpu_buffers):
         fp8.Fp8Recipe(linears=())
 
 
-@pytest.mark.parametrize("scaling", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("scaling", ["tensorwise", "delayed", "delayed-grads"])
 def test_the_fp8_layer_traces_as_one_graph_without_breaks(cpu_buffers, scaling):
     """fullgraph, through AOTAutograd (backend 'aot_eager': the forward and backward graphs
-    inductor would get), with the weight gradients written into main_grad by the custom op."""
+    inductor would get), with the weight gradients written into main_grad by the custom op;
+    under delayed scaling two steps, the second scaled by the first's amaxes (its gradients
+    too, by what backward recorded, with ``grad_scaling="delayed"``)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -282,7 +313,8 @@ def test_the_fp8_layer_traces_as_one_graph_without_breaks(cpu_buffers, scaling):
                    fc1_w=p(4 * h, h), fc1_b=p(4 * h), fc2_w=p(h, 4 * h), fc2_b=p(h))
     main_grads = {f"{n}_main_grad": torch.zeros_like(weights[f"{n}_w"])
                   for n in ("qkv", "proj", "fc1", "fc2")}
-    recipe = fp8.Fp8Recipe(scaling=scaling)
+    scaling, _, grads = scaling.partition("-")
+    recipe = fp8.Fp8Recipe(scaling=scaling, grad_scaling="delayed" if grads else "current")
     kw = dict(rope=None, eps=1e-5, rms=False, groups=4, q_per_group=1, head_dim=h // 4,
               scale=(h // 4) ** -0.5, attn_p=0.0, hidden_p=0.0, act="gelu_tanh",
               rotary_interleaved=False, rope_mscale=1.0, training=True, fp8=recipe)
@@ -290,12 +322,16 @@ def test_the_fp8_layer_traces_as_one_graph_without_breaks(cpu_buffers, scaling):
 
     def run(fn, grads_into):
         call = dict(kw)
-        if recipe.delayed:  # a first forward: scaled by its own amaxes, which it records
-            call.update(fp8_history=fp8.new_history(recipe, "cpu"), fp8_warm=False)
-        for t in (x, *weights.values()):
-            t.grad = None
-        out = fn(x, **weights, **call, **grads_into)
-        out.sum().backward()
+        history = fp8.new_history(recipe, "cpu")
+        # a first forward (scaled by its own amaxes, which it records), then one scaled by
+        # what the first recorded
+        for warm in ((False, True) if recipe.delayed else (False,)):
+            if recipe.delayed:
+                call.update(fp8_history=history, fp8_warm=warm)
+            for t in (x, *weights.values()):
+                t.grad = None
+            out = fn(x, **weights, **call, **grads_into)
+            out.sum().backward()
         return out.detach(), call.get("fp8_history")
 
     compiled = torch.compile(fused_layer_forward, backend="aot_eager", fullgraph=True)
@@ -308,7 +344,9 @@ def test_the_fp8_layer_traces_as_one_graph_without_breaks(cpu_buffers, scaling):
         assert main_grads[name].abs().sum() > 0
         torch.testing.assert_close(main_grads[name], eager_grads[name])
     if recipe.delayed:  # the in-place amax records survive the functionalised graph
-        assert (history[0] > 0).all()
+        recorded = history[0] if recipe.delayed_grads else history[0, :fp8.GRAD_COLUMNS]
+        assert (recorded > 0).all()
+        assert recipe.delayed_grads or not history[0, fp8.GRAD_COLUMNS:].any()
         torch.testing.assert_close(history, eager_history)
 
 

@@ -17,13 +17,13 @@ amax comes from:
 - ``delayed`` (megatron's default, TE's delayed scaling): for inputs and weights, the amax
   recorded by the layer's earlier forwards (``--fp8-amax-history-len``,
   ``--fp8-amax-compute-algo``), so the cast needs no reduction before it and records this
-  step's amax in the same pass. A layer's first forward has no history: it scales by each
-  tensor's own amax (``first_scales="amax"``), or, as TE's delayed scaling does, by 1 for
-  its inputs, weights and output gradients (``"unit"``, ``--fast-fp8-first-scales``).
-  Output gradients are otherwise
-  scaled by their own amax under both recipes: a gradient's range is known only once
-  backward has made it, and scaling it from earlier steps' would tie the scale to state
-  written in backward.
+  step's amax in the same pass. Output gradients are scaled by their own amax
+  (``grad_scaling="current"``: a gradient's range is known only once backward has made it),
+  or, as TE's delayed scaling does, by the amax the earlier backwards recorded
+  (``"delayed"``, ``--fast-fp8-grad-scaling``). A layer's first forward has no history: it
+  scales by each tensor's own amax (``first_scales="amax"``), or, as TE's delayed scaling
+  does, by 1 for its inputs, weights and output gradients (``"unit"``,
+  ``--fast-fp8-first-scales``).
 
 The backward GEMMs read the FP8 operands transposed (cuBLAS's FP8 GEMM takes its first
 operand row-major and its second column-major): each cast writes both layouts in one pass
@@ -48,13 +48,15 @@ E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 FP8_MAX = fp8_cast.FP8_MAX
 
-# The fused layer's linears, in the order it runs them; each owns two columns of the amax
-# history: its input's and its weight's.
+# The fused layer's linears, in the order it runs them; each owns three columns of the amax
+# history: its input's (2 i) and its weight's (2 i + 1), e4m3, and its output gradient's
+# (GRAD_COLUMNS + i), in the format's gradient type.
 QKV, PROJ, FC1, FC2 = range(4)
 LINEARS = 4
 ALL_LINEARS = (QKV, PROJ, FC1, FC2)
 LINEAR_NAMES = ("qkv", "proj", "fc1", "fc2")
-HISTORY_COLUMNS = 2 * LINEARS
+GRAD_COLUMNS = 2 * LINEARS
+HISTORY_COLUMNS = 3 * LINEARS
 
 FORMATS = ("e4m3", "hybrid")
 RECIPES = ("tensorwise", "delayed")
@@ -62,6 +64,8 @@ AMAX_ALGOS = ("most_recent", "max")
 # a delayed-scaling layer's first forward, before any amax is recorded: each tensor's own
 # amax, or scales of 1 (TE's delayed scaling starts its scales at 1)
 FIRST_SCALES = ("amax", "unit")
+# delayed scaling's output gradients: their own amax, or the earlier backwards' (TE's)
+GRAD_SCALINGS = ("current", "delayed")
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,7 @@ class Fp8Recipe:
     amax_algo: str = "most_recent"  # --fp8-amax-compute-algo
     wgrad: bool = True  # --no-fp8-wgrad: the weight gradient's GEMM in bf16
     first_scales: str = "amax"  # --fast-fp8-first-scales (delayed scaling's first forward)
+    grad_scaling: str = "current"  # --fast-fp8-grad-scaling (delayed scaling's gradients)
     emulate: bool = False  # float32 products of the dequantised operands (tests)
     # the linears that run in FP8; the others in bf16 (too narrow to gain: fp8_support)
     linears: tuple = ALL_LINEARS
@@ -90,6 +95,8 @@ class Fp8Recipe:
             raise ValueError("the amax history holds at least one step")
         if self.first_scales not in FIRST_SCALES:
             raise ValueError(f"first scales {self.first_scales!r}: one of {FIRST_SCALES}")
+        if self.grad_scaling not in GRAD_SCALINGS:
+            raise ValueError(f"gradient scaling {self.grad_scaling!r}: one of {GRAD_SCALINGS}")
         if not self.linears or not set(self.linears) <= set(ALL_LINEARS):
             raise ValueError(f"FP8 linears {self.linears!r}: some of {ALL_LINEARS}")
 
@@ -100,6 +107,10 @@ class Fp8Recipe:
     @property
     def delayed(self) -> bool:
         return self.scaling == "delayed"
+
+    @property
+    def delayed_grads(self) -> bool:
+        return self.delayed and self.grad_scaling == "delayed"
 
     def __str__(self) -> str:  # the launch's FP8 choice, as --dry-run prints it
         return f"{self.format}, {self.scaling} scaling, fast spec{self._bf16_part()}"
@@ -113,8 +124,10 @@ class Fp8Recipe:
         history = ("the forward before's amax" if self.history_len == 1 else
                    f"the {self.amax_algo.replace('_', ' ')} amax of the last "
                    f"{self.history_len} forwards")
+        grad_scales = ("gradients by the backward before's" if self.delayed_grads
+                       else "gradients by their own")
         first = "; the first forward's scales 1" if self.first_scales == "unit" else ""
-        scaling = (f"delayed scaling ({history}; gradients by their own{first})"
+        scaling = (f"delayed scaling ({history}; {grad_scales}{first})"
                    if self.delayed else "current scaling")
         wgrad = "" if self.wgrad else "; weight gradients in bf16"
         return (f"{self.format}: e4m3 inputs and weights, {grads} gradients, {scaling}{wgrad}"
@@ -136,9 +149,11 @@ def new_history(recipe: Fp8Recipe, device) -> Tensor:
 
 
 def delayed_scales(history: Tensor, recipe: Fp8Recipe) -> Tensor:
-    """The scale of every history column from the steps recorded so far."""
+    """The scale of every history column from the steps recorded so far: e4m3's for the
+    inputs and weights, the gradient type's for the gradients."""
     amax = history[0] if recipe.amax_algo == "most_recent" else history.amax(dim=0)
-    return scale_from_amax(amax, E4M3, recipe.margin)
+    return torch.cat([scale_from_amax(amax[:GRAD_COLUMNS], E4M3, recipe.margin),
+                      scale_from_amax(amax[GRAD_COLUMNS:], recipe.grad_dtype, recipe.margin)])
 
 
 def advance_history(history: Tensor) -> None:
@@ -153,13 +168,24 @@ class Fp8Step:
     """One layer forward's FP8 state: the recipe, the layer's amax history (delayed
     scaling; None for current scaling) and the scales read from it before this forward
     (None: scale each tensor by its own amax, as on a layer's first forward).
-    ``unit_grads``: this forward's output gradients are cast with a scale of 1 (a first
-    forward under ``first_scales="unit"``)."""
+    ``first_unit``: a first forward under ``first_scales="unit"``, whose scales are all 1,
+    its output gradients' too."""
 
     recipe: Fp8Recipe
     history: Optional[Tensor] = None
     scales: Optional[Tensor] = None
-    unit_grads: bool = False
+    first_unit: bool = False
+
+    def grad_scale(self, linear: int) -> Optional[Tensor]:
+        """The scale of ``linear``'s output gradient, read before backward (None: the
+        gradient's own amax, taken in backward)."""
+        if self.scales is not None and (self.recipe.delayed_grads or self.first_unit):
+            return self.scales[GRAD_COLUMNS + linear]
+        return None
+
+    def grad_history(self) -> Optional[Tensor]:
+        """Where backward records the gradients' amaxes (delayed gradient scaling)."""
+        return self.history if self.recipe.delayed_grads else None
 
 
 def start_step(recipe: Fp8Recipe, history: Optional[Tensor], warm: bool) -> Fp8Step:
@@ -173,7 +199,7 @@ def start_step(recipe: Fp8Recipe, history: Optional[Tensor], warm: bool) -> Fp8S
     else:
         scales = torch.ones(HISTORY_COLUMNS, device=history.device) if unit else None
     advance_history(history)
-    return Fp8Step(recipe, history, scales, unit_grads=unit)
+    return Fp8Step(recipe, history, scales, first_unit=unit)
 
 
 def for_linear(step: Optional[Fp8Step], linear: int) -> Optional[Fp8Step]:
@@ -217,6 +243,14 @@ def scaled_mm(a8: Tensor, b8: Tensor, a_inv: Tensor, b_inv: Tensor, bias: Option
                             use_fast_accum=fast_accum)
 
 
+@torch.library.custom_op("megagpt::fp8_record_grad_amax", mutates_args=("history",))
+def fp8_record_grad_amax(history: Tensor, column: int, amax: Tensor) -> None:
+    """``amax`` (one element, an output gradient's) into the history's newest row at
+    ``column``: an operator, so that backward's write to the layer's history survives the
+    compiler's functionalisation as the weight gradients' writes into main_grad do."""
+    history[0, column] = amax[0]
+
+
 @torch.library.custom_op("megagpt::fp8_wgrad_into_main_grad", mutates_args=("main_grad",))
 def fp8_wgrad_into_main_grad(g8_t: Tensor, x8_t: Tensor, g_inv: Tensor, x_inv: Tensor,
                              main_grad: Tensor, weight_dtype: torch.dtype,
@@ -244,18 +278,25 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Optional[Tensor],
                 x8: Tensor, x8_t: Tensor, x_scale: Tensor, w8: Tensor, w8_t: Tensor,
-                w_scale: Tensor, recipe: Fp8Recipe, unit_grads: bool) -> Tensor:
+                w_scale: Tensor, recipe: Fp8Recipe, g_scale: Optional[Tensor],
+                grad_history: Optional[Tensor], grad_column: int) -> Tensor:
         lead = x.shape[:-1]
         x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
         y = scaled_mm(x8, w8.t(), x_inv, w_inv, b, x.dtype, True, recipe.emulate)
         # backward reads w8 column-major (dgrad) and x8 column-major (wgrad): the casts'
         # transposed copies, row-major
         kept = x8_t if recipe.wgrad else x.reshape(-1, x.shape[-1])
-        ctx.save_for_backward(kept, w8_t, x_inv, w_inv)
+        # the gradient's scale where it is read before backward (delayed or unit): this
+        # step's, saved before the history moves on
+        ctx.has_g_scale = g_scale is not None
+        ctx.save_for_backward(kept, w8_t, x_inv, w_inv,
+                              g_scale if g_scale is not None else x_inv.new_empty(0))
         # not a saved tensor: every view of the gradient buffer shares one version counter
         ctx.main_grad = main_grad
         ctx.recipe = recipe
-        ctx.unit_grads = unit_grads
+        # not a saved tensor: a buffer backward writes into (as main_grad)
+        ctx.grad_history = grad_history
+        ctx.grad_column = grad_column
         ctx.has_bias = b is not None
         ctx.lead = lead
         ctx.weight_dtype = w.dtype
@@ -263,16 +304,16 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        kept, w8_t, x_inv, w_inv = ctx.saved_tensors
+        kept, w8_t, x_inv, w_inv, g_scale = ctx.saved_tensors
         recipe: Fp8Recipe = ctx.recipe
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        if ctx.unit_grads:
-            g_scale = torch.ones((), dtype=torch.float32, device=g2.device)
-        else:
+        if not ctx.has_g_scale:
             g_scale = scale_from_amax(g2.abs().amax(), recipe.grad_dtype, recipe.margin)
         wgrad = ctx.needs_input_grad[1] and recipe.wgrad
-        g8, g8_t, _ = fp8_cast.cast_transpose(g2, g_scale.reshape(1), recipe.grad_dtype,
-                                              wgrad)
+        g8, g8_t, g_amax = fp8_cast.cast_transpose(g2, g_scale.reshape(1), recipe.grad_dtype,
+                                                   wgrad)
+        if ctx.grad_history is not None:
+            torch.ops.megagpt.fp8_record_grad_amax(ctx.grad_history, ctx.grad_column, g_amax)
         g_inv = g_scale.reciprocal()
         grad_x = None
         if ctx.needs_input_grad[0]:
@@ -282,7 +323,7 @@ class _Fp8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_w = _weight_gradient(ctx, g2, g8_t, g_inv, kept, x_inv)
         grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None, None
+        return (grad_x, grad_w, grad_b) + (None,) * 11
 
 
 def _weight_gradient(ctx, g2: Tensor, g8_t: Tensor, g_inv: Tensor, kept: Tensor,
@@ -308,4 +349,5 @@ def fp8_linear(x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Optional[Te
     x8, x8_t, x_scale = cast(x2, 2 * linear, step, transpose=step.recipe.wgrad)
     w8, w8_t, w_scale = cast(w, 2 * linear + 1, step, transpose=True)
     return _Fp8Linear.apply(x, w, b, main_grad, x8, x8_t, x_scale, w8, w8_t, w_scale,
-                            step.recipe, step.unit_grads)
+                            step.recipe, step.grad_scale(linear), step.grad_history(),
+                            GRAD_COLUMNS + linear)

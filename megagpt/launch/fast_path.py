@@ -130,11 +130,13 @@ def _fp8(p: Planner) -> None:
     floor = p.get("fast_fp8_min_width", None)
     if floor is not None and floor < 0:
         raise UserError(f"--fast-fp8-min-width {floor}: a width of 0 or more")
-    first = p.get("fast_fp8_first_scales", None)
-    if first is not None and p.get("fp8_recipe", "delayed") != "delayed":
-        raise UserError(f"--fast-fp8-first-scales {first}: the first forward's scales are "
-                        f"delayed scaling's; --fp8-recipe {p.get('fp8_recipe')} scales every "
-                        "tensor by its own amax")
+    for flag, what in (("first_scales", "the first forward's scales are"),
+                       ("grad_scaling", "the gradients' scaling is")):
+        given = p.get(f"fast_fp8_{flag}", None)
+        if given is not None and p.get("fp8_recipe", "delayed") != "delayed":
+            raise UserError(f"--fast-fp8-{flag.replace('_', '-')} {given}: {what} delayed "
+                            f"scaling's; --fp8-recipe {p.get('fp8_recipe')} scales every "
+                            "tensor by its own amax")
     fp8, bf16 = linears_in_fp8(p.v)
     if not fp8:
         p.set("fp8", None)
