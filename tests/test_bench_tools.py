@@ -416,6 +416,15 @@ def test_fp8_losses_holds_te_started_delayed_scaling_to_tes():
         dict(bf16=bf16, fp8=bf16, fp8unit={i: 4.98 for i in bf16},
              tefp8={i: 4.97 for i in bf16}), warmup=30)
     assert figures["fp8unit_over_tefp8"] == pytest.approx(4.98 / 4.97 - 1)
+    # without the default recipe's run: TE's recipe alone is held, to bf16 and to TE's
+    figures = fp8_losses.tracking_figures(
+        dict(bf16=bf16, fp8te={i: 4.99 for i in bf16}, tefp8={i: 4.97 for i in bf16}),
+        warmup=30)
+    assert "fp8_over_bf16" not in figures and figures["holds"]
+    assert figures["fp8te_over_bf16"] == pytest.approx(-0.002)
+    assert not fp8_losses.tracking_figures(
+        dict(bf16=bf16, fp8te={i: 5.0 for i in bf16}, tefp8={i: 4.97 for i in bf16}),
+        warmup=30)["holds"]
     argv = fp8_losses.entry_argv("fp8unit", 300, ["--mock-data"])
     parsed, _ = add_fast_path_arguments(argparse.ArgumentParser()).parse_known_args(argv)
     assert parsed.fast_fp8_first_scales == "unit"
