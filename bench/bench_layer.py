@@ -122,13 +122,16 @@ def capture_layer(shape: str, inductor_options: dict) -> torch.cuda.CUDAGraph:
 
 
 def _fp8_arguments(recipe: str | None, device) -> dict:
-    """The fused function's FP8 arguments for ``recipe`` ("tensorwise", "delayed"; None:
-    none, bf16), as ``FastTransformerLayer`` passes them."""
+    """The fused function's FP8 arguments for ``recipe`` ("tensorwise", "delayed",
+    "delayed-grads": delayed gradients too; None: none, bf16), as ``FastTransformerLayer``
+    passes them."""
     if recipe is None:
         return {}
     from megagpt.fast_spec import fp8
 
-    r = fp8.Fp8Recipe(format="hybrid", scaling=recipe)
+    scaling, _, grads = recipe.partition("-")
+    r = fp8.Fp8Recipe(format="hybrid", scaling=scaling,
+                      grad_scaling="delayed" if grads else "current")
     if not r.delayed:
         return {"fp8": r}
     return {"fp8": r, "fp8_history": fp8.new_history(r, device), "fp8_warm": False}
@@ -218,6 +221,9 @@ SETTINGS = {
     # the four linears in FP8 (megagpt.fast_spec.fp8), hybrid format
     "fp8 tensorwise": {"_fp8": "tensorwise"},
     "fp8 delayed": {"_fp8": "delayed"},
+    # delayed scaling with the gradients scaled by the backward before's amax (TE's): no
+    # reduction over the gradient before its cast
+    "fp8 delayed gradients": {"_fp8": "delayed-grads"},
 }
 DEFAULT_SETTINGS = [name for name in SETTINGS if "dropout" not in name and "fp8" not in name]
 

@@ -170,12 +170,16 @@ def test_analyse_reports_on_a_trace_megatron_wrote(tmp_path):
 
 
 def test_bench_layer_settings_and_kernel_summary():
-    from bench_layer import SETTINGS, settings, summarise_kernels
+    from bench_layer import SETTINGS, _fp8_arguments, settings, summarise_kernels
 
     chosen = settings(["default", "no mix-order"], [32])
     assert chosen == {"default": {}, "no mix-order": {"triton.mix_order_reduction": False},
                       "mix-order 32": {"triton.mix_order_reduction_split_size": 32}}
     assert set(SETTINGS) >= {"default", "no mix-order", "multi-kernel"}
+    for name, grads in (("fp8 delayed", False), ("fp8 delayed gradients", True)):
+        arguments = _fp8_arguments(SETTINGS[name]["_fp8"], "cpu")
+        assert arguments["fp8"].delayed and arguments["fp8"].delayed_grads == grads
+        assert arguments["fp8_history"].shape[1] == 12 and not arguments["fp8_warm"]
     summary = summarise_kernels({
         "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT": 2.0,
         "triton_per_fused__unsafe_view_add_native_layer_norm_backward_2": 0.25,
