@@ -394,6 +394,17 @@ def test_fp8_where_every_linear_is_too_narrow_is_bf16_with_the_reason():
         plan_of(["--fast-fp8-min-width", "-1"], fp8="hybrid", **SHAPE_345M)
 
 
+def test_delayed_fp8_under_a_graph_captured_at_the_first_iteration_is_refused():
+    with pytest.raises(UserError, match="--cuda-graph-warmup-steps 0 with the fast spec's "
+                       "delayed FP8 scaling: the CUDA graph would be captured at the first "
+                       "iteration"):
+        plan_of(fp8="hybrid", fp8_recipe="delayed", cuda_graph_warmup_steps=0, **SHAPE_345M)
+    # current scaling holds no state across steps; and one warm-up step is enough
+    plan_of(fp8="hybrid", fp8_recipe="tensorwise", cuda_graph_warmup_steps=0, **SHAPE_345M)
+    assert plan_of(fp8="hybrid", fp8_recipe="delayed", cuda_graph_warmup_steps=1,
+                   **SHAPE_345M).value("FP8").delayed
+
+
 def test_fp8_first_scales_and_grad_scaling_reach_the_recipe_under_delayed_scaling_only():
     plan = plan_of(["--fast-fp8-first-scales", "unit"], fp8="hybrid", fp8_recipe="delayed",
                    **SHAPE_345M)

@@ -288,6 +288,15 @@ def _graph_choices(p: Planner) -> None:
     else:
         why = f"full iteration: {p.full_off or 'off'}; per layer: {p.layers_off or 'off'}"
         p.choose(CUDA_GRAPH, impl, why)
+    fp8 = p.chosen(FP8)
+    if (impl in ("full_iteration", "local") and getattr(fp8 and fp8.value, "delayed", False)
+            and p.get("cuda_graph_warmup_steps", 3) == 0):
+        # the graph would hold the first iteration's forward, scaled before any amax was
+        # recorded, and replay it every step
+        raise UserError("--cuda-graph-warmup-steps 0 with the fast spec's delayed FP8 "
+                        "scaling: the CUDA graph would be captured at the first iteration, "
+                        "before any amax is recorded, and replay its scales; give 1 or more "
+                        "(default 3) or --fp8-recipe tensorwise")
     nan = bool(p.get("check_for_nan_in_loss_and_grad", False))
     if nan:
         p.choose(NAN_CHECK, "in step", "megatron's checks of each loss and gradient bucket")
