@@ -394,6 +394,25 @@ def test_fp8_where_every_linear_is_too_narrow_is_bf16_with_the_reason():
         plan_of(["--fast-fp8-min-width", "-1"], fp8="hybrid", **SHAPE_345M)
 
 
+def test_unit_first_scales_are_for_trainings_first_step_not_a_resume(tmp_path):
+    """The amax history is not in the checkpoint: a resume's first forward scales by its own
+    amaxes rather than by 1, which would cut the first step's gradients."""
+    ckpt = tmp_path / "ckpt"
+    shard = ckpt / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt"
+    shard.parent.mkdir(parents=True)
+    shard.write_bytes(b"saved")
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("10")
+    unit = ["--fast-fp8-first-scales", "unit"]
+    fresh = plan_of(unit, fp8="hybrid", fp8_recipe="delayed", load=str(tmp_path / "none"),
+                    **SHAPE_345M)
+    assert fresh.value("FP8").first_scales == "unit"
+    resumed = plan_of(unit, fp8="hybrid", fp8_recipe="delayed", load=str(ckpt), **SHAPE_345M)
+    assert resumed.value("FP8").first_scales == "amax"
+    (line,) = [x for x in resumed.log if "is for training's first step" in x]
+    assert f"resuming {ckpt / 'iter_0000010'}, the first forward scales by its own amaxes" \
+        in line
+
+
 def test_delayed_fp8_under_a_graph_captured_at_the_first_iteration_is_refused():
     with pytest.raises(UserError, match="--cuda-graph-warmup-steps 0 with the fast spec's "
                        "delayed FP8 scaling: the CUDA graph would be captured at the first "

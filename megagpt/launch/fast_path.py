@@ -16,6 +16,8 @@ into ``args`` (for the bench's layouts and tests).
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from typing import Callable, Mapping, Optional
 
@@ -146,6 +148,16 @@ def _fp8(p: Planner) -> None:
         p.choose(FP8, "off", "every linear too narrow to gain (--fast-fp8-min-width)")
         return
     recipe = recipe_from_args(p.v)
+    if recipe.first_scales == "unit":
+        from megagpt.resilience.checkpoint_guard import checkpoint_to_load
+
+        resumed = checkpoint_to_load(p.v)
+        if resumed is not None:
+            # the amax history is not in the checkpoint (TE's is): scales of 1 would cut the
+            # first step's gradients of a model that has trained
+            recipe = dataclasses.replace(recipe, first_scales="amax")
+            p.log(f"fast spec: --fast-fp8-first-scales unit is for training's first step; "
+                  f"resuming {resumed}, the first forward scales by its own amaxes")
     p.set("fast_fp8", fmt)
     p.set("fp8", None)
     narrow = f"; in bf16, too narrow to gain: {', '.join(bf16)}" if bf16 else ""

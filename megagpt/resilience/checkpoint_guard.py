@@ -313,27 +313,38 @@ def saves_by_bucket(args) -> bool:
                 and getattr(args, "ckpt_format", "torch_dist") in BUCKETED_FORMATS)
 
 
+def checkpoint_to_load(args) -> str | None:
+    """The iteration folder a launch of ``args`` loads (``--load``, ``--ckpt-step`` or the
+    newest complete checkpoint), None where it starts fresh or the folder cannot be told
+    (``prepare_load`` says what is wrong with it once megatron has validated)."""
+    if not getattr(args, "load", None):
+        return None
+    step = getattr(args, "ckpt_step", None)
+    if step is not None:
+        return iteration_dir(args.load, step)
+    try:
+        plan = plan_load(args.load, getattr(args, "save", None))
+    except (CheckpointError, OSError, ValueError):
+        return None
+    return None if plan.iteration is None else iteration_dir(plan.root, plan.iteration)
+
+
 def bucketed_gradient_buffer(args) -> tuple[str, str] | None:
     """(checkpoint folder, its "parameters/gradients" dtypes) of the checkpoint a resume of
     ``args`` loads, where that checkpoint keeps its distributed optimizer's state by gradient
     bucket (megatron's default format, which names each bucket by those dtypes) and this run
     loads it into the distributed optimizer; None otherwise, and where the checkpoint cannot
     be read (``prepare_load`` says what is wrong with it once megatron has validated)."""
-    if (not getattr(args, "load", None) or not getattr(args, "use_distributed_optimizer", False)
+    if (not getattr(args, "use_distributed_optimizer", False)
             or getattr(args, "no_load_optim", False) or getattr(args, "finetune", False)
             or getattr(args, "ckpt_format", "torch_dist") not in BUCKETED_FORMATS):
         return None
+    ckpt_dir = checkpoint_to_load(args)
+    if ckpt_dir is None:
+        return None
     try:
-        step = getattr(args, "ckpt_step", None)
-        if step is not None:
-            ckpt_dir = iteration_dir(args.load, step)
-        else:
-            plan = plan_load(args.load, getattr(args, "save", None))
-            if plan.iteration is None:
-                return None
-            ckpt_dir = iteration_dir(plan.root, plan.iteration)
         saved = (config_snapshot.read(ckpt_dir) or {}).get("optimizer")
-    except (CheckpointError, config_snapshot.SnapshotError, OSError, ValueError):
+    except (config_snapshot.SnapshotError, OSError, ValueError):
         return None
     if not isinstance(saved, dict) or not _saved_by_bucket(saved) \
             or not saved.get("gradient_buffer"):
