@@ -388,7 +388,7 @@ def test_the_emulation_matches_cublas_fp8_kernels(fmt):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("scaling", ["tensorwise", "delayed", "delayed-unit"])
+@pytest.mark.parametrize("scaling", ["tensorwise", "delayed", "delayed-unit", "delayed-grads"])
 def test_the_compiled_fp8_layer_on_the_gpu(scaling):
     """inductor's kernels around cuBLAS's FP8 GEMMs, weight gradients into main_grad, under a
     CUDA graph as the fast path runs it; against the bf16 layer."""
@@ -425,8 +425,9 @@ def test_the_compiled_fp8_layer_on_the_gpu(scaling):
         return out.detach(), x.grad.clone(), main_grads
 
     out_bf16, dx_bf16, mg_bf16 = grads({})
-    scaling, _, first = scaling.partition("-")
-    recipe = fp8.Fp8Recipe(scaling=scaling, first_scales=first or "amax")
+    scaling, _, variant = scaling.partition("-")  # TE's first scales, or TE's gradients
+    recipe = fp8.Fp8Recipe(scaling=scaling, first_scales="unit" if variant == "unit" else "amax",
+                           grad_scaling="delayed" if variant == "grads" else "current")
     extra = {"fp8": recipe}
     if recipe.delayed:
         extra.update(fp8_history=fp8.new_history(recipe, dev), fp8_warm=False)

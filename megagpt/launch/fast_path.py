@@ -17,7 +17,6 @@ into ``args`` (for the bench's layouts and tests).
 from __future__ import annotations
 
 import dataclasses
-
 import os
 from typing import Callable, Mapping, Optional
 
