@@ -196,6 +196,29 @@ def test_the_cause_of_a_failed_collective_in_a_few_words():
     assert hangs.ranks_text([3, 0, 1, 2]) == "0-3" and hangs.ranks_text([0, 2]) == "0, 2"
 
 
+def _raised_while_handling(first: BaseException, then: BaseException) -> BaseException:
+    try:
+        try:
+            raise first
+        except BaseException:
+            raise then
+    except BaseException as raised:
+        return raised
+
+
+def test_an_error_raised_while_a_killed_worker_unwinds_is_the_termination():
+    """torch's SIGCHLD handler raises at whatever line runs when a data-loader worker dies; in
+    a torch function mode's bookkeeping it leaves the mode stack broken, and leaving the mode
+    then raises its own error with the worker's as its context."""
+    killed = RuntimeError("DataLoader worker (pid 3744) is killed by signal: Killed. ")
+    broken = _raised_while_handling(killed, RuntimeError("trying to pop from empty mode stack"))
+    assert not collective_failure.is_termination_consequence(broken)
+    assert collective_failure.termination_consequence(broken) is killed
+    assert collective_failure.termination_consequence(killed) is killed
+    own = _raised_while_handling(ValueError("bad shard"), OSError("disk full"))
+    assert collective_failure.termination_consequence(own) is None
+
+
 def test_the_site_is_the_first_caller_outside_torch_and_decorators_wrappers():
     # torch's _all_gather_base is wrapped by typing_extensions' @deprecated: megatron's call
     # of it is the frame above that wrapper's

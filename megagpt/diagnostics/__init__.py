@@ -157,13 +157,15 @@ def active(args, plan: DiagnosticsPlan, memory_knobs=None):
     except Exception as exc:  # not SystemExit: megatron's own exits (preemption) are its say
         if out_of_memory.is_out_of_memory(exc):
             raise out_of_memory.out_of_memory_error(exc, args, memory_knobs) from None
-        if (sigterm is not None and sigterm.received
-                and collective_failure.is_termination_consequence(exc)):
-            ended = reporter.exception_for_termination(exc)
+        terminated = (collective_failure.termination_consequence(exc)
+                      if sigterm is not None and sigterm.received else None)
+        if terminated is not None:
+            ended = reporter.exception_for_termination(terminated)
             if isinstance(ended, SystemExit):
                 # the exit SIGTERM would have been, with what ended it said in one line
                 _to_stderr(f"[megagpt] SIGTERM: this rank leaves with status {ended.code} "
-                           f"after {type(exc).__name__}: {hangs.failure_cause(exc)}")
+                           f"after {type(terminated).__name__}: "
+                           f"{hangs.failure_cause(terminated)}")
             raise ended from None
         if collective_failure.is_collective_failure(exc):
             raise reporter.exception_for(exc) from None

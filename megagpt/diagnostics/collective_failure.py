@@ -51,6 +51,21 @@ def is_collective_failure(exc: BaseException) -> bool:
         "Watchdog caught collective"))
 
 
+def termination_consequence(exc: BaseException) -> BaseException | None:
+    """The error in ``exc``'s chain that a launcher's SIGTERM caused (``exc`` itself, or one it
+    was raised while handling), else None. torch's SIGCHLD handler raises "DataLoader worker ...
+    killed" at whatever Python line runs when a worker dies, inside a torch function mode's
+    own bookkeeping too: the mode stack is then left broken, and leaving the mode raises
+    "trying to pop from empty mode stack" in place of the worker's error."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if is_termination_consequence(exc):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def is_termination_consequence(exc: BaseException) -> bool:
     """Whether ``exc`` is what a launcher's SIGTERM does to a rank it ends: a collective cut
     short (a peer ended first), or the rank's data-loader workers ended under it (torchrun
