@@ -121,6 +121,10 @@ LEDGER: tuple[Change, ...] = (
            "DataLoader draws its worker seed from torch's CPU generator after the checkpoint "
            "is loaded, so a resumed CPU run's dropout masks differ; the wrapper leaves the "
            "host generators as it found them", PRETRAIN, "bd84366cbf26"),
+    Change(T + "build_train_valid_test_data_iterators", WRAPS, "megagpt.resilience.worker_deaths",
+           "the iterators it makes install torch's SIGCHLD handler, which raises a dead "
+           "data-loader worker's error once for each loader, on SIGCHLDs after the first; the "
+           "wrapper makes it raise once", PRETRAIN, "bd84366cbf26"),
     Change("megatron.training.dist_signal_handler.DistributedSignalHandler.__enter__",
            RELIES_ON, "megagpt.resilience.preemption",
            "a process forked while SIGTERM's handler is this method's local function (its "

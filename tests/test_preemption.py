@@ -9,6 +9,7 @@ import contextlib
 import os
 import re
 import signal
+import textwrap
 import time
 from argparse import Namespace
 
@@ -252,3 +253,50 @@ def test_a_worker_killed_after_sigterm_ends_the_run_with_one_line_saying_so(tmp_
     assert "[megagpt] SIGTERM: this rank leaves with status 143 after RuntimeError: " \
            "DataLoader worker" in text, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
+
+
+
+DEATHS_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    from torch.utils.data import DataLoader
+    from megagpt.resilience import worker_deaths
+
+    # megatron's training and validation loaders, each with its workers
+    loaders = [iter(DataLoader(list(range(64)), batch_size=1, num_workers=2,
+                               multiprocessing_context="fork")) for _ in range(2)]
+    for batches in loaders:
+        next(batches)  # the workers run, and torch's SIGCHLD handler is installed
+    if sys.argv[1] == "once":
+        assert worker_deaths.raise_worker_deaths_once()
+        assert not worker_deaths.raise_worker_deaths_once()  # already ours
+    for worker in [w for batches in loaders for w in batches._workers]:
+        os.kill(worker.pid, signal.SIGKILL)  # all, as by the out-of-memory killer
+    try:
+        time.sleep(5)
+        print("their deaths raised nothing", flush=True)
+    except RuntimeError as exc:
+        print("raised:", exc, flush=True)
+    os.kill(os.getpid(), signal.SIGCHLD)  # any later child's end, as the run leaves
+    time.sleep(1)
+    print("the next SIGCHLD raised nothing", flush=True)
+""")
+
+
+@pytest.mark.parametrize("once", [True, False], ids=["raising-once", "torchs-own"])
+def test_a_dead_workers_error_is_raised_once_not_on_every_sigchld_after(once):
+    """torch's SIGCHLD handler raises once for each DataLoader whose workers died, one on each
+    SIGCHLD, at whatever line the leaving run has reached; the entry's raises once."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", DEATHS_SCRIPT, "once" if once else "torch"],
+                          capture_output=True, text=True, timeout=120)
+    if once:
+        assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+        assert re.search(r"raised: DataLoader worker \(pid \d+\) is killed by signal: "
+                         r"Killed", proc.stdout), proc.stdout
+        assert "the next SIGCHLD raised nothing" in proc.stdout
+    else:  # what the entry's handler is for: the other loader's, raised on a later line
+        said = proc.stdout + proc.stderr
+        assert proc.returncode == 1, said[-3000:]
+        assert said.count("is killed by signal: Killed") == 2, said[-3000:]

@@ -56,3 +56,37 @@ def test_without_megatrons_handler_sigterm_still_ends_the_rank(tmp_path, dump):
     proc = _run(str(tmp_path / "fr_") if dump else None, megatron_takes_it=False)
     assert proc.returncode == 128 + 15, proc.stdout + proc.stderr[-2000:]
     assert "still running" not in proc.stdout
+
+
+CATCH_UP_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    from megagpt.diagnostics.collective_failure import FailureReporter
+    from megagpt.diagnostics.on_sigterm import CATCH_UP_S, SigtermWatcher
+    from megatron.training.dist_signal_handler import DistributedSignalHandler
+
+    reporter = FailureReporter(dump_prefix=None, launched_at=time.time(), rank=0,
+                               world_size=1, backend="gloo")
+    watcher = SigtermWatcher(reporter, print, in_save=lambda: False).install()
+    handler = DistributedSignalHandler(signal.SIGTERM).__enter__()
+    # the main thread keeps the interpreter's lock for as long as it does not block, as a
+    # training step's Python does between two kernels: the thread cannot read the socket
+    sys.setswitchinterval(30)
+    os.kill(os.getpid(), signal.SIGTERM)
+    at_once = watcher.received
+    caught_up = watcher.received_within(CATCH_UP_S)
+    sys.setswitchinterval(0.005)
+    print("at once:", at_once, "caught up:", caught_up, "megatron:", handler._signal_received,
+          flush=True)
+    handler.release()
+    watcher.remove()
+""")
+
+
+def test_a_sigterm_on_the_socket_is_read_before_an_error_it_caused_is_judged():
+    """An error a SIGTERM caused in the main thread (a data-loader worker killed with the rank)
+    can reach the diagnostics before the watcher's thread has read the signal: the main
+    thread holds the interpreter's lock. ``received_within`` lets the thread catch up."""
+    proc = subprocess.run([sys.executable, "-c", CATCH_UP_SCRIPT], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert "at once: False caught up: True megatron: True" in proc.stdout, proc.stdout

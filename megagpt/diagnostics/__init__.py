@@ -158,8 +158,10 @@ def active(args, plan: DiagnosticsPlan, memory_knobs=None):
         if out_of_memory.is_out_of_memory(exc):
             raise out_of_memory.out_of_memory_error(exc, args, memory_knobs) from None
         terminated = (collective_failure.termination_consequence(exc)
-                      if sigterm is not None and sigterm.received else None)
-        if terminated is not None:
+                      if sigterm is not None else None)
+        if terminated is not None and sigterm.received_within(
+                0.0 if collective_failure.is_collective_failure(terminated)
+                else on_sigterm.CATCH_UP_S):
             ended = reporter.exception_for_termination(terminated)
             if isinstance(ended, SystemExit):
                 # the exit SIGTERM would have been, with what ended it said in one line

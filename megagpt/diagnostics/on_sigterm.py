@@ -35,6 +35,12 @@ from megagpt.diagnostics.collective_failure import FailureReporter
 # save (which runs under the launch timeout and is not looked at), completes in less.
 STUCK_S = 2.0
 
+# How long an error a SIGTERM may have caused outside any collective (a data-loader worker
+# killed with the rank) waits for the thread to read a signal on its socket: a dead worker is
+# the run's end either way, and a SIGTERM already sent is read within milliseconds. (A failed
+# collective does not wait: a launcher's SIGTERM after it must not decide its report.)
+CATCH_UP_S = 1.0
+
 _child_resets_installed = False
 _wakeup_socket: socket.socket | None = None
 
@@ -169,6 +175,13 @@ class SigtermWatcher:
     def received(self) -> bool:
         """A SIGTERM has arrived: this rank is being ended."""
         return self._received.is_set()
+
+    def received_within(self, timeout_s: float) -> bool:
+        """Whether a SIGTERM has arrived, giving the thread ``timeout_s`` to read one that is
+        on its socket: the main thread runs on, holding the interpreter's lock, and an error
+        the signal caused there (a data-loader worker killed with the rank: torch's SIGCHLD
+        handler raises at once) can reach its handler before the thread has said so."""
+        return self._received.wait(timeout_s)
 
     def _on_sigterm(self) -> None:
         self._received.set()

@@ -26,7 +26,8 @@ steps of the launch's resolution (``megagpt.launch.resolution``), before megatro
     or its optimizers' ``load_state_dict``) through ``megagpt.megatron_wrappers``, in the order
     listed (the first innermost), and is undone on exit. Inside it, processes forked while
     megatron's exit-signal handler holds SIGTERM (the data-loader workers) keep the signal
-    blocked (``preemption``). The launch's one context of megatron changes enters it
+    blocked (``preemption``), and torch's handler of a worker's death raises once
+    (``worker_deaths``). The launch's one context of megatron changes enters it
     (``megagpt.launch.megatron_changes``).
 
 docs/resilience.md describes the behaviour and the rules.
@@ -40,7 +41,7 @@ from megagpt import megatron_wrappers
 from megagpt.log import log
 from megagpt.resilience import (checkpoint_guard, checkpoint_integrity, config_snapshot,
                                 divergence, fidelity, optimizer_groups, precision_change,
-                                preemption)
+                                preemption, worker_deaths)
 
 
 @contextlib.contextmanager
@@ -59,6 +60,8 @@ def active(args, load_earlier: checkpoint_integrity.LoadEarlier, container=None,
         ("training_log", fidelity.__name__, fidelity.first_log_boundary_resets),
         ("build_train_valid_test_data_iterators", fidelity.__name__,
          fidelity.without_drawing_random_numbers),
+        ("build_train_valid_test_data_iterators", worker_deaths.__name__,
+         worker_deaths.after_building_iterators),
         ("save_checkpoint", checkpoint_guard.__name__,
          lambda fn: checkpoint_guard.one_line_save_errors(fn, args)),
         ("save_checkpoint", config_snapshot.__name__,
