@@ -5,11 +5,11 @@ raises "DataLoader worker (pid N) is killed by signal: ..." in the main thread a
 worker has died. It then forgets that iterator's workers, but not the other iterators': with
 the kernel's out-of-memory killer or a launcher's kill of the process group, which take every
 worker, megatron's training, validation and test loaders each raise on a SIGCHLD of their
-own, at whatever line the leaving run has reached. Raised inside torch's
-own bookkeeping of a function mode it leaves the mode stack broken; raised as a context's
-``__exit__`` begins, it takes the place of the first error before the launch's context has
-seen it, so that none of the entry's handlers runs (status 1 and three chained tracebacks,
-where a SIGTERM's end is status 143 and one line).
+own, at whatever line the leaving run has reached. Raised inside torch's own bookkeeping of
+a function mode, it leaves the mode stack broken; raised as a context's ``__exit__`` begins,
+it takes the place of the first error before the launch's context has seen it, so that none
+of the entry's handlers runs (status 1 and three chained tracebacks, where a SIGTERM's end is
+status 143 and one line).
 
 Once megatron's ``build_train_valid_test_data_iterators`` has made the iterators, torch's
 handler stays, raising once: the first death still stops the run where it is, and the
