@@ -128,13 +128,13 @@ def test_measured_layouts_are_set_beside_the_dry_runs_estimate(tmp_path):
     out = tmp_path / "ranking"
     p = subprocess.run([sys.executable, str(REPO / "bench" / "layouts.py"), "--cpu",
                         "--shape", "tiny", "--gpus", "2", "--iters", "3", "--skip", "1",
-                        "--no-one", "--layouts", "tp2,pp2,tp1dp2", "--estimate", "H200",
+                        "--no-one", "--layouts", "tp2,tp1dp2", "--estimate", "H200",
                         "--out", str(out), "--", "--mock-data", "--vocab-size", "512"],
                        cwd=REPO, env=entry_env(), stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-4000:]
     report = json.loads((out / "layouts.json").read_text())
-    assert set(report["layouts"]) == {"tp2", "pp2", "tp1dp2"} and not (out / "one.log").exists()
+    assert set(report["layouts"]) == {"tp2", "tp1dp2"} and not (out / "one.log").exists()
     for r in report["layouts"].values():
         assert r["ms_per_iter"] > 0 and r["estimated_ms"] > 0
     assert "measured against the dry run's estimate on H200" in p.stdout
@@ -145,7 +145,7 @@ def test_measured_layouts_are_set_beside_the_dry_runs_estimate(tmp_path):
     made = records.from_output(report)
     assert all(not records.problems(r) for r in made)
     assert {r["row"]["layout"]: r["figures"]["estimated_on"] for r in made} == {
-        "tp2": "H200", "pp2": "H200", "tp1dp2": "H200"}
+        "tp2": "H200", "tp1dp2": "H200"}
 
 
 def test_an_estimate_for_a_gpu_the_dry_run_does_not_know_is_refused_first(tmp_path):
