@@ -11,16 +11,17 @@ The embedded corpus (GPT-2 BPE Shakespeare), a shape of bench_throughput.py (345
 losses do not depend on what else runs; their speed is not measured here):
 
 1. **tracking**: ``bf16`` (the fast path's default), ``fp8`` (``--fp8-format hybrid``: the
-   fast spec's FP8 linears, delayed scaling) and, with ``--te-site`` (a folder holding
+   fast spec's FP8 linears, delayed scaling as TE's: scales of 1 before the first amax is
+   recorded, gradients scaled by the backward before's amax) and, with ``--te-site`` (a folder holding
    Transformer Engine), ``tefp8`` (TE's layers, ``--fp8-format hybrid``) and ``tebf16`` (TE's
    layers in bf16: what tells TE's layers from TE's FP8 where TE's curve parts from ours);
    ``fp8cs`` and ``tefp8cs`` are the two FP8s under current scaling (``--fp8-recipe
    tensorwise``), named in ``--precisions``: delayed scaling's first step differs between
    them (TE starts every scale at 1, the fast spec at each tensor's own amax), current
-   scaling's does not, so they compare the FP8 arithmetic alone; ``fp8unit`` is the fast
-   spec's delayed scaling started as TE's (``--fast-fp8-first-scales unit``), ``fp8te`` that
-   with its gradients scaled by the backward before's amax too (``--fast-fp8-grad-scaling
-   delayed``): TE's delayed scaling throughout,
+   scaling's does not, so they compare the FP8 arithmetic alone; ``fp8own`` is delayed
+   scaling on each tensor's own amax in the first forward and for every gradient
+   (``--fast-fp8-first-scales amax --fast-fp8-grad-scaling current``), ``fp8unit`` that
+   started as TE's (scales of 1), ``fp8te`` the default's flags named,
    ``--iters`` iterations each, saving at the half way point; with ``--seeds N`` each of them
    N times (``--seed`` 1234, 1235, ...: ``NAME`` and ``NAME-seedK``), the goal's means taken
    over the seeds and each precision's spread between its seeds stated: on one GPU two calls
@@ -80,11 +81,16 @@ PRECISIONS = {
     "bf16": [],
     "fp8": ["--fp8-format", "hybrid"],
     "fp8cs": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
-    # delayed scaling with TE's first step: every scale 1 before an amax is recorded
-    "fp8unit": ["--fp8-format", "hybrid", "--fast-fp8-first-scales", "unit"],
-    # delayed scaling as TE's throughout: scales of 1 first, gradients by the history too
+    # the fast spec's delayed scaling with TE's first step only (every scale 1 before an
+    # amax is recorded), gradients by their own amax
+    "fp8unit": ["--fp8-format", "hybrid", "--fast-fp8-first-scales", "unit",
+                "--fast-fp8-grad-scaling", "current"],
+    # delayed scaling as TE's throughout, named (the default: fp8's)
     "fp8te": ["--fp8-format", "hybrid", "--fast-fp8-first-scales", "unit",
               "--fast-fp8-grad-scaling", "delayed"],
+    # delayed scaling on each tensor's own amax at first and for gradients throughout
+    "fp8own": ["--fp8-format", "hybrid", "--fast-fp8-first-scales", "amax",
+               "--fast-fp8-grad-scaling", "current"],
     "tefp8": ["--transformer-impl", "transformer_engine", "--fast-cuda-graphs", "iteration",
               "--fp8-format", "hybrid"],
     "tefp8cs": ["--transformer-impl", "transformer_engine", "--fast-cuda-graphs", "iteration",
@@ -157,7 +163,8 @@ def largest_relative_difference(run: dict[int, float], reference: dict[int, floa
 
 
 # the fast path's FP8 runs, each held to bf16 and to TE's FP8 under the same recipe
-FAST_FP8 = {"fp8": "tefp8", "fp8cs": "tefp8cs", "fp8unit": "tefp8", "fp8te": "tefp8"}
+FAST_FP8 = {"fp8": "tefp8", "fp8cs": "tefp8cs", "fp8unit": "tefp8", "fp8te": "tefp8",
+            "fp8own": "tefp8"}
 
 
 def tracking_figures(losses: dict[str, dict[int, float] | list[dict[int, float]]],

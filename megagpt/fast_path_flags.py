@@ -8,9 +8,9 @@
   --fast-cuda-graph-capture-timeout SECONDS
   --fast-fp8-min-width N          with --fp8-format, linears narrower than N in bf16
   --fast-fp8-first-scales {amax,unit}
-                                  delayed scaling's first forward: own amax, or TE's 1
+                                  delayed scaling's first forward: TE's 1, or own amax
   --fast-fp8-grad-scaling {current,delayed}
-                                  delayed scaling's gradients: own amax, or TE's history
+                                  delayed scaling's gradients: TE's history, or own amax
   --fast-multi-gpu-path           on one GPU, the path of a launch on several GPUs
 
 They set the namespace attributes the launch's resolution reads (``fast_cuda_graph``,
@@ -171,13 +171,14 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     group.add_argument(
         "--fast-fp8-first-scales", choices=("amax", "unit"), default=None,
         help="With --fp8-format under delayed scaling, what a layer's first forward scales "
-        "by before any amax is recorded: each tensor's own amax (amax, the default) or 1 for "
-        "inputs, weights and gradients, as Transformer Engine's delayed scaling (unit).")
+        "by before any amax is recorded: 1 for inputs, weights and gradients, as Transformer "
+        "Engine's delayed scaling (unit, the default; a resume takes amax) or each tensor's "
+        "own amax (amax).")
     group.add_argument(
         "--fast-fp8-grad-scaling", choices=("current", "delayed"), default=None,
-        help="With --fp8-format under delayed scaling, what output gradients scale by: their "
-        "own amax (current, the default) or the amax the backwards before recorded, as "
-        "Transformer Engine's delayed scaling (delayed).")
+        help="With --fp8-format under delayed scaling, what output gradients scale by: the "
+        "amax the backwards before recorded, as Transformer Engine's delayed scaling "
+        "(delayed, the default) or their own amax (current).")
     group.add_argument(
         "--fast-multi-gpu-path", action="store_true",
         help="On one GPU, take the path of a launch on several data-parallel GPUs, to "

@@ -431,7 +431,10 @@ def test_fp8_losses_holds_te_started_delayed_scaling_to_tes():
         warmup=30)["holds"]
     argv = fp8_losses.entry_argv("fp8unit", 300, ["--mock-data"])
     parsed, _ = add_fast_path_arguments(argparse.ArgumentParser()).parse_known_args(argv)
-    assert parsed.fast_fp8_first_scales == "unit"
+    assert (parsed.fast_fp8_first_scales, parsed.fast_fp8_grad_scaling) == ("unit", "current")
+    parsed, _ = add_fast_path_arguments(argparse.ArgumentParser()).parse_known_args(
+        fp8_losses.entry_argv("fp8own", 300, ["--mock-data"]))
+    assert (parsed.fast_fp8_first_scales, parsed.fast_fp8_grad_scaling) == ("amax", "current")
     parsed, _ = add_fast_path_arguments(argparse.ArgumentParser()).parse_known_args(
         fp8_losses.entry_argv("fp8te", 300, ["--mock-data"]))
     assert (parsed.fast_fp8_first_scales, parsed.fast_fp8_grad_scaling) == ("unit", "delayed")

@@ -124,7 +124,7 @@ def test_the_gradient_written_into_main_grad_equals_autograds(wgrad):
 
 
 def test_delayed_scaling_scales_by_the_amaxes_of_the_forward_before():
-    recipe = fp8.Fp8Recipe(scaling="delayed")
+    recipe = fp8.Fp8Recipe(scaling="delayed", first_scales="amax", grad_scaling="current")
     history = fp8.new_history(recipe, "cpu")
     x, w, b, _ = _operands(seed=9)
     first = fp8.start_step(recipe, history, warm=False)
@@ -150,7 +150,8 @@ def test_unit_first_scales_cast_the_first_forward_and_its_gradients_by_one():
     """TE's delayed scaling: before any amax is recorded every scale is 1, so the first
     forward's small values round through e4m3 unscaled, and gradients below e5m2's
     smallest subnormal (2^-16) vanish; the second forward scales by the first's amaxes."""
-    recipe = fp8.Fp8Recipe(scaling="delayed", first_scales="unit", emulate=True)
+    recipe = fp8.Fp8Recipe(scaling="delayed", first_scales="unit", grad_scaling="current",
+                           emulate=True)
     history = fp8.new_history(recipe, "cpu")
     x, w, b, grad_out = _operands(seed=4)
     first = fp8.start_step(recipe, history, warm=False)
@@ -186,7 +187,8 @@ def test_delayed_gradient_scaling_scales_by_the_backward_before():
     """TE's delayed scaling of gradients: the backward records its gradient's amax; the next
     forward's step reads the scale from it (the gradient type's range), and a gradient
     beyond that range saturates rather than overflowing."""
-    recipe = fp8.Fp8Recipe(scaling="delayed", grad_scaling="delayed", emulate=True)
+    recipe = fp8.Fp8Recipe(scaling="delayed", first_scales="amax", grad_scaling="delayed",
+                           emulate=True)
     history = fp8.new_history(recipe, "cpu")
     x, w, b, grad_out = _operands(seed=5)
     first = fp8.start_step(recipe, history, warm=False)

@@ -43,8 +43,8 @@ def recipe_from_args(args, emulate: bool = False) -> Fp8Recipe:
         history_len=int(getattr(args, "fp8_amax_history_len", 1) or 1),
         amax_algo=getattr(args, "fp8_amax_compute_algo", None) or "most_recent",
         wgrad=bool(getattr(args, "fp8_wgrad", True)),
-        first_scales=getattr(args, "fast_fp8_first_scales", None) or "amax",
-        grad_scaling=getattr(args, "fast_fp8_grad_scaling", None) or "current",
+        first_scales=getattr(args, "fast_fp8_first_scales", None) or "unit",
+        grad_scaling=getattr(args, "fast_fp8_grad_scaling", None) or "delayed",
         emulate=emulate)
 
 

@@ -155,8 +155,8 @@ def _fp8(p: Planner) -> None:
             # the amax history is not in the checkpoint (TE's is): scales of 1 would cut the
             # first step's gradients of a model that has trained
             recipe = dataclasses.replace(recipe, first_scales="amax")
-            p.log(f"fast spec: --fast-fp8-first-scales unit is for training's first step; "
-                  f"resuming {resumed}, the first forward scales by its own amaxes")
+            p.log(f"fast spec: delayed scaling's first scales of 1 are for training's first "
+                  f"step; resuming {resumed}, the first forward scales by its own amaxes")
     p.set("fast_fp8", fmt)
     p.set("fp8", None)
     narrow = f"; in bf16, too narrow to gain: {', '.join(bf16)}" if bf16 else ""
