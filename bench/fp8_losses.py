@@ -12,14 +12,13 @@ losses do not depend on what else runs; their speed is not measured here):
 
 1. **tracking**: ``bf16`` (the fast path's default), ``fp8`` (``--fp8-format hybrid``: the
    fast spec's FP8 linears, delayed scaling as TE's: scales of 1 before the first amax is
-   recorded, gradients scaled by the backward before's amax) and, with ``--te-site`` (a folder holding
-   Transformer Engine), ``tefp8`` (TE's layers, ``--fp8-format hybrid``) and ``tebf16`` (TE's
-   layers in bf16: what tells TE's layers from TE's FP8 where TE's curve parts from ours);
-   ``fp8cs`` and ``tefp8cs`` are the two FP8s under current scaling (``--fp8-recipe
-   tensorwise``), named in ``--precisions``: delayed scaling's first step differs between
-   them (TE starts every scale at 1, the fast spec at each tensor's own amax), current
-   scaling's does not, so they compare the FP8 arithmetic alone; ``fp8own`` is delayed
-   scaling on each tensor's own amax in the first forward and for every gradient
+   recorded, gradients scaled by the backward before's amax) and, with ``--te-site`` (a
+   folder holding Transformer Engine), ``tefp8`` (TE's layers, ``--fp8-format hybrid``) and
+   ``tebf16`` (TE's layers in bf16: what tells TE's layers from TE's FP8 where TE's curve
+   parts from ours); ``fp8cs`` and ``tefp8cs`` are the two FP8s under current scaling
+   (``--fp8-recipe tensorwise``), named in ``--precisions``: every tensor scaled by its own
+   amax, the first step's too, so they compare the FP8 arithmetic alone; ``fp8own`` is
+   delayed scaling on each tensor's own amax in the first forward and for every gradient
    (``--fast-fp8-first-scales amax --fast-fp8-grad-scaling current``), ``fp8unit`` that
    started as TE's (scales of 1), ``fp8te`` the default's flags named,
    ``--iters`` iterations each, saving at the half way point; with ``--seeds N`` each of them
