@@ -11,7 +11,8 @@
 #           current and delayed scaling (bench/bench_layer.py), wide and 1.3B (LAYER_SHAPES),
 #           with each setting's time by kind of kernel and the slowest kernels
 #   train   throughput, mock data, dropout 0: the fast path in bf16 against its FP8 with
-#           delayed and current scaling (TRAIN_PATHS: also referencefp8, plain PyTorch with
+#           delayed and current scaling (TRAIN_PATHS: also fp8own, delayed scaling on each
+#           tensor's own amax at first and for gradients; referencefp8, plain PyTorch with
 #           torchao's FP8, from the wheels in .whl-ref; tefp8 and tefp8cs, TE's FP8 layers,
 #           where TE_SITE holds Transformer Engine), at the wide shape and 1.3B (FP8_SHAPES)
 #   first   tests, train at the wide shape, layer
@@ -59,6 +60,7 @@ train() {  # SHAPE [PATHS [TAG]]: PATHS with TE's rows (tefp8, tefp8cs) only, ru
     PYTHONPATH=$path timeout $(( $(left) - 10 )) $PY bench/bench_throughput.py --shape "$shape" \
         --paths "$paths" --variant "fp8=--fp8-format hybrid" \
         --variant "fp8cs=--fp8-format hybrid --fp8-recipe tensorwise" \
+        --variant "fp8own=--fp8-format hybrid --fast-fp8-first-scales amax --fast-fp8-grad-scaling current" \
         --variant "tefp8=$TE --fp8-format hybrid" \
         --variant "tefp8cs=$TE --fp8-format hybrid --fp8-recipe tensorwise" \
         --variant "te=$TE" --baseline "${paths%%,*}" \
