@@ -43,8 +43,9 @@ def recipe_from_args(args, emulate: bool = False) -> Fp8Recipe:
         history_len=int(getattr(args, "fp8_amax_history_len", 1) or 1),
         amax_algo=getattr(args, "fp8_amax_compute_algo", None) or "most_recent",
         wgrad=bool(getattr(args, "fp8_wgrad", True)),
-        first_scales=getattr(args, "fast_fp8_first_scales", None) or "unit",
-        grad_scaling=getattr(args, "fast_fp8_grad_scaling", None) or "delayed",
+        # the entry's own options: unset, the recipe's defaults (TE's delayed scaling)
+        first_scales=getattr(args, "fast_fp8_first_scales", None) or Fp8Recipe.first_scales,
+        grad_scaling=getattr(args, "fast_fp8_grad_scaling", None) or Fp8Recipe.grad_scaling,
         emulate=emulate)
 
 
