@@ -255,7 +255,6 @@ def test_a_worker_killed_after_sigterm_ends_the_run_with_one_line_saying_so(tmp_
     assert "Traceback" not in text, text[-3000:]
 
 
-
 DEATHS_SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     from torch.utils.data import DataLoader
