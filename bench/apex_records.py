@@ -7,8 +7,8 @@ OUT_DIR is what one run of ``bench/gpu_record_apex.sh OUT_DIR speed,pieces,piece
 left: per step folders ``<install>_<shape>/bench_<shape>.json`` (bench/bench_throughput.py's output) and
 ``versions.txt`` (the apex tag and build). One record per path measured: ms/iter, TFLOP/s,
 peak memory, and against the same launch without apex in the same run (``vs_without_apex``:
-its ms/iter ÷ this row's, above 1: faster with apex) and, for a piece switched off by its
-flag, against the launch that keeps it (``vs_piece_on``). Then ``make tables``.
+its ms/iter ÷ this row's, above 1: faster with apex) and, for a piece switched by its flag,
+against the same launch without the flag (``vs_piece_on``). Then ``make tables``.
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ import records  # noqa: E402
 INSTALLS = {"apex": ("apex", "hidden"), "hidden": ("without apex", None),
             "apex_local": ("apex", "hidden_local"), "hidden_local": ("without apex", None),
             "apex_te": ("apex beside TE", "te"), "te": ("TE without apex", None)}
-# a piece's path -> (the path that keeps the piece, the flag that takes it away)
+# a piece's path -> (the launch without the flag, the flag that switches the piece)
 PIECES = {"nowrite": ("fast", "--fast-disable grad-write"),
           "distopt": ("fast", "--use-distributed-optimizer"),
           "megatron_optimizer": ("fast", "--fast-disable optimizer"),
-          "nopersist": ("local", "--no-persist-layer-norm"),
+          "nopersist": ("local", "--no-persist-layer-norm"),  # before the entry left it
+          "persist": ("local", "--persist-layer-norm"),  # the piece the entry leaves, taken
           "nosoftmax": ("local", "--no-masked-softmax-fusion"),
           "nofusion": ("local", "--no-gradient-accumulation-fusion")}
 NOTE = ("one run of `bash bench/gpu_record_apex.sh OUT {step}` on one GPU: apex on PYTHONPATH "

@@ -86,10 +86,11 @@ APEX_PATHS = {"fast": "the entry's default (fast spec)",
               "megatron_optimizer": "default, --fast-disable optimizer (megatron's own step)",
               "local": "megatron's local spec",
               "nopersist": "local spec, --no-persist-layer-norm",
+              "persist": "local spec, --persist-layer-norm",
               "nosoftmax": "local spec, --no-masked-softmax-fusion",
               "nofusion": "local spec, --no-gradient-accumulation-fusion"}
 # the local spec's pieces: their own step of bench/gpu_record_apex.sh
-APEX_LOCAL_PIECES = ("local", "nopersist", "nosoftmax", "nofusion")
+APEX_LOCAL_PIECES = ("local", "nopersist", "persist", "nosoftmax", "nofusion")
 APEX_INSTALLS = ("apex", "without apex", "apex beside TE", "TE without apex")
 FP8_PATHS = {"te": "TE's layers, bf16", "tefp8": "TE's layers, FP8, delayed scaling",
              "tefp8cs": "TE's layers, FP8, current scaling", "fast": "fast path, bf16"}
@@ -409,8 +410,10 @@ TABLES = (
         "process, one after the other in one run on the GPU machine (`bench/gpu_record_apex.sh OUT "
         "speed`, `... pieces` and `... pieces_local`), alone and beside Transformer Engine: "
         "bf16, mock data, dropout 0. vs without apex = ms/iter of the same launch without apex ÷ this row's; "
-        "vs the piece on = ms/iter of the launch that keeps the piece (the default, or "
-        "megatron's local spec) ÷ this row's (above 1: faster). What megatron takes from apex "
+        "vs the piece on = ms/iter of the same launch without this row's flag (the default, "
+        "or megatron's local spec) ÷ this row's (above 1: faster). megatron's local spec took "
+        "apex's persistent layer norm until 2026-12-07 (d893954, the rows of that date); the "
+        "entry now leaves it, measured slower. What megatron takes from apex "
         "and why the fast path leaves most of it: "
         "[speed.md](speed.md#what-a-user-of-nvidias-containers-gets).",
         columns=(("shape", rowval("shape")), ("install", rowval("install")),

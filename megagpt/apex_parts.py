@@ -14,7 +14,8 @@ with a fallback of its own (the sites below name the files, under ``megatron/``)
 - ``import apex`` makes megatron's local spec build ``FusedLayerNorm``
   (``fusions/fused_layer_norm.py``) for its LayerNorms: apex's ``fused_layer_norm_cuda``, or
   the persistent kernel of ``apex.contrib.layer_norm`` (``fast_layer_norm``) for the hidden
-  sizes it has kernels for, unless ``--no-persist-layer-norm``;
+  sizes it has kernels for, unless ``--no-persist-layer-norm`` (which the entry gives where
+  apex has that kernel, measured slower: ``choose_persistent_layer_norm``);
 - the scaled-softmax kernels (``fusions/fused_softmax.py``) in megatron's local attention,
   with ``--masked-softmax-fusion`` (its default) in fp16/bf16 for the shapes they take.
 
@@ -37,6 +38,9 @@ import importlib
 import importlib.util
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional
+
+from megagpt.compat import MissingDependencyError
+from megagpt.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -204,10 +208,13 @@ def _wgrad_scope(modules: str, args) -> str:
 
 
 def launch_uses(modules: str, args, found: frozenset[str], bound: Mapping[str, object],
-                te_installed: bool, chunked_loss: bool = False) -> list[Use]:
+                te_installed: bool, chunked_loss: bool = False,
+                persistent_left: Optional[str] = None) -> list[Use]:
     """For each part found, whether this launch takes it. ``modules``: ``layer_modules``;
     ``bound``: ``megatron_bindings()``; ``chunked_loss``: the launch's LM loss is the fast
-    spec's chunked one (megatron's output layer runs no backward of its own)."""
+    spec's chunked one (megatron's output layer runs no backward of its own);
+    ``persistent_left``: why the launch turned the persistent layer norm off itself
+    (``choose_persistent_layer_norm``; None: it did not)."""
     uses: list[Use] = []
     cpu = bool(_get(args, "cpu", False))
 
@@ -257,7 +264,7 @@ def launch_uses(modules: str, args, found: frozenset[str], bound: Mapping[str, o
             uses.append(Use(BY_KEY["wgrad"].label, True,
                             f"gradient-accumulation fusion in {_wgrad_scope(modules, args)}"))
     # norms
-    uses.extend(_norm_uses(modules, args, found, bound))
+    uses.extend(_norm_uses(modules, args, found, bound, persistent_left))
     # softmax
     if modules == LOCAL:
         fp = _get(args, "bf16", False) or _get(args, "fp16", False)
@@ -274,8 +281,8 @@ def launch_uses(modules: str, args, found: frozenset[str], bound: Mapping[str, o
     return uses
 
 
-def _norm_uses(modules: str, args, found: frozenset[str], bound: Mapping[str, object]
-               ) -> list[Use]:
+def _norm_uses(modules: str, args, found: frozenset[str], bound: Mapping[str, object],
+               persistent_left: Optional[str] = None) -> list[Use]:
     keys = [k for k in ("layer_norm", "persistent_layer_norm") if k in found]
     if not keys and not bound.get("fused_layer_norm"):
         return []
@@ -309,11 +316,56 @@ def _norm_uses(modules: str, args, found: frozenset[str], bound: Mapping[str, ob
     if persistent:
         return [Use(BY_KEY["persistent_layer_norm"].label, True, "megatron's local spec's "
                     "LayerNorms")]
-    why = ("--no-persist-layer-norm" if _get(args, "no_persist_layer_norm", False)
+    why = ((persistent_left or "--no-persist-layer-norm")
+           if _get(args, "no_persist_layer_norm", False)
            else "not built" if "persistent_layer_norm" not in found
            else f"no kernel for hidden size {_get(args, 'hidden_size', 0)}")
     return [Use(BY_KEY["layer_norm"].label, True,
                 f"megatron's local spec's LayerNorms; persistent kernel: {why}")]
+
+
+# The choice of apex's persistent layer norm kernel for megatron's local modules, which
+# megatron takes by default wherever apex has it. Measured slower than apex's other LayerNorm
+# kernel (fused_layer_norm_cuda, which --no-persist-layer-norm leaves): 345M (hidden 1024,
+# bf16) on one H100, 113.5 against 105.9 ms per iteration in one invocation (2026-12-07,
+# d893954; docs/benchmarks.md "With NVIDIA apex installed"). Other hidden sizes not measured.
+PERSISTENT_LAYER_NORM = "persistent layer norm"
+PERSISTENT_LAYER_NORM_SLOWER = (
+    "apex's persistent kernel measured slower than its fused_layer_norm_cuda kernel (345M on "
+    "an H100: 113.5 against 105.9 ms per iteration); --persist-layer-norm takes it")
+
+
+def choose_persistent_layer_norm(p) -> None:
+    """Whether megatron's local modules take apex's persistent layer norm kernel where apex
+    has it (a step of the launch's resolution, over its planner ``p``): not unless
+    ``--persist-layer-norm`` asks, since it measured slower. Said only where it decides
+    something: megatron's local LayerNorms at a hidden size the kernel has (the fast spec's
+    and Transformer Engine's norms are their own)."""
+    from megagpt.launch.layer_path import LOCAL as LOCAL_PATH, MOE_BLOCK
+
+    asked = bool(p.get("persist_layer_norm_kernel", False))
+    if asked and "--no-persist-layer-norm" in p.given:
+        raise UserError("--persist-layer-norm and --no-persist-layer-norm ask for opposite "
+                        "kernels: give one of them")
+    if asked:
+        if not p.installed.fused_layer_norm:
+            raise MissingDependencyError(
+                "--persist-layer-norm needs NVIDIA apex built with its persistent layer norm "
+                "(apex.contrib's fast_layer_norm extension), which does not import here. "
+                "Drop the flag, or build apex (bench/apex_build.py).")
+        p.choose(PERSISTENT_LAYER_NORM, True, "--persist-layer-norm")
+        return
+    if p.v.no_persist_layer_norm or not p.installed.fused_layer_norm:
+        return  # asked off, or the kernel is missing (compat's adaptation said so)
+    path, _ = p.layers()
+    local = path == LOCAL_PATH or (path == MOE_BLOCK
+                                   and p.v.transformer_impl != "transformer_engine")
+    if not (local and p.v.normalization == "LayerNorm"
+            and p.v.hidden_size in PERSISTENT_HIDDEN_SIZES):
+        return  # no norm of this launch would take it
+    p.set("no_persist_layer_norm", True)
+    p.choose(PERSISTENT_LAYER_NORM, False, PERSISTENT_LAYER_NORM_SLOWER)
+    p.log(f"compat: {PERSISTENT_LAYER_NORM_SLOWER}; --no-persist-layer-norm")
 
 
 def launch_line(uses: Iterable[Use]) -> str:
@@ -337,6 +389,9 @@ def log_launch_line(launch, args, log: Callable[[str], None]) -> Optional[str]:
     te = importlib.util.find_spec("transformer_engine") is not None
     modules = layer_modules(launch.value(chosen.LAYERS), args)
     chunked = launch.value(chosen.LM_LOSS) == chosen.CHUNKED
-    line = launch_line(launch_uses(modules, args, found, megatron_bindings(), te, chunked))
+    persistent = next((c for c in launch.choices if c.name == PERSISTENT_LAYER_NORM), None)
+    left = persistent.reason if persistent is not None and not persistent.value else None
+    line = launch_line(launch_uses(modules, args, found, megatron_bindings(), te, chunked,
+                                   left))
     log(line)
     return line

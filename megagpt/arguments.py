@@ -36,6 +36,12 @@ def add_entry_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="CPU development mode: gloo, fp32, no GPU needed. For tests, CI "
                             "and laptops, not for speed.")
     _add_dry_run_arguments(group)
+    # read by megagpt.apex_parts.choose_persistent_layer_norm
+    group.add_argument("--persist-layer-norm", dest="persist_layer_norm_kernel",
+                       action="store_true",
+                       help="Let megatron's local modules take NVIDIA apex's persistent layer norm "
+                            "kernel (megatron's default; the entry leaves it where apex has it: "
+                            "measured slower than apex's fused_layer_norm_cuda kernel).")
     # read by megagpt.preflight.data_check
     group.add_argument("--allow-data-tokenizer-mismatch", action="store_true",
                        help="Train on data whose tokenizer record names another tokenizer "

@@ -117,8 +117,13 @@ LAYER_CHOICES = [
     ("apex", ["--fast-disable", "optimizer"], "FusedAdam (megatron's Adam)"),
     ("apex", ["--transformer-impl", "local", "--no-fast-spec"],
      "FusedLayerNorm (fused_layer_norm_cuda) (megatron's local spec's LayerNorms"),
+    # a hidden size apex's persistent kernel has: left (measured slower) unless asked for
     ("apex", ["--spec", "local", "--attention-backend", "local", "--hidden-size", "1024",
               "--num-attention-heads", "8"],
+     "megatron's local spec's LayerNorms; persistent kernel: apex's persistent kernel measured "
+     "slower"),
+    ("apex", ["--spec", "local", "--attention-backend", "local", "--hidden-size", "1024",
+              "--num-attention-heads", "8", "--persist-layer-norm"],
      "persistent layer norm (fast_layer_norm) (megatron's local spec's LayerNorms)"),
     ("apex", ["--fast-disable", "lm-loss"], "gradient-accumulation fusion in the output layer"),
     ("apex", ["--apply-layernorm-1p"], "FusedLayerNorm"),

@@ -22,7 +22,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from megagpt import apex_parts
+from megagpt import apex_parts, compat
+from megagpt.errors import UserError
 from megagpt.apex_parts import FAST, LOCAL, TE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -239,6 +240,12 @@ def test_megatron_local_spec_takes_the_norms_and_the_softmax():
     assert ("persistent kernel: --no-persist-layer-norm" in
             taken(line(LOCAL, launch(no_persist_layer_norm=True))))
     assert ("they take fp16/bf16 scores" in line(LOCAL, launch(bf16=False)))
+    # turned off by the launch itself (compat.choose_persistent_layer_norm): its reason
+    left = apex_parts.launch_line(apex_parts.launch_uses(
+        LOCAL, launch(no_persist_layer_norm=True), ALL, APEX_BOUND, False,
+        persistent_left=apex_parts.PERSISTENT_LAYER_NORM_SLOWER))
+    assert (f"FusedLayerNorm (fused_layer_norm_cuda) (megatron's local spec's LayerNorms; "
+            f"persistent kernel: {apex_parts.PERSISTENT_LAYER_NORM_SLOWER})" in taken(left))
 
 
 def test_the_fast_spec_keeps_megatrons_qk_norms():
@@ -358,3 +365,46 @@ def test_the_records_of_a_run_compare_each_launch_with_apex_hidden(tmp_path):
     text = "\n".join(tables.render_table(spec, list(made.values()), list(made.values())))
     assert "| 345M | apex | the entry's default (fast spec) | 44.0 |" in text
     assert "not measured yet: shape 1.3B, install apex, path fast" in text
+
+
+# apex with its persistent layer norm, no Transformer Engine
+APEX_INSTALLED = compat.Installed(transformer_engine=False, apex=True, fused_layer_norm=True,
+                                  masked_softmax_kernels=True, gradient_accumulation_kernels=True)
+ONE_GPU = ["--num-layers", "2", "--hidden-size", "1024", "--num-attention-heads", "8",
+           "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "1",
+           "--global-batch-size", "1", "--train-iters", "2", "--mock-data", "--bf16",
+           "--dry-run"]
+LOCAL_MODULES = ["--transformer-impl", "local", "--no-fast-spec"]
+
+
+def test_the_persistent_layer_norm_is_left_where_megatrons_local_norms_would_take_it():
+    """megatron's local LayerNorms take apex's persistent kernel by default; it measured
+    slower than apex's other kernel, so the launch leaves it, in its plan and with one line,
+    unless --persist-layer-norm asks for it. Launches whose norms would not take it (the fast
+    spec's, a hidden size without a kernel) say nothing of it."""
+    from megagpt.launch import resolve
+
+    def launch(*flags, installed=APEX_INSTALLED):
+        return resolve([*ONE_GPU, *flags], installed=installed)
+
+    left = launch(*LOCAL_MODULES)
+    assert left.arg("no_persist_layer_norm") is True
+    choice = left.choice(apex_parts.PERSISTENT_LAYER_NORM)
+    assert choice.value is False and choice.reason == apex_parts.PERSISTENT_LAYER_NORM_SLOWER
+    assert any(apex_parts.PERSISTENT_LAYER_NORM in line and "off" in line
+               for line in left.describe())
+    assert [line for line in left.log if "persistent kernel measured slower" in line] == [
+        f"compat: {apex_parts.PERSISTENT_LAYER_NORM_SLOWER}; --no-persist-layer-norm"]
+    asked = launch(*LOCAL_MODULES, "--persist-layer-norm")
+    assert asked.arg("no_persist_layer_norm") is False
+    assert asked.value(apex_parts.PERSISTENT_LAYER_NORM) is True
+    for quiet in (launch(), launch(*LOCAL_MODULES, "--hidden-size", "64", "--num-attention-heads",
+                                   "4"), launch(*LOCAL_MODULES, "--no-persist-layer-norm")):
+        assert not [c for c in quiet.choices if c.name == apex_parts.PERSISTENT_LAYER_NORM]
+        assert not [line for line in quiet.log if "persistent kernel measured" in line]
+    with pytest.raises(compat.MissingDependencyError, match="needs NVIDIA apex built"):
+        launch(*LOCAL_MODULES, "--persist-layer-norm", installed=compat.Installed(
+            transformer_engine=False, apex=False, fused_layer_norm=False,
+            masked_softmax_kernels=False, gradient_accumulation_kernels=False))
+    with pytest.raises(UserError, match="opposite kernels"):
+        launch(*LOCAL_MODULES, "--persist-layer-norm", "--no-persist-layer-norm")

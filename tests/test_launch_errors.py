@@ -227,6 +227,10 @@ REFUSED = [
      "error: --multi-latent-attention needs Transformer Engine"),
     (["--num-experts", "2", "--disable-bias-linear", "--moe-token-dispatcher-type", "flex"],
      "error: --moe-token-dispatcher-type flex needs the deep_ep package"),
+    (["--persist-layer-norm"], "error: --persist-layer-norm needs NVIDIA apex built with its "
+                               "persistent layer norm"),
+    (["--persist-layer-norm", "--no-persist-layer-norm"],
+     "error: --persist-layer-norm and --no-persist-layer-norm ask for opposite kernels"),
     (["--init-model-with-meta-device"],
      "error: --init-model-with-meta-device needs Transformer Engine"),
     (["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"],
