@@ -15,7 +15,7 @@ with a fallback of its own (the sites below name the files, under ``megatron/``)
   (``fusions/fused_layer_norm.py``) for its LayerNorms: apex's ``fused_layer_norm_cuda``, or
   the persistent kernel of ``apex.contrib.layer_norm`` (``fast_layer_norm``) for the hidden
   sizes it has kernels for, unless ``--no-persist-layer-norm`` (which the entry gives where
-  apex has that kernel, measured slower: ``choose_persistent_layer_norm``);
+  apex has that kernel, measured slower: ``megagpt.launch.apex_kernels``);
 - the scaled-softmax kernels (``fusions/fused_softmax.py``) in megatron's local attention,
   with ``--masked-softmax-fusion`` (its default) in fp16/bf16 for the shapes they take.
 
@@ -39,8 +39,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional
 
-from megagpt.compat import MissingDependencyError
-from megagpt.errors import UserError
+from megagpt.compat import PERSISTENT_HIDDEN_SIZES, PERSISTENT_LAYER_NORM
 
 
 @dataclass(frozen=True)
@@ -93,12 +92,6 @@ NOT_TAKEN = {
     "syncbn": "batch norm", "mlp_cuda": "apex's own MLP module",
     "fused_dense_cuda": "apex's own dense module", "apex_C": "apex's DDP flattening",
 }
-
-# megatron's FusedLayerNorm.__init__: the hidden sizes its persistent kernel takes (others
-# get fused_layer_norm_cuda's kernel)
-PERSISTENT_HIDDEN_SIZES = frozenset({
-    1024, 1536, 2048, 2304, 3072, 3840, 4096, 5120, 6144, 8192, 10240, 12288, 12800, 15360,
-    16384, 18432, 20480, 24576, 25600, 30720, 32768, 40960, 49152, 65536})
 
 # the compiled extensions of PARTS: what bench/apex_build.py builds
 EXTENSIONS = tuple(dict.fromkeys(m for part in PARTS for m in part.modules
@@ -214,7 +207,7 @@ def launch_uses(modules: str, args, found: frozenset[str], bound: Mapping[str, o
     ``bound``: ``megatron_bindings()``; ``chunked_loss``: the launch's LM loss is the fast
     spec's chunked one (megatron's output layer runs no backward of its own);
     ``persistent_left``: why the launch turned the persistent layer norm off itself
-    (``choose_persistent_layer_norm``; None: it did not)."""
+    (``megagpt.launch.apex_kernels``; None: it did not)."""
     uses: list[Use] = []
     cpu = bool(_get(args, "cpu", False))
 
@@ -322,50 +315,6 @@ def _norm_uses(modules: str, args, found: frozenset[str], bound: Mapping[str, ob
            else f"no kernel for hidden size {_get(args, 'hidden_size', 0)}")
     return [Use(BY_KEY["layer_norm"].label, True,
                 f"megatron's local spec's LayerNorms; persistent kernel: {why}")]
-
-
-# The choice of apex's persistent layer norm kernel for megatron's local modules, which
-# megatron takes by default wherever apex has it. Measured slower than apex's other LayerNorm
-# kernel (fused_layer_norm_cuda, which --no-persist-layer-norm leaves): 345M (hidden 1024,
-# bf16) on one H100, 113.5 against 105.9 ms per iteration in one invocation (2026-12-07,
-# d893954; docs/benchmarks.md "With NVIDIA apex installed"). Other hidden sizes not measured.
-PERSISTENT_LAYER_NORM = "persistent layer norm"
-PERSISTENT_LAYER_NORM_SLOWER = (
-    "apex's persistent kernel measured slower than its fused_layer_norm_cuda kernel (345M on "
-    "an H100: 113.5 against 105.9 ms per iteration); --persist-layer-norm takes it")
-
-
-def choose_persistent_layer_norm(p) -> None:
-    """Whether megatron's local modules take apex's persistent layer norm kernel where apex
-    has it (a step of the launch's resolution, over its planner ``p``): not unless
-    ``--persist-layer-norm`` asks, since it measured slower. Said only where it decides
-    something: megatron's local LayerNorms at a hidden size the kernel has (the fast spec's
-    and Transformer Engine's norms are their own)."""
-    from megagpt.launch.layer_path import LOCAL as LOCAL_PATH, MOE_BLOCK
-
-    asked = bool(p.get("persist_layer_norm_kernel", False))
-    if asked and "--no-persist-layer-norm" in p.given:
-        raise UserError("--persist-layer-norm and --no-persist-layer-norm ask for opposite "
-                        "kernels: give one of them")
-    if asked:
-        if not p.installed.fused_layer_norm:
-            raise MissingDependencyError(
-                "--persist-layer-norm needs NVIDIA apex built with its persistent layer norm "
-                "(apex.contrib's fast_layer_norm extension), which does not import here. "
-                "Drop the flag, or build apex (bench/apex_build.py).")
-        p.choose(PERSISTENT_LAYER_NORM, True, "--persist-layer-norm")
-        return
-    if p.v.no_persist_layer_norm or not p.installed.fused_layer_norm:
-        return  # asked off, or the kernel is missing (compat's adaptation said so)
-    path, _ = p.layers()
-    local = path == LOCAL_PATH or (path == MOE_BLOCK
-                                   and p.v.transformer_impl != "transformer_engine")
-    if not (local and p.v.normalization == "LayerNorm"
-            and p.v.hidden_size in PERSISTENT_HIDDEN_SIZES):
-        return  # no norm of this launch would take it
-    p.set("no_persist_layer_norm", True)
-    p.choose(PERSISTENT_LAYER_NORM, False, PERSISTENT_LAYER_NORM_SLOWER)
-    p.log(f"compat: {PERSISTENT_LAYER_NORM_SLOWER}; --no-persist-layer-norm")
 
 
 def launch_line(uses: Iterable[Use]) -> str:

@@ -36,7 +36,7 @@ def add_entry_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="CPU development mode: gloo, fp32, no GPU needed. For tests, CI "
                             "and laptops, not for speed.")
     _add_dry_run_arguments(group)
-    # read by megagpt.apex_parts.choose_persistent_layer_norm
+    # read by megagpt.launch.apex_kernels
     group.add_argument("--persist-layer-norm", dest="persist_layer_norm_kernel",
                        action="store_true",
                        help="Let megatron's local modules take NVIDIA apex's persistent layer norm "

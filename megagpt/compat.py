@@ -95,6 +95,17 @@ class Installed:
         return line
 
 
+# megatron's FusedLayerNorm.__init__: the hidden sizes its persistent kernel takes (others
+# get fused_layer_norm_cuda's kernel)
+PERSISTENT_HIDDEN_SIZES = frozenset({
+    1024, 1536, 2048, 2304, 3072, 3840, 4096, 5120, 6144, 8192, 10240, 12288, 12800, 15360,
+    16384, 18432, 20480, 24576, 25600, 30720, 32768, 40960, 49152, 65536})
+
+# The choice of apex's persistent layer norm kernel for megatron's local modules (the plan's
+# name, ``megagpt.launch.apex_kernels`` decides it)
+PERSISTENT_LAYER_NORM = "persistent layer norm"
+
+
 @dataclass(frozen=True)
 class Adaptation:
     """One setting that depends on an optional package."""

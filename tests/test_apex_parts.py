@@ -23,8 +23,9 @@ from types import SimpleNamespace
 import pytest
 
 from megagpt import apex_parts, compat
-from megagpt.errors import UserError
 from megagpt.apex_parts import FAST, LOCAL, TE
+from megagpt.errors import UserError
+from megagpt.launch import apex_kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import apex_build  # noqa: E402
@@ -240,12 +241,12 @@ def test_megatron_local_spec_takes_the_norms_and_the_softmax():
     assert ("persistent kernel: --no-persist-layer-norm" in
             taken(line(LOCAL, launch(no_persist_layer_norm=True))))
     assert ("they take fp16/bf16 scores" in line(LOCAL, launch(bf16=False)))
-    # turned off by the launch itself (compat.choose_persistent_layer_norm): its reason
+    # turned off by the launch itself (megagpt.launch.apex_kernels): its reason
     left = apex_parts.launch_line(apex_parts.launch_uses(
         LOCAL, launch(no_persist_layer_norm=True), ALL, APEX_BOUND, False,
-        persistent_left=apex_parts.PERSISTENT_LAYER_NORM_SLOWER))
+        persistent_left=apex_kernels.PERSISTENT_LAYER_NORM_SLOWER))
     assert (f"FusedLayerNorm (fused_layer_norm_cuda) (megatron's local spec's LayerNorms; "
-            f"persistent kernel: {apex_parts.PERSISTENT_LAYER_NORM_SLOWER})" in taken(left))
+            f"persistent kernel: {apex_kernels.PERSISTENT_LAYER_NORM_SLOWER})" in taken(left))
 
 
 def test_the_fast_spec_keeps_megatrons_qk_norms():
@@ -306,7 +307,7 @@ def test_the_persistent_hidden_sizes_are_megatrons():
     lists = [ast.literal_eval(node.value) for node in ast.walk(tree)
              if isinstance(node, ast.Assign) and any(
                  getattr(t, "id", None) == "persist_ln_hidden_sizes" for t in node.targets)]
-    assert lists and set(lists[0]) == apex_parts.PERSISTENT_HIDDEN_SIZES
+    assert lists and set(lists[0]) == compat.PERSISTENT_HIDDEN_SIZES
 
 
 def test_the_build_makes_exactly_the_extensions_megatron_takes():
@@ -389,18 +390,18 @@ def test_the_persistent_layer_norm_is_left_where_megatrons_local_norms_would_tak
 
     left = launch(*LOCAL_MODULES)
     assert left.arg("no_persist_layer_norm") is True
-    choice = left.choice(apex_parts.PERSISTENT_LAYER_NORM)
-    assert choice.value is False and choice.reason == apex_parts.PERSISTENT_LAYER_NORM_SLOWER
-    assert any(apex_parts.PERSISTENT_LAYER_NORM in line and "off" in line
+    choice = left.choice(compat.PERSISTENT_LAYER_NORM)
+    assert choice.value is False and choice.reason == apex_kernels.PERSISTENT_LAYER_NORM_SLOWER
+    assert any(compat.PERSISTENT_LAYER_NORM in line and "off" in line
                for line in left.describe())
     assert [line for line in left.log if "persistent kernel measured slower" in line] == [
-        f"compat: {apex_parts.PERSISTENT_LAYER_NORM_SLOWER}; --no-persist-layer-norm"]
+        f"compat: {apex_kernels.PERSISTENT_LAYER_NORM_SLOWER}; --no-persist-layer-norm"]
     asked = launch(*LOCAL_MODULES, "--persist-layer-norm")
     assert asked.arg("no_persist_layer_norm") is False
-    assert asked.value(apex_parts.PERSISTENT_LAYER_NORM) is True
+    assert asked.value(compat.PERSISTENT_LAYER_NORM) is True
     for quiet in (launch(), launch(*LOCAL_MODULES, "--hidden-size", "64", "--num-attention-heads",
                                    "4"), launch(*LOCAL_MODULES, "--no-persist-layer-norm")):
-        assert not [c for c in quiet.choices if c.name == apex_parts.PERSISTENT_LAYER_NORM]
+        assert not [c for c in quiet.choices if c.name == compat.PERSISTENT_LAYER_NORM]
         assert not [line for line in quiet.log if "persistent kernel measured" in line]
     with pytest.raises(compat.MissingDependencyError, match="needs NVIDIA apex built"):
         launch(*LOCAL_MODULES, "--persist-layer-norm", installed=compat.Installed(

@@ -14,7 +14,7 @@ The steps, in order (a step reads only what the steps above it decided):
                store (``rendezvous.choose_rendezvous``); a dry run's GPU count
   compat       the layers for what is installed and the settings that need what is missing
                (``compat.adapt_to_installed``); what no adaptation can rescue is refused;
-               apex's kernels that measured slower are left (``apex_parts``)
+               apex's kernels that measured slower are left (``apex_kernels``)
   cpu mode     the settings of a ``--cpu`` run (``cpu_mode.adapt``)
   compat       settings megatron's parser accepts and its code rejects
   resilience   the asynchronous checkpoint writer (``async_save.choose_writer``)
@@ -35,14 +35,14 @@ from __future__ import annotations
 import os
 from typing import Callable, Iterable, Mapping, Optional
 
-from megagpt import apex_parts, compat, cpu_mode, rendezvous
+from megagpt import compat, cpu_mode, rendezvous
 from megagpt.diagnostics import settings as diagnostics_settings
 from megagpt.run_log import quiet
 from megagpt.arguments import parse_command_line
 from megagpt.flags import explicit_flags
 from megagpt.resilience import async_save, divergence, preemption
 
-from . import entry_defaults, fast_path
+from . import apex_kernels, entry_defaults, fast_path
 from .planner import Launch, Planner
 
 Step = Callable[[Planner], None]
@@ -52,7 +52,7 @@ STEPS: tuple[tuple[str, Step], ...] = (
     ("entry", entry_defaults.planned_world),
     ("compat", compat.adapt_to_installed),
     ("compat", compat.refuse_what_is_missing),
-    ("compat", apex_parts.choose_persistent_layer_norm),
+    ("compat", apex_kernels.choose_persistent_layer_norm),
     ("cpu mode", cpu_mode.adapt),
     ("compat", compat.adapt_megatron_quirks),
     ("resilience", async_save.choose_writer),
