@@ -382,7 +382,7 @@ def test_the_persistent_layer_norm_is_left_where_megatrons_local_norms_would_tak
     """megatron's local LayerNorms take apex's persistent kernel by default; it measured
     slower than apex's other kernel, so the launch leaves it, in its plan and with one line,
     unless --persist-layer-norm asks for it. Launches whose norms would not take it (the fast
-    spec's, a hidden size without a kernel) say nothing of it."""
+    spec's, a hidden size without a kernel, CPU mode's torch norms) say nothing of it."""
     from megagpt.launch import resolve
 
     def launch(*flags, installed=APEX_INSTALLED):
@@ -400,7 +400,9 @@ def test_the_persistent_layer_norm_is_left_where_megatrons_local_norms_would_tak
     assert asked.arg("no_persist_layer_norm") is False
     assert asked.value(compat.PERSISTENT_LAYER_NORM) is True
     for quiet in (launch(), launch(*LOCAL_MODULES, "--hidden-size", "64", "--num-attention-heads",
-                                   "4"), launch(*LOCAL_MODULES, "--no-persist-layer-norm")):
+                                   "4"), launch(*LOCAL_MODULES, "--no-persist-layer-norm"),
+                  resolve([*(f for f in ONE_GPU if f != "--bf16"), *LOCAL_MODULES, "--cpu"],
+                          installed=APEX_INSTALLED)):
         assert not [c for c in quiet.choices if c.name == compat.PERSISTENT_LAYER_NORM]
         assert not [line for line in quiet.log if "persistent kernel measured" in line]
     with pytest.raises(compat.MissingDependencyError, match="needs NVIDIA apex built"):

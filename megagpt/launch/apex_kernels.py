@@ -49,8 +49,8 @@ def choose_persistent_layer_norm(p) -> None:
                 "Drop the flag, or build apex (bench/apex_build.py).")
         p.choose(PERSISTENT_LAYER_NORM, True, "--persist-layer-norm")
         return
-    if p.v.no_persist_layer_norm or not p.installed.fused_layer_norm:
-        return  # asked off, or the kernel is missing (compat's adaptation said so)
+    if p.v.no_persist_layer_norm or not p.installed.fused_layer_norm or p.get("cpu", False):
+        return  # asked off, the kernel missing (compat's adaptation said so), or torch's norms
     if not _local_layer_norms_take_the_persistent_kernel(p):
         return
     p.set("no_persist_layer_norm", True)
