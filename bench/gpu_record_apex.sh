@@ -196,11 +196,11 @@ pieces_local)
     # megatron's local spec, where apex's norms, softmax and weight-gradient fusion are taken
     # (its runs land beside the fast path's, in OUT/pieces); apex's persistent layer norm,
     # which the entry leaves (measured slower), taken by its flag
-    bench pieces apex_local "$APEX" 345M --paths local,persist,nosoftmax,nofusion \
+    bench pieces apex_local "$APEX" 345M --paths local,persist,nosoftmax,nofusion --baseline local \
         --variant "persist=$LOCAL_FLAGS --persist-layer-norm" \
         --variant "nosoftmax=$LOCAL_FLAGS --no-masked-softmax-fusion" \
         --variant "nofusion=$LOCAL_FLAGS --no-gradient-accumulation-fusion"
-    bench pieces hidden_local "$PLAIN" 345M --paths local
+    bench pieces hidden_local "$PLAIN" 345M --paths local --baseline local
     compare pieces 345M apex_local hidden_local
     ;;
 checkpoints)
