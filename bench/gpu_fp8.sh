@@ -15,6 +15,8 @@
 #           tensor's own amax at first and for gradients; referencefp8, plain PyTorch with
 #           torchao's FP8, from the wheels in .whl-ref; tefp8 and tefp8cs, TE's FP8 layers,
 #           where TE_SITE holds Transformer Engine), at the wide shape and 1.3B (FP8_SHAPES)
+#           (`python bench/fp8_records.py OUT/train_<shape>/bench_<shape>.json ...`, the
+#           outputs of one call, makes docs/benchmarks.md's records)
 #   first   tests, train at the wide shape, layer
 #   all     tests, layer (LAYER_SHAPES), train (FP8_SHAPES)
 set -uo pipefail

@@ -663,3 +663,51 @@ def test_fp8_losses_resume_folder_points_at_the_half_way_iteration(tmp_path):
     assert sorted(x.name for x in folder.iterdir()) == ["iter_0000150",
                                                         "latest_checkpointed_iteration.txt"]
     assert (folder / "iter_0000150").resolve() == (saved / "iter_0000150").resolve()
+
+
+def _fp8_call_output(shape, date, ms):
+    """bench_throughput.py's output of one invocation: ``ms`` per path."""
+    info = dict(date=date, commit="abc1234", machine="NVIDIA H100 80GB HBM3",
+                versions={"torch": "2.11.0", "megatron-core": "0.19.2"}, shape=shape,
+                command=f"python bench/bench_throughput.py --shape {shape} --out /tmp/x/a")
+    return dict(info=info, results={p: dict(ms_per_iter=v, tflops_per_gpu=47940.0 / v)
+                                    for p, v in ms.items()})
+
+
+def test_fp8_records_of_one_call_set_each_row_against_fast_bf16_and_tes_fp8(tmp_path):
+    """bench/gpu_fp8.sh's three invocations of one call (the fast path's rows, TE's rows, the
+    earlier recipe with a second bf16 run) become one record per path, each against the
+    call's first bf16 run and TE's delayed-scaling FP8, keyed by the call's first date."""
+    import fp8_records
+    import records
+    import tables
+    from table_specs import TABLES
+
+    outputs = [_fp8_call_output("wide", "2026-12-07 09:41 UTC",
+                                {"fast": 99.9, "fp8": 78.7, "referencefp8": 103.0}),
+               _fp8_call_output("wide", "2026-12-07 09:44 UTC",
+                                {"tefp8": 86.8, "tefp8cs": 89.8}),
+               _fp8_call_output("wide", "2026-12-07 09:46 UTC",
+                                {"fast": 98.0, "fp8own": 80.0})]
+    made = {r["row"]["path"]: r for r in fp8_records.make_records(
+        outputs, note="one call", te_version="2.20.2", torchao_version="0.18.0")}
+    assert list(made) == ["fast", "fp8", "referencefp8", "tefp8", "tefp8cs", "fp8own"]
+    assert {r["row"]["call"] for r in made.values()} == {"2026-12-07 09:41 UTC"}
+    assert made["fp8"]["figures"] == dict(ms_per_iter=78.7, tflops_per_gpu=609.1,
+                                          vs_fast_bf16=round(99.9 / 78.7, 3),
+                                          vs_te_fp8=round(86.8 / 78.7, 3))
+    assert made["fast"]["figures"]["ms_per_iter"] == 99.9  # the call's first bf16 run
+    assert made["fp8own"]["figures"]["vs_fast_bf16"] == round(99.9 / 80.0, 3)
+    assert made["tefp8"]["versions"]["transformer-engine"] == "2.20.2"
+    assert "transformer-engine" not in made["fp8"]["versions"]
+    assert made["referencefp8"]["versions"]["torchao"] == "0.18.0"
+    assert made["tefp8"]["date"] == "2026-12-07 09:44 UTC"
+    assert made["fp8"]["command"].endswith("--out OUT")
+    assert all(records.problems(r) == [] for r in made.values())
+    spec = next(t for t in TABLES if t.name == "fp8-fast")
+    text = "\n".join(tables.render_table(spec, list(made.values()), list(made.values())))
+    assert "| wide | 2026-12-07 09:41 UTC | fast path, FP8, delayed scaling | 78.7 |" in text
+    with pytest.raises(ValueError, match="one shape per call"):
+        fp8_records.make_records([outputs[0], _fp8_call_output("1.3B", "x", {"fast": 1.0})])
+    # the command line: a missing output is one error line, nothing written
+    assert fp8_records.main([str(tmp_path / "none.json")]) == 2
