@@ -17,6 +17,9 @@
 #           where TE_SITE holds Transformer Engine), at the wide shape and 1.3B (FP8_SHAPES)
 #           (`python bench/fp8_records.py OUT/train_<shape>/bench_<shape>.json ...`, the
 #           outputs of one call, makes docs/benchmarks.md's records)
+#   te      per shape (FP8_SHAPES), one call each: train's fast,fp8,referencefp8 without TE,
+#           then tefp8,tefp8cs with TE (TE_SITE), then fp8own (each skipped where the
+#           call's time is short); about 480 s for the wide shape
 #   first   tests, train at the wide shape, layer
 #   all     tests, layer (LAYER_SHAPES), train (FP8_SHAPES)
 set -uo pipefail
@@ -99,7 +102,8 @@ train) for shape in ${FP8_SHAPES:-wide 1.3B}; do train "$shape"; done ;;
 a) tests; LAYER_SHAPES=wide LAYER_SETTINGS="default,fp8 delayed" layer
    train wide fast,fp8,fp8cs,referencefp8 ;;
 te) for shape in ${FP8_SHAPES:-wide 1.3B}; do
-        train "$shape" fast,fp8,referencefp8; train "$shape" tefp8,tefp8cs _te; done ;;
+        train "$shape" fast,fp8,referencefp8; train "$shape" tefp8,tefp8cs _te
+        train "$shape" fp8own _own; done ;;
 first) tests; train wide; layer ;;
 all) tests; layer; for shape in ${FP8_SHAPES:-wide 1.3B}; do train "$shape"; done ;;
 *) echo "unknown step $STEP"; exit 2 ;;
