@@ -1,17 +1,18 @@
 #!/usr/bin/env python3
-"""Records of the ``fp8-fast`` table of docs/benchmarks.md from one call of bench/gpu_fp8.sh.
+"""Records of the ``fp8-fast`` table of docs/benchmarks.md from one run of bench/gpu_fp8.sh.
 
     python bench/fp8_records.py BENCH.json [BENCH.json ...] [--note TEXT] [--te-version V]
                                 [--torchao-version V] [--dry-run]
 
 Each BENCH.json is bench/bench_throughput.py's ``bench_<shape>.json`` of one invocation of
-``bench/gpu_fp8.sh OUT train`` (``OUT/train_<shape>/``), all of one shape and one device call:
+``bench/gpu_fp8.sh OUT train`` (``OUT/train_<shape>/``), all of one shape, run back to back:
 the fast path's rows without Transformer Engine importable, TE's rows with it, in separate
 invocations (``TRAIN_PATHS=fast,fp8,referencefp8``, then ``tefp8,tefp8cs``, then ``fp8own``).
-One record per path, keyed by the shape, the call (the first invocation's date) and the path:
-ms/iter, TFLOP/s, and against the fast path's bf16 (``vs_fast_bf16``) and TE's FP8 with
-delayed scaling (``vs_te_fp8``) of the same call, each that ms/iter ÷ this row's; where a path
-ran in more than one invocation, the first's is kept. Then ``make tables``.
+One record per path, keyed by the shape, the table's ``call`` (the first invocation's date,
+naming the runs compared) and the path: ms/iter, TFLOP/s, and against the fast path's bf16
+(``vs_fast_bf16``) and TE's FP8 with delayed scaling (``vs_te_fp8``) of the same run, each
+that ms/iter ÷ this row's; where a path ran in more than one invocation, the first's is kept.
+Then ``make tables``.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ TE_PATHS = ("tefp8", "tefp8cs", "te")
 def make_records(summaries: list[dict], note: str | None = None,
                  te_version: str | None = None, torchao_version: str | None = None
                  ) -> list[dict]:
-    """The ``fp8-fast`` records of one call's bench outputs, in the order given."""
+    """The ``fp8-fast`` records of one run's bench outputs, in the order given."""
     shapes = {s["info"]["shape"] for s in summaries}
     if len(shapes) != 1:
-        raise ValueError(f"one shape per call: these outputs hold {sorted(shapes)}")
+        raise ValueError(f"one shape per run: these outputs hold {sorted(shapes)}")
     call = summaries[0]["info"]["date"]
     runs: dict[str, tuple[dict, dict]] = {}  # path -> (result, the invocation's summary)
     for summary in summaries:
@@ -71,7 +72,7 @@ def make_records(summaries: list[dict], note: str | None = None,
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("outputs", nargs="+", type=Path, metavar="BENCH.json")
-    p.add_argument("--note", help="how the call ran (a note for every record)")
+    p.add_argument("--note", help="how the runs ran (a note for every record)")
     p.add_argument("--te-version", help="Transformer Engine's version, for TE's rows")
     p.add_argument("--torchao-version", help="torchao's version, for the referencefp8 row")
     p.add_argument("--dry-run", action="store_true", help="print the records, write none")

@@ -707,7 +707,7 @@ def test_fp8_records_of_one_call_set_each_row_against_fast_bf16_and_tes_fp8(tmp_
     spec = next(t for t in TABLES if t.name == "fp8-fast")
     text = "\n".join(tables.render_table(spec, list(made.values()), list(made.values())))
     assert "| wide | 2026-12-07 09:41 UTC | fast path, FP8, delayed scaling | 78.7 |" in text
-    with pytest.raises(ValueError, match="one shape per call"):
+    with pytest.raises(ValueError, match="one shape per run"):
         fp8_records.make_records([outputs[0], _fp8_call_output("1.3B", "x", {"fast": 1.0})])
     # the command line: a missing output is one error line, nothing written
     assert fp8_records.main([str(tmp_path / "none.json")]) == 2
