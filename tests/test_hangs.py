@@ -234,6 +234,11 @@ def test_the_site_is_the_first_caller_outside_torch_and_decorators_wrappers():
     assert hangs._site({"frames": frames}) == \
         "megatron/core/tensor_parallel/mappings.py:91 (_gather_along_first_dim)"
     assert hangs._site({"frames": frames[:3]}) is None
+    # the entry's own collectives (the straggler report's gather) are named from its package's
+    # folder, wherever the run started
+    own = str(Path(hangs.__file__).resolve().parent / "stragglers.py")
+    assert hangs._site({"frames": [{"filename": own, "line": 127, "name": "gather_samples"}]}) \
+        == "megagpt/diagnostics/stragglers.py:127 (gather_samples)"
 
 
 # ---------------------------------------------------------------------------
@@ -309,9 +314,11 @@ def test_a_stopped_tensor_parallel_rank_ends_the_run_and_the_same_command_resume
     assert not re.search(r"saving checkpoint at iteration\s+10 ", text)  # stopped between saves
     (line,) = _error_lines(text)
     # mostly one of the layers' TP all-reduces; once an iteration the world's all-gather of
-    # megatron's exit-signal flag (the world is the TP group here)
+    # megatron's exit-signal flag, and every few the straggler report's all-gather of the
+    # ranks' step times (the world is the TP group here)
     assert re.match(r"error: rank 1 did not join \w+ #\d+ of the (TP|world) group \(ranks 0, 1\)"
-                    r": rank 0 waited there \(megatron/", line), line
+                    r": rank 0 waited there \((megatron/|megagpt/diagnostics/stragglers\.py:)",
+                    line), line
     assert f"rank 0's collective timed out after {timeout:g} s" in line
     assert "rank 1 wrote no dump (stopped, killed or unreachable)" in line
     assert f"dumps in {ckpt / 'flight_recorder'}" in line
@@ -342,10 +349,12 @@ def test_a_stopped_data_parallel_rank_is_named_and_an_even_run_names_no_straggle
     text = log.read_text()
     assert reported < _tightened_timeout(text) + MARGIN_S, (reported, text[-3000:])
     (line,) = _error_lines(text)
-    # where rank 0 waits depends on when the stop lands: the gradients' all-reduce (DP), or
-    # the world's all-gather of megatron's exit-signal flag at the end of the iteration
+    # where rank 0 waits depends on when the stop lands: the gradients' all-reduce (DP), the
+    # world's all-gather of megatron's exit-signal flag at the end of the iteration, or every
+    # few iterations the straggler report's all-gather of the ranks' step times
     assert re.match(r"error: rank 1 did not join \w+ #\d+ of the (DP|world) group \(ranks 0, 1\)"
-                    r": rank 0 waited there \(megatron/", line), line
+                    r": rank 0 waited there \((megatron/|megagpt/diagnostics/stragglers\.py:)",
+                    line), line
     before = text.split(line)[0]
     # reports from iteration 4 (after the 3 warm-up ones), a window of 5 full from iteration 8
     assert re.search(r"iteration\s+9/", before)

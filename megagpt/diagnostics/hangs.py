@@ -115,14 +115,20 @@ def _passes_through(filename: str) -> bool:
     return not filename or standard_library or any(p in filename for p in _PASS_THROUGH)
 
 
+# the folder that holds this package (a checkout, or site-packages): the entry's own frames
+# are named from there, as megatron's are from site-packages, wherever the run started
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def _site(entry: dict) -> str | None:
     for frame in entry.get("frames") or ():
         filename = frame.get("filename", "")
         if _passes_through(filename):
             continue
         short = filename.split("site-packages/", 1)[-1]
-        if os.path.isabs(short) and short.startswith(os.getcwd() + os.sep):
-            short = os.path.relpath(short)
+        for root in (_PACKAGE_PARENT, os.getcwd()):
+            if os.path.isabs(short) and short.startswith(root + os.sep):
+                short = os.path.relpath(short, root)
         return f"{short}:{frame.get('line')} ({frame.get('name')})"
     return None
 
