@@ -122,11 +122,14 @@ def test_ctrl_c_saves_like_sigterm_and_a_second_ctrl_c_exits_at_once(tmp_path):
     assert "Ctrl-C again: exiting now, without saving" in text
     assert "successfully saved checkpoint" not in text
     # the trainer leaves without a traceback; a helper process megatron's save was starting
-    # (multiprocessing's spawn, re-importing the entry) gets the terminal's Ctrl-C too, and
-    # may print its own interruption
+    # (its multiprocessing manager, or a spawned process re-importing the entry) gets the
+    # terminal's Ctrl-C too, and may print its own interruption before the trainer ends it:
+    # a traceback that starts in multiprocessing's start-up or in an import it was running
+    helper_starts = ('File "<string>", line 1, in <module>', "<frozen importlib._bootstrap",
+                     "multiprocessing/process.py")
     for traceback in text.split("Traceback (most recent call last):")[1:]:
-        assert traceback.lstrip().startswith('File "<string>", line 1, in <module>') and \
-            "spawn_main" in traceback.split("\n", 3)[2], traceback[:500]
+        first_frame = traceback.lstrip().split("\n", 1)[0]
+        assert any(start in first_frame for start in helper_starts), traceback[:500]
     assert guard.read_tracker(str(ckpt)) == stopped  # the last complete save stands
 
 

@@ -24,6 +24,7 @@ Details:
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import signal
 import sys
@@ -68,6 +69,11 @@ class CtrlC:
             return  # the same press, forwarded by torchrun
         print("\n[megagpt] Ctrl-C again: exiting now, without saving", file=sys.stderr,
               flush=True)
+        # the save's helper processes (megatron's checkpoint writer starts a multiprocessing
+        # manager) end with it: left running they outlive the trainer, and their pipe to it
+        # breaks with a traceback
+        for child in multiprocessing.active_children():
+            child.kill()
         os._exit(EXIT_STATUS)
 
 
