@@ -40,6 +40,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional
 
 from megagpt.compat import PERSISTENT_HIDDEN_SIZES, PERSISTENT_LAYER_NORM
+from megagpt.launch.layer_path import (FAST_MODULES as FAST, LOCAL_MODULES as LOCAL,
+                                       SPEC_MODULES as SPEC, TE_MODULES as TE,
+                                       layer_modules)
 
 
 @dataclass(frozen=True)
@@ -168,23 +171,6 @@ class Use:
 def _get(args, name: str, default=None):
     value = getattr(args, name, default)
     return default if value is None else value
-
-
-# whose modules a launch's layers are built from
-TE, FAST, LOCAL, SPEC = "te", "fast", "local", "spec"
-
-
-def layer_modules(path: str, args) -> str:
-    """TE, FAST, LOCAL (megatron's local modules: its norms, linears, attention) or SPEC (a
-    user's spec) for the layer path ``path`` (``launch.layer_path``)."""
-    from megagpt.launch import layer_path as lp
-
-    if path == lp.FAST:
-        return FAST
-    if path == lp.TRANSFORMER_ENGINE or (
-            path == lp.MOE_BLOCK and _get(args, "transformer_impl") == "transformer_engine"):
-        return TE
-    return LOCAL if path in (lp.LOCAL, lp.MOE_BLOCK) else SPEC
 
 
 def _wgrad_scope(modules: str, args) -> str:

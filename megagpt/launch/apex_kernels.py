@@ -18,7 +18,7 @@ from megagpt.compat import (PERSISTENT_HIDDEN_SIZES, PERSISTENT_LAYER_NORM,
                             MissingDependencyError)
 from megagpt.errors import UserError
 
-from .layer_path import LOCAL, MOE_BLOCK
+from .layer_path import LOCAL_MODULES, layer_modules
 
 PERSISTENT_LAYER_NORM_SLOWER = (
     "apex's persistent kernel measured slower than its fused_layer_norm_cuda kernel (345M on "
@@ -27,10 +27,8 @@ PERSISTENT_LAYER_NORM_SLOWER = (
 
 def _local_layer_norms_take_the_persistent_kernel(p) -> bool:
     """Whether megatron's local LayerNorms are built, at a hidden size the kernel has."""
-    path, _ = p.layers()
-    local = path == LOCAL or (path == MOE_BLOCK and p.v.transformer_impl != "transformer_engine")
-    return (local and p.v.normalization == "LayerNorm"
-            and p.v.hidden_size in PERSISTENT_HIDDEN_SIZES)
+    return (layer_modules(p.layers()[0], p.v) == LOCAL_MODULES
+            and p.v.normalization == "LayerNorm" and p.v.hidden_size in PERSISTENT_HIDDEN_SIZES)
 
 
 def choose_persistent_layer_norm(p) -> None:

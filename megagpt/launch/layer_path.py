@@ -52,3 +52,18 @@ def te_layers_selected(args) -> bool:
     """Whether this run builds Transformer Engine's dense layer spec (no --spec, no MoE
     block)."""
     return layer_path(args)[0] == TRANSFORMER_ENGINE
+
+
+# whose modules a launch's layers are built from
+TE_MODULES, FAST_MODULES, LOCAL_MODULES, SPEC_MODULES = "te", "fast", "local", "spec"
+
+
+def layer_modules(path: str, args) -> str:
+    """TE_MODULES, FAST_MODULES, LOCAL_MODULES (megatron's local modules: its norms, linears,
+    attention) or SPEC_MODULES (a user's spec) for the layer path ``path``."""
+    if path == FAST:
+        return FAST_MODULES
+    if path == TRANSFORMER_ENGINE or (
+            path == MOE_BLOCK and getattr(args, "transformer_impl", None) == "transformer_engine"):
+        return TE_MODULES
+    return LOCAL_MODULES if path in (LOCAL, MOE_BLOCK) else SPEC_MODULES
