@@ -28,6 +28,8 @@ import records  # noqa: E402
 INSTALLS = {"apex": ("apex", "hidden"), "hidden": ("without apex", None),
             "apex_local": ("apex", "hidden_local"), "hidden_local": ("without apex", None),
             "apex_te": ("apex beside TE", "te"), "te": ("TE without apex", None)}
+# the folder installs that had Transformer Engine importable
+TE_INSTALLS = ("apex_te", "te")
 # a piece's path -> (the launch without the flag, the flag that switches the piece)
 PIECES = {"nowrite": ("fast", "--fast-disable grad-write"),
           "distopt": ("fast", "--use-distributed-optimizer"),
@@ -48,6 +50,13 @@ def apex_version(out: Path) -> str | None:
     return f"{m.group(1)} ({m.group(2)})" if m else None
 
 
+def te_version(out: Path) -> str | None:
+    """"2.20.2" from the run's versions.txt, where Transformer Engine was built there."""
+    text = (out / "versions.txt").read_text() if (out / "versions.txt").exists() else ""
+    m = re.search(r"transformer-engine (\d\S*)", text)
+    return m.group(1) if m else None
+
+
 def _runs(out: Path) -> dict:
     """{(step, folder install, shape): bench summary}"""
     found = {}
@@ -66,7 +75,7 @@ def _step_of(folder: str, install: str) -> str:
 
 def make_records(out: Path, commit: str | None = None) -> list[dict]:
     runs = _runs(out)
-    version = apex_version(out)
+    version, te = apex_version(out), te_version(out)
     made = []
     for (step, install, shape), summary in runs.items():
         base = records._provenance(summary["info"])
@@ -75,6 +84,8 @@ def make_records(out: Path, commit: str | None = None) -> list[dict]:
         row_install, without = INSTALLS[install]
         if version:
             base["versions"]["apex"] = version if without else "hidden"
+        if te and install in TE_INSTALLS:
+            base["versions"]["transformer-engine"] = te
         other = runs.get((step, without, shape), {}).get("results", {}) if without else {}
         results = summary["results"]
         for path, r in results.items():

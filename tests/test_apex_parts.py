@@ -368,6 +368,25 @@ def test_the_records_of_a_run_compare_each_launch_with_apex_hidden(tmp_path):
     assert "not measured yet: shape 1.3B, install apex, path fast" in text
 
 
+def test_the_records_beside_te_name_its_version(tmp_path):
+    import apex_records
+    import records
+
+    (tmp_path / "versions.txt").write_text(
+        "NVIDIA H100 80GB HBM3\ntorch 2.11.0+cu130 megatron-core 0.19.2 apex 25.09 (4bdecd06, "
+        "built for 9.0 with Cuda compilation tools, release 13.0) transformer-engine 2.20.2\n")
+    _bench_output(tmp_path / "speed" / "apex_te_1.3B", "1.3B", {"fast": 139.7})
+    _bench_output(tmp_path / "speed" / "te_1.3B", "1.3B", {"fast": 139.5})
+    _bench_output(tmp_path / "speed" / "apex_1.3B", "1.3B", {"fast": 138.5})
+    made = {r["row"]["install"]: r for r in apex_records.make_records(tmp_path)}
+    assert made["apex beside TE"]["figures"]["vs_without_apex"] == round(139.5 / 139.7, 3)
+    assert made["apex beside TE"]["versions"]["transformer-engine"] == "2.20.2"
+    assert made["TE without apex"]["versions"]["transformer-engine"] == "2.20.2"
+    assert made["TE without apex"]["versions"]["apex"] == "hidden"
+    assert "transformer-engine" not in made["apex"]["versions"]
+    assert all(records.problems(r) == [] for r in made.values())
+
+
 # apex with its persistent layer norm, no Transformer Engine
 APEX_INSTALLED = compat.Installed(transformer_engine=False, apex=True, fused_layer_norm=True,
                                   masked_softmax_kernels=True, gradient_accumulation_kernels=True)
