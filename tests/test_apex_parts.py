@@ -340,15 +340,21 @@ def _bench_output(folder: Path, shape: str, ms: dict[str, float]) -> None:
     (folder / f"bench_{shape}.json").write_text(json.dumps(dict(info=info, results=results)))
 
 
+def _versions_txt(folder: Path, transformer_engine: str) -> None:
+    """The versions.txt that bench/gpu_record_apex.sh writes first."""
+    (folder / "versions.txt").write_text(
+        "NVIDIA H100 80GB HBM3, 580.159.04, 81559 MiB\ntorch 2.11.0+cu130 megatron-core 0.19.2 "
+        "apex 25.09 (4bdecd06, built for 9.0 with Cuda compilation tools, release 13.0) "
+        f"transformer-engine {transformer_engine}\n")
+
+
 def test_the_records_of_a_run_compare_each_launch_with_apex_hidden(tmp_path):
     import apex_records
     import records
     import tables
     from table_specs import TABLES
 
-    (tmp_path / "versions.txt").write_text(
-        "NVIDIA H200\ntorch 2.11.0+cu130 megatron-core 0.19.2 apex 25.09 (4bdecd06, built for "
-        "9.0 with Cuda compilation tools, release 13.0) transformer-engine not installed\n")
+    _versions_txt(tmp_path, "not installed")
     _bench_output(tmp_path / "speed" / "apex_345M", "345M", {"fast": 44.0})
     _bench_output(tmp_path / "speed" / "hidden_345M", "345M", {"fast": 44.9})
     _bench_output(tmp_path / "pieces" / "apex_local_345M", "345M",
@@ -372,9 +378,7 @@ def test_the_records_beside_te_name_its_version(tmp_path):
     import apex_records
     import records
 
-    (tmp_path / "versions.txt").write_text(
-        "NVIDIA H100 80GB HBM3\ntorch 2.11.0+cu130 megatron-core 0.19.2 apex 25.09 (4bdecd06, "
-        "built for 9.0 with Cuda compilation tools, release 13.0) transformer-engine 2.20.2\n")
+    _versions_txt(tmp_path, "2.20.2")
     _bench_output(tmp_path / "speed" / "apex_te_1.3B", "1.3B", {"fast": 139.7})
     _bench_output(tmp_path / "speed" / "te_1.3B", "1.3B", {"fast": 139.5})
     _bench_output(tmp_path / "speed" / "apex_1.3B", "1.3B", {"fast": 138.5})
