@@ -25,7 +25,8 @@
 #                amp_C) switched off by its flag, and the same launches with apex hidden
 #   pieces_local the same for megatron's local spec (apex's persistent layer norm taken by
 #                --persist-layer-norm, its softmax and weight-gradient fusion switched off);
-#                the two steps took 3 minutes each on an H100
+#                the two steps took 3 minutes each on an H100; LOCAL_PIECES=local,persist
+#                times only the persistent layer norm, with apex (about 90 s)
 #   checkpoints  tests/test_apex_gpu.py's crossings (apex <-> plain <-> TE, the distributed
 #                optimizer's layout too) and the generation and Hugging Face export of an
 #                apex checkpoint under every install
@@ -196,11 +197,12 @@ pieces_local)
     # megatron's local spec, where apex's norms, softmax and weight-gradient fusion are taken
     # (its runs land beside the fast path's, in OUT/pieces); apex's persistent layer norm,
     # which the entry leaves (measured slower), taken by its flag
-    bench pieces apex_local "$APEX" 345M --paths local,persist,nosoftmax,nofusion --baseline local \
+    bench pieces apex_local "$APEX" 345M --paths "${LOCAL_PIECES:-local,persist,nosoftmax,nofusion}" \
+        --baseline local \
         --variant "persist=$LOCAL_FLAGS --persist-layer-norm" \
         --variant "nosoftmax=$LOCAL_FLAGS --no-masked-softmax-fusion" \
         --variant "nofusion=$LOCAL_FLAGS --no-gradient-accumulation-fusion"
-    bench pieces hidden_local "$PLAIN" 345M --paths local --baseline local
+    [ -n "${LOCAL_PIECES:-}" ] || bench pieces hidden_local "$PLAIN" 345M --paths local --baseline local
     compare pieces 345M apex_local hidden_local
     ;;
 checkpoints)
