@@ -26,7 +26,7 @@
 #   pieces_local the same for megatron's local spec (apex's persistent layer norm taken by
 #                --persist-layer-norm, its softmax and weight-gradient fusion switched off);
 #                the two steps took 3 minutes each on an H100; LOCAL_PIECES=local,persist
-#                times only the persistent layer norm, with apex (about 90 s)
+#                times only the persistent layer norm, with apex (two launches of the four)
 #   checkpoints  tests/test_apex_gpu.py's crossings (apex <-> plain <-> TE, the distributed
 #                optimizer's layout too) and the generation and Hugging Face export of an
 #                apex checkpoint under every install
