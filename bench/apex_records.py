@@ -43,18 +43,14 @@ NOTE = ("one run of `bash bench/gpu_record_apex.sh OUT {step}` on one GPU: apex 
         "dropout 0, 30 iterations, the last 20 timed")
 
 
-def apex_version(out: Path) -> str | None:
-    """"25.09 (4bdecd06)" from the run's versions.txt."""
+def versions(out: Path) -> tuple[str | None, str | None]:
+    """apex's ("25.09 (4bdecd06)") and Transformer Engine's ("2.20.2", where it was built
+    there) versions from the run's versions.txt."""
     text = (out / "versions.txt").read_text() if (out / "versions.txt").exists() else ""
-    m = re.search(r"apex (\S+) \(([0-9a-f]{8})", text)
-    return f"{m.group(1)} ({m.group(2)})" if m else None
-
-
-def te_version(out: Path) -> str | None:
-    """"2.20.2" from the run's versions.txt, where Transformer Engine was built there."""
-    text = (out / "versions.txt").read_text() if (out / "versions.txt").exists() else ""
-    m = re.search(r"transformer-engine (\d\S*)", text)
-    return m.group(1) if m else None
+    apex = re.search(r"apex (\S+) \(([0-9a-f]{8})", text)
+    te = re.search(r"transformer-engine (\d\S*)", text)
+    return (f"{apex.group(1)} ({apex.group(2)})" if apex else None,
+            te.group(1) if te else None)
 
 
 def _runs(out: Path) -> dict:
@@ -75,7 +71,7 @@ def _step_of(folder: str, install: str) -> str:
 
 def make_records(out: Path, commit: str | None = None) -> list[dict]:
     runs = _runs(out)
-    version, te = apex_version(out), te_version(out)
+    version, te = versions(out)
     made = []
     for (step, install, shape), summary in runs.items():
         base = records._provenance(summary["info"])

@@ -40,9 +40,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional
 
 from megagpt.compat import PERSISTENT_HIDDEN_SIZES, PERSISTENT_LAYER_NORM
-from megagpt.launch.layer_path import (FAST_MODULES as FAST, LOCAL_MODULES as LOCAL,
-                                       SPEC_MODULES as SPEC, TE_MODULES as TE,
-                                       layer_modules)
+from megagpt.launch.layer_path import FAST_MODULES, LOCAL_MODULES, TE_MODULES, layer_modules
 
 
 @dataclass(frozen=True)
@@ -177,9 +175,9 @@ def _wgrad_scope(modules: str, args) -> str:
     """Which of megatron's linear layers run their own backward in this launch (where the
     fast spec's fused layers and chunked LM loss leave none, ``wgrad_fusion_unused_reason``
     says so first): Transformer Engine's layers fuse theirs."""
-    if modules == TE:
+    if modules == TE_MODULES:
         return "the output layer; Transformer Engine's layers fuse their own"
-    if modules != FAST:
+    if modules != FAST_MODULES:
         return "megatron's linear layers"
     if not _get(args, "fast_spec_fused_layer", True):
         return "the layers' linears (--fast-disable fused-layer) and the output layer"
@@ -232,7 +230,7 @@ def launch_uses(modules: str, args, found: frozenset[str], bound: Mapping[str, o
     if "wgrad" in found:
         from megagpt.launch.fast_path_reasons import wgrad_fusion_unused_reason
 
-        unused = wgrad_fusion_unused_reason(args, chunked_loss) if modules == FAST else None
+        unused = wgrad_fusion_unused_reason(args, chunked_loss) if modules == FAST_MODULES else None
         if unused is not None:
             uses.append(Use(BY_KEY["wgrad"].label, False, unused))
         elif not _get(args, "gradient_accumulation_fusion", False):
@@ -245,7 +243,7 @@ def launch_uses(modules: str, args, found: frozenset[str], bound: Mapping[str, o
     # norms
     uses.extend(_norm_uses(modules, args, found, bound, persistent_left))
     # softmax
-    if modules == LOCAL:
+    if modules == LOCAL_MODULES:
         fp = _get(args, "bf16", False) or _get(args, "fp16", False)
         if not _get(args, "masked_softmax_fusion", False):
             add("softmax", False, "--no-masked-softmax-fusion")
@@ -254,8 +252,8 @@ def launch_uses(modules: str, args, found: frozenset[str], bound: Mapping[str, o
         else:
             add("softmax", True, "megatron's local attention, for the shapes they take")
     else:
-        add("softmax", False, {TE: "attention is Transformer Engine's",
-                               FAST: "attention is the fast spec's torch SDPA"}.get(
+        add("softmax", False, {TE_MODULES: "attention is Transformer Engine's",
+                               FAST_MODULES: "attention is the fast spec's torch SDPA"}.get(
                                    modules, "attention is the spec's own"))
     return uses
 
@@ -269,17 +267,17 @@ def _norm_uses(modules: str, args, found: frozenset[str], bound: Mapping[str, ob
     if _get(args, "cpu", False):
         # gpt_model.with_torch_norms: apex's kernels take CUDA tensors only
         return [Use(BY_KEY[k].label, False, "CPU mode builds torch's norms") for k in keys]
-    if modules == FAST:
+    if modules == FAST_MODULES:
         if (_get(args, "qk_layernorm", False) and layer_norm and "layer_norm" in found
                 and bound.get("fused_layer_norm")):
             # the fast spec replaces the layers' norms, not megatron's q/k norms
             return [Use(BY_KEY["layer_norm"].label, True, "the q/k norms of --qk-layernorm; "
                         "the layers' own norms are the fast spec's torch ones")]
         return [Use(BY_KEY[k].label, False, "the fast spec's norms are torch's") for k in keys]
-    if modules == TE:
+    if modules == TE_MODULES:
         return [Use(BY_KEY[k].label, False, "Transformer Engine's layers have their own")
                 for k in keys]
-    if modules != LOCAL:
+    if modules != LOCAL_MODULES:
         return [Use(BY_KEY[k].label, False, "the spec picks its own norms") for k in keys]
     if not layer_norm:
         return [Use(BY_KEY[k].label, False, f"{args.normalization} is megatron's torch norm")

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 
 from megagpt import apex_parts, compat
-from megagpt.apex_parts import FAST, LOCAL, TE
+from megagpt.launch.layer_path import FAST_MODULES as FAST, LOCAL_MODULES as LOCAL, TE_MODULES as TE
 from megagpt.errors import UserError
 from megagpt.launch import apex_kernels
 
