@@ -9,7 +9,7 @@ inference both build their model from the ``GPTModelConfig`` this returns.
 from __future__ import annotations
 
 from megagpt.gpt_model import LayerSpecChoice, layer_spec_builder, output_processor
-from megagpt.launch.layer_path import FAST, LOCAL, MOE_BLOCK, TRANSFORMER_ENGINE, USER_SPEC
+from megagpt.launch.layers import LayerPath
 
 
 def gpt_model_config(args, launch):
@@ -20,5 +20,5 @@ def gpt_model_config(args, launch):
     return model_config_of(args, launch)
 
 
-__all__ = ["FAST", "LOCAL", "LayerSpecChoice", "MOE_BLOCK", "TRANSFORMER_ENGINE", "USER_SPEC",
-           "gpt_model_config", "layer_spec_builder", "output_processor"]
+__all__ = ["LayerPath", "LayerSpecChoice", "gpt_model_config", "layer_spec_builder",
+           "output_processor"]

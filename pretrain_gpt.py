@@ -55,7 +55,7 @@ from megagpt.megatron_errors import INPUT_ERRORS
 from megagpt.preflight.launch_path import WhatRuns
 from megagpt.preflight.memory_knobs import memory_knobs
 from megagpt.resilience.divergence import EVALUATION_FAULT
-from megagpt.rendezvous import store_for
+from megagpt.launch.rendezvous import store_for
 
 # A loss ten times the largest seen so far counts as a spike (--check-for-spiky-loss).
 SPIKY_LOSS_FACTOR = 10

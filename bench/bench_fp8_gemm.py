@@ -14,7 +14,7 @@ layer fuses it, so the FP8 time is an upper bound.
 
 Prints one line per (M, K, N): bf16 and FP8 microseconds and the ratio; ``--shapes`` times
 the fused layer's four linears at the named model shapes instead of the grid. The figures
-behind ``megagpt.fast_spec.fp8_support.FP8_MIN_GEMM``.
+behind ``megagpt.launch.fp8.FP8_MIN_WIDTH``.
 """
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ fp8)
     done
     ;;
 layouts)
-    # the layer choice under tensor and pipeline parallelism (megagpt/layer_impl.py), on two
+    # the layer choice under tensor and pipeline parallelism (megagpt/launch/layers.py), on two
     # GPUs with TE importable: TE's layers (the entry's default there) against the fast spec's
     # (--transformer-impl local), 345M and 1.3B, mock data, losses against one GPU
     for shape in ${LAYOUT_SHAPES:-345M 1.3B}; do

@@ -274,7 +274,7 @@ TABLES = (
         "from the process (hidden), one after the other in one device call "
         "(`bench/gpu_record_te.sh OUT train`): bf16, mock data, dropout 0, no apex. The "
         "entry's default picks the fast spec on one GPU with or without TE "
-        "(`megagpt/layer_impl.py`); TE's layers are measured beside it. vs = ms/iter of the "
+        "(`megagpt/launch/layers.py`); TE's layers are measured beside it. vs = ms/iter of the "
         "default without TE ÷ this row's (above 1: faster). What TE changes and why: "
         "[speed.md](speed.md#with-transformer-engine-installed).",
         columns=(("shape", rowval("shape")), ("TE", rowval("te")),

@@ -39,8 +39,8 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional
 
-from megagpt.compat import PERSISTENT_HIDDEN_SIZES, PERSISTENT_LAYER_NORM
-from megagpt.launch.layer_path import FAST_MODULES, LOCAL_MODULES, TE_MODULES, layer_modules
+from megagpt.launch.apex_kernels import PERSISTENT_HIDDEN_SIZES, PERSISTENT_LAYER_NORM
+from megagpt.launch.layers import LayerPath, Modules, layer_modules
 
 
 @dataclass(frozen=True)
@@ -171,20 +171,20 @@ def _get(args, name: str, default=None):
     return default if value is None else value
 
 
-def _wgrad_scope(modules: str, args) -> str:
+def _wgrad_scope(modules: Modules, args) -> str:
     """Which of megatron's linear layers run their own backward in this launch (where the
     fast spec's fused layers and chunked LM loss leave none, ``wgrad_fusion_unused_reason``
     says so first): Transformer Engine's layers fuse theirs."""
-    if modules == TE_MODULES:
+    if modules is Modules.TE:
         return "the output layer; Transformer Engine's layers fuse their own"
-    if modules != FAST_MODULES:
+    if modules is not Modules.FAST:
         return "megatron's linear layers"
     if not _get(args, "fast_spec_fused_layer", True):
         return "the layers' linears (--fast-disable fused-layer) and the output layer"
     return "the output layer"
 
 
-def launch_uses(modules: str, args, found: frozenset[str], bound: Mapping[str, object],
+def launch_uses(modules: Modules, args, found: frozenset[str], bound: Mapping[str, object],
                 te_installed: bool, chunked_loss: bool = False,
                 persistent_left: Optional[str] = None) -> list[Use]:
     """For each part found, whether this launch takes it. ``modules``: ``layer_modules``;
@@ -230,7 +230,8 @@ def launch_uses(modules: str, args, found: frozenset[str], bound: Mapping[str, o
     if "wgrad" in found:
         from megagpt.launch.fast_path_reasons import wgrad_fusion_unused_reason
 
-        unused = wgrad_fusion_unused_reason(args, chunked_loss) if modules == FAST_MODULES else None
+        unused = (wgrad_fusion_unused_reason(args, LayerPath.FAST, chunked_loss)
+                  if modules is Modules.FAST else None)
         if unused is not None:
             uses.append(Use(BY_KEY["wgrad"].label, False, unused))
         elif not _get(args, "gradient_accumulation_fusion", False):
@@ -243,7 +244,7 @@ def launch_uses(modules: str, args, found: frozenset[str], bound: Mapping[str, o
     # norms
     uses.extend(_norm_uses(modules, args, found, bound, persistent_left))
     # softmax
-    if modules == LOCAL_MODULES:
+    if modules is Modules.LOCAL:
         fp = _get(args, "bf16", False) or _get(args, "fp16", False)
         if not _get(args, "masked_softmax_fusion", False):
             add("softmax", False, "--no-masked-softmax-fusion")
@@ -252,13 +253,13 @@ def launch_uses(modules: str, args, found: frozenset[str], bound: Mapping[str, o
         else:
             add("softmax", True, "megatron's local attention, for the shapes they take")
     else:
-        add("softmax", False, {TE_MODULES: "attention is Transformer Engine's",
-                               FAST_MODULES: "attention is the fast spec's torch SDPA"}.get(
+        add("softmax", False, {Modules.TE: "attention is Transformer Engine's",
+                               Modules.FAST: "attention is the fast spec's torch SDPA"}.get(
                                    modules, "attention is the spec's own"))
     return uses
 
 
-def _norm_uses(modules: str, args, found: frozenset[str], bound: Mapping[str, object],
+def _norm_uses(modules: Modules, args, found: frozenset[str], bound: Mapping[str, object],
                persistent_left: Optional[str] = None) -> list[Use]:
     keys = [k for k in ("layer_norm", "persistent_layer_norm") if k in found]
     if not keys and not bound.get("fused_layer_norm"):
@@ -267,17 +268,17 @@ def _norm_uses(modules: str, args, found: frozenset[str], bound: Mapping[str, ob
     if _get(args, "cpu", False):
         # gpt_model.with_torch_norms: apex's kernels take CUDA tensors only
         return [Use(BY_KEY[k].label, False, "CPU mode builds torch's norms") for k in keys]
-    if modules == FAST_MODULES:
+    if modules is Modules.FAST:
         if (_get(args, "qk_layernorm", False) and layer_norm and "layer_norm" in found
                 and bound.get("fused_layer_norm")):
             # the fast spec replaces the layers' norms, not megatron's q/k norms
             return [Use(BY_KEY["layer_norm"].label, True, "the q/k norms of --qk-layernorm; "
                         "the layers' own norms are the fast spec's torch ones")]
         return [Use(BY_KEY[k].label, False, "the fast spec's norms are torch's") for k in keys]
-    if modules == TE_MODULES:
+    if modules is Modules.TE:
         return [Use(BY_KEY[k].label, False, "Transformer Engine's layers have their own")
                 for k in keys]
-    if modules != LOCAL_MODULES:
+    if modules is not Modules.LOCAL:
         return [Use(BY_KEY[k].label, False, "the spec picks its own norms") for k in keys]
     if not layer_norm:
         return [Use(BY_KEY[k].label, False, f"{args.normalization} is megatron's torch norm")
@@ -317,13 +318,14 @@ def log_launch_line(launch, args, log: Callable[[str], None]) -> Optional[str]:
     found = found_parts()
     if not found:
         return None
-    from megagpt.launch import fast_path as chosen
+    from megagpt.launch.fast_path import LM_LOSS, LmLoss
+    from megagpt.launch.layers import LAYERS
 
     te = importlib.util.find_spec("transformer_engine") is not None
-    modules = layer_modules(launch.value(chosen.LAYERS), args)
-    chunked = launch.value(chosen.LM_LOSS) == chosen.CHUNKED
-    persistent = next((c for c in launch.choices if c.name == PERSISTENT_LAYER_NORM), None)
-    left = persistent.reason if persistent is not None and not persistent.value else None
+    modules = layer_modules(launch[LAYERS], args)
+    chunked = launch[LM_LOSS] is LmLoss.CHUNKED
+    persistent = launch.get(PERSISTENT_LAYER_NORM)
+    left = str(persistent.reason) if persistent is not None and not persistent.value else None
     line = launch_line(launch_uses(modules, args, found, megatron_bindings(), te, chunked,
                                    left))
     log(line)

@@ -262,71 +262,8 @@ def _cpu_rng_tracker():
         yield
 
 
-# ---------------------------------------------------------------------------
-# 3. Arguments and process setup
-# ---------------------------------------------------------------------------
-
-# Settings CPU mode cannot honour, with the message that names them.
-_UNSUPPORTED = (
-    ("bf16", "--bf16: bfloat16 training needs a GPU (megatron's mixed-precision optimizer "
-             "checks for CUDA tensors); CPU mode trains in fp32"),
-    ("fp16", "--fp16: half-precision training needs a GPU; CPU mode trains in fp32"),
-    ("fp8", "--fp8-format: FP8 needs a GPU with FP8 tensor cores (compute capability 8.9 "
-            "or later: H100, H200, L40S)"),
-    ("use_torch_fsdp2", "--use-torch-fsdp2: megatron builds torch FSDP2's device mesh on CUDA"),
-    ("moe_grouped_gemm", "--moe-grouped-gemm: the grouped GEMM kernels need a GPU"),
-)
-
-
 class CpuModeError(UserError, ValueError):
     """A setting that cannot run on a CPU was asked for."""
-
-
-# the choice of megatron's optimizer kernels in a CPU run (``active``'s optimizer_fallbacks)
-CPU_OPTIMIZER = "CPU optimizer"
-MEGATRONS_FALLBACKS = "megatron's torch fallbacks"
-
-# megatron's arguments of a CPU run
-CPU_SETTINGS = {
-    "distributed_backend": "gloo",
-    "use_cpu_initialization": True,
-    # Kernels that exist only on GPUs.
-    "gradient_accumulation_fusion": False,
-    "masked_softmax_fusion": False,
-    # bias_gelu_fusion stays as given: megatron's fused bias-GeLU is the tanh
-    # approximation of GeLU, part of the function the model computes (a GPU run's
-    # default, GPT-2's activation); in CPU mode it runs eagerly.
-    "bias_swiglu_fusion": False,
-    "bias_dropout_fusion": False,
-    "apply_rope_fusion": False,
-    "no_persist_layer_norm": True,
-    "cross_entropy_loss_fusion": False,
-}
-
-
-def adapt(p) -> None:
-    """The settings of a ``--cpu`` run (a step of the launch's resolution, over its planner
-    ``p``: ``megagpt.launch.planner``); CpuModeError names the impossible ones."""
-    args = p.v
-    if not getattr(args, "cpu", False):
-        return
-    problems = [msg for attr, msg in _UNSUPPORTED if getattr(args, attr, None)]
-    if problems:
-        raise CpuModeError("CPU mode (--cpu) cannot run with: " + "; ".join(problems))
-    for name, value in CPU_SETTINGS.items():
-        if hasattr(args, name) and getattr(args, name) != value:
-            p.set(name, value)
-    if getattr(args, "transformer_impl", "local") != "local":
-        p.log("cpu mode: --transformer-impl local (Transformer Engine kernels need a GPU)")
-        p.set("transformer_impl", "local")
-    p.choose("device", "CPU", "--cpu: gloo, fp32, CPU initialisation, GPU-only fusions off")
-    if p.installed.megatron_fused_optimizer:
-        p.choose(CPU_OPTIMIZER, MEGATRONS_FALLBACKS, "megatron's optimizer bound "
-                 "Transformer Engine's (or apex's) kernels, which step CUDA memory only")
-    else:
-        p.choose(CPU_OPTIMIZER, "as megatron bound it", "megatron's optimizer took its torch "
-                 "fallbacks itself (no Transformer Engine or apex)")
-    p.log("cpu mode: gloo, fp32, CPU initialisation, GPU-only fusions off")
 
 
 @contextlib.contextmanager

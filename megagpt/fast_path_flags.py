@@ -61,7 +61,6 @@ SWITCH_DEFAULTS = (
     ("fast_flat_adam", True),
     ("fast_bf16_grad_buffer", None),
     ("fast_grad_write", None),
-    ("fast_fp8", None),  # --fp8-format, where the plan gives it to the fast spec's linears
 )
 
 # --fast-cuda-graphs -> (fast_cuda_graph, fast_layer_graphs); None: the plan decides

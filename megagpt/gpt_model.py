@@ -1,21 +1,21 @@
 """The GPT model a launch builds: megatron's ``GPTModelConfig`` with the launch's layer spec,
 one stage of it, and the output processor of its last stage.
 
-The layers are the launch's ``layers`` choice (``megagpt.launch.layer_path`` names the paths):
+The layers are the launch's ``LAYERS`` decision (``megagpt.launch.layers.LayerPath``):
 
   1. ``--spec MODULE FUNCTION`` given by the user: megatron imports it, we stay out of the way
      (``--spec local``, megatron's name for its local spec, is 5.);
   2. Transformer Engine's spec (``--transformer-impl transformer_engine``, given or chosen by
-     ``megagpt.layer_impl`` for what only TE runs or where TE is faster);
+     the launch for what only TE runs or where TE is faster: ``megagpt.launch.layers``);
   3. with ``--num-experts``: megatron's MoE decoder-block spec (TE or local modules);
   4. this project's fast spec (``megagpt.fast_spec``), its fused layer built with the launch's
-     ``fused layer``, ``compile``, ``hash dropout`` and ``FP8`` choices;
+     ``fused layer``, ``compile``, ``hash dropout`` and ``FP8`` decisions;
   5. megatron's local spec.
 
 ``gpt_model_config(args, launch)`` puts the layer spec into megatron's model config: training
 (``megatron.training.pretrain`` builds its model from it) and inference alike build from it.
 ``build_stage`` is megatron's ``get_model`` contract for one stage; ``output_processor`` is
-the launch's ``LM loss`` choice as ``GPTModel.forward``'s ``output_processor``.
+the launch's ``LM loss`` decision as ``GPTModel.forward``'s ``output_processor``.
 """
 
 from __future__ import annotations
@@ -27,36 +27,37 @@ from typing import Callable, Optional
 
 from megagpt.flags import megatron_local_spec_asked
 from megagpt.launch import fast_path as chosen
-from megagpt.launch import layer_path
+from megagpt.launch.cuda_graphs import CUDA_GRAPH
+from megagpt.launch.fp8 import FP8
+from megagpt.launch.layers import LAYERS, LayerPath
+from megagpt.launch.optimizer_kernels import ASYNC_STEP, OPTIMIZER, OptimizerKernels
 
 
 @dataclass(frozen=True)
 class LayerSpecChoice:
-    path: str  # a ``layer_path`` constant
-    reason: str  # one line for the log: why this path ran
+    path: LayerPath
+    reason: object  # the launch's ``plan.Reason``: why this path runs
 
     def describe(self) -> str:
         return f"layer spec: {self.path} ({self.reason})"
 
     @classmethod
     def of(cls, launch) -> "LayerSpecChoice":
-        """The launch's ``layers`` choice."""
-        layers = launch.choice(chosen.LAYERS)
+        """The launch's ``LAYERS`` decision."""
+        layers = launch.choice(LAYERS)
         return cls(layers.value, layers.reason)
 
 
 def fused_layer_options(launch):
     """How the fast spec's fused layers run, as the launch chose (None: its layers are
     megatron's ``TransformerLayer``)."""
-    from megagpt.fast_spec.fp8 import Fp8Recipe
     from megagpt.fast_spec.layer import FusedLayerOptions
 
-    if not launch.value(chosen.FUSED_LAYER):
+    if not launch[chosen.FUSED_LAYER]:
         return None
-    fp8 = launch.value(chosen.FP8)
-    return FusedLayerOptions.make(compile=launch.value(chosen.COMPILE),
-                                  hash_dropout=launch.value(chosen.HASH_DROPOUT),
-                                  fp8=fp8 if isinstance(fp8, Fp8Recipe) else None)
+    # the fused layer is the fast spec's, whose FP8 is an Fp8Recipe (TE's FP8 is TE's layers')
+    return FusedLayerOptions.make(compile=launch[chosen.COMPILE],
+                                  hash_dropout=launch[chosen.HASH_DROPOUT], fp8=launch[FP8])
 
 
 def layer_spec_builder(layers: LayerSpecChoice, args, fused=None) -> Callable | None:
@@ -68,9 +69,9 @@ def layer_spec_builder(layers: LayerSpecChoice, args, fused=None) -> Callable | 
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    if layers.path == layer_path.USER_SPEC:
+    if layers.path is LayerPath.USER_SPEC:
         return None  # gpt_config_from_args already imported the user's spec
-    if layers.path == layer_path.FAST:
+    if layers.path is LayerPath.FAST:
         from megagpt.fast_spec.spec import fast_decoder_block_spec, get_fast_gpt_layer_spec
 
         spec = get_fast_gpt_layer_spec(args, fused)
@@ -79,11 +80,11 @@ def layer_spec_builder(layers: LayerSpecChoice, args, fused=None) -> Callable | 
 
     def build(config, vp_stage=None):
         t = config.transformer
-        if layers.path == layer_path.MOE_BLOCK:
+        if layers.path is LayerPath.MOE_BLOCK:
             return get_gpt_decoder_block_spec(
                 t, use_transformer_engine=t.transformer_impl == "transformer_engine",
                 normalization=t.normalization, qk_l2_norm=t.qk_l2_norm, vp_stage=vp_stage)
-        if layers.path == layer_path.TRANSFORMER_ENGINE:
+        if layers.path is LayerPath.TRANSFORMER_ENGINE:
             return get_gpt_layer_with_transformer_engine_spec(
                 t.num_moe_experts, t.moe_grouped_gemm, t.qk_layernorm,
                 t.multi_latent_attention, qk_l2_norm=t.qk_l2_norm)
@@ -173,36 +174,35 @@ def output_processor(launch) -> Optional[Callable]:
     chunked LM-head cross entropy (``fast_spec.lm_loss.fused_lm_head_loss``) with its kernels
     compiled as the launch's ``compile`` choice says; None keeps megatron's output layer and
     loss."""
-    if launch.value(chosen.LM_LOSS) != chosen.CHUNKED:
+    if launch[chosen.LM_LOSS] is not chosen.LmLoss.CHUNKED:
         return None
     from megagpt.fast_spec.lm_loss import fused_lm_head_loss
 
-    return functools.partial(fused_lm_head_loss,
-                             compile_kernels=bool(launch.value(chosen.COMPILE)),
-                             grad_in_forward=bool(launch.value(chosen.LM_GRAD_IN_FORWARD)))
+    return functools.partial(fused_lm_head_loss, compile_kernels=launch[chosen.COMPILE],
+                             grad_in_forward=launch[chosen.LM_GRAD_IN_FORWARD])
 
 
 def describe(launch) -> str:
     """One line for the log: the launch's model path and, on the fast spec, its pieces."""
     layers = LayerSpecChoice.of(launch)
-    if layers.path != layer_path.FAST:
+    if layers.path is not LayerPath.FAST:
         return layers.describe()
     parts = ["SDPA core attention"]
-    if launch.value(chosen.FUSED_LAYER):
-        parts.append("fused dense layer (" + ("torch.compile" if launch.value(chosen.COMPILE)
+    if launch[chosen.FUSED_LAYER]:
+        parts.append("fused dense layer (" + ("torch.compile" if launch[chosen.COMPILE]
                                               else "eager") + ")")
-    if launch.value(chosen.LM_LOSS) == chosen.CHUNKED:
-        grad = ", gradients formed in forward" if launch.value(chosen.LM_GRAD_IN_FORWARD) else ""
+    if launch[chosen.LM_LOSS] is chosen.LmLoss.CHUNKED:
+        grad = ", gradients formed in forward" if launch[chosen.LM_GRAD_IN_FORWARD] else ""
         parts.append(f"chunked LM-head cross entropy{grad}")
-    graph = launch.value(chosen.CUDA_GRAPH)
-    if graph in (chosen.FULL_ITERATION, chosen.PER_LAYER):
+    graph = launch[CUDA_GRAPH]
+    if graph.captures:
         parts.append(f"CUDA graph {graph}")
-    if launch.value(chosen.OPTIMIZER) != chosen.MEGATRONS:
-        parts.append(launch.value(chosen.OPTIMIZER))
-    if launch.value(chosen.ASYNC_STEP):
+    if launch[OPTIMIZER] is not OptimizerKernels.MEGATRONS:
+        parts.append(str(launch[OPTIMIZER]))
+    if launch[ASYNC_STEP]:
         parts.append("no host sync inside the step")
-    if launch.value(chosen.BF16_GRAD_BUFFER):
+    if launch[chosen.BF16_GRAD_BUFFER]:
         parts.append("bf16 gradient buffer")
-    if launch.value(chosen.GRAD_WRITE):
+    if launch[chosen.GRAD_WRITE]:
         parts.append("gradients written into the buffer, not zeroed and added")
     return f"{layers.describe()}; fast spec: " + ", ".join(parts)

@@ -93,6 +93,12 @@ def gpu_type_names() -> list[str]:
     return sorted(KNOWN_GPUS) + sorted(ALIASES)
 
 
+def fp8_gpu_names() -> str:
+    """The known GPUs with FP8 tensor cores, for a message: "H100-SXM and H200"."""
+    names = [name for name, gpu in sorted(KNOWN_GPUS.items()) if gpu.spec.fp8_tflops]
+    return ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else names[0]
+
+
 def known_gpu(name: str, source: str) -> Gpu:
     """The named part; UserError naming the known ones for any other name."""
     canonical = ALIASES.get(name, name)

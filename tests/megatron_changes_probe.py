@@ -57,10 +57,13 @@ def main() -> int:
     import copy
     import dataclasses
 
-    from megagpt import arguments, compat, launch, run_log
+    from megagpt import arguments, launch, run_log
     from megagpt.launch import fast_path as chosen
+    from megagpt.launch.cuda_graphs import CUDA_GRAPH, NAN_CHECK, CudaGraph, NanCheck
+    from megagpt.launch.installed import MEGATRON_LINEARS_WGRAD
     from megagpt.launch.megatron_changes import launched
-    from megagpt.launch.planner import Choice
+    from megagpt.launch.optimizer_kernels import ASYNC_STEP, OPTIMIZER, OptimizerKernels
+    from megagpt.launch.plan import Choice, Reason, Why
     from megagpt.preflight import schedule_check
 
     from megagpt import megatron_wrappers
@@ -77,13 +80,14 @@ def main() -> int:
          "--save", "/nonexistent", "--save-interval", "1"])
     args = launch.write(resolved, environ={})
     # every change a launch can make: the choices that turn each on
-    every = {chosen.CUDA_GRAPH: chosen.FULL_ITERATION, chosen.GRAD_WRITE: True,
-             chosen.OPTIMIZER: chosen.FLAT_ADAMW, chosen.ASYNC_STEP: True,
-             chosen.NAN_CHECK: chosen.GRADIENT_NORM}
-    choices = [dataclasses.replace(c, value=every.get(c.name, c.value))
+    every = {CUDA_GRAPH: CudaGraph.FULL_ITERATION, chosen.GRAD_WRITE: True,
+             OPTIMIZER: OptimizerKernels.FLAT_ADAMW, ASYNC_STEP: True,
+             NAN_CHECK: NanCheck.GRADIENT_NORM}
+    choices = [dataclasses.replace(c, value=every.get(c.decision, c.value))
                for c in resolved.choices]
     # as under TE's layers without apex (no TE here: the choice is given)
-    choices.append(Choice("compat", compat.MEGATRON_LINEARS_WGRAD, "through autograd", "probe"))
+    choices.append(Choice("compat", MEGATRON_LINEARS_WGRAD, False,
+                          Reason(Why.INSTALLED, "probe")))
     everything = dataclasses.replace(resolved, choices=tuple(choices))
     on_a_gpu = copy.copy(args)
     on_a_gpu.cpu = False  # the capture deadline, which CPU mode leaves out

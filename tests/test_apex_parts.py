@@ -23,7 +23,9 @@ from types import SimpleNamespace
 import pytest
 
 from megagpt import apex_parts, compat
-from megagpt.launch.layer_path import FAST_MODULES as FAST, LOCAL_MODULES as LOCAL, TE_MODULES as TE
+from megagpt.launch.layers import Modules
+
+FAST, LOCAL, TE = Modules.FAST, Modules.LOCAL, Modules.TE
 from megagpt.errors import UserError
 from megagpt.launch import apex_kernels
 
@@ -307,7 +309,7 @@ def test_the_persistent_hidden_sizes_are_megatrons():
     lists = [ast.literal_eval(node.value) for node in ast.walk(tree)
              if isinstance(node, ast.Assign) and any(
                  getattr(t, "id", None) == "persist_ln_hidden_sizes" for t in node.targets)]
-    assert lists and set(lists[0]) == compat.PERSISTENT_HIDDEN_SIZES
+    assert lists and set(lists[0]) == apex_kernels.PERSISTENT_HIDDEN_SIZES
 
 
 def test_the_build_makes_exactly_the_extensions_megatron_takes():
@@ -413,20 +415,20 @@ def test_the_persistent_layer_norm_is_left_where_megatrons_local_norms_would_tak
 
     left = launch(*LOCAL_MODULES)
     assert left.arg("no_persist_layer_norm") is True
-    choice = left.choice(compat.PERSISTENT_LAYER_NORM)
-    assert choice.value is False and choice.reason == apex_kernels.PERSISTENT_LAYER_NORM_SLOWER
-    assert any(compat.PERSISTENT_LAYER_NORM in line and "off" in line
+    choice = left.choice(apex_kernels.PERSISTENT_LAYER_NORM)
+    assert choice.value is False and str(choice.reason) == apex_kernels.PERSISTENT_LAYER_NORM_SLOWER
+    assert any(apex_kernels.PERSISTENT_LAYER_NORM.name in line and "off" in line
                for line in left.describe())
     assert [line for line in left.log if "persistent kernel measured slower" in line] == [
         f"compat: {apex_kernels.PERSISTENT_LAYER_NORM_SLOWER}; --no-persist-layer-norm"]
     asked = launch(*LOCAL_MODULES, "--persist-layer-norm")
     assert asked.arg("no_persist_layer_norm") is False
-    assert asked.value(compat.PERSISTENT_LAYER_NORM) is True
+    assert asked[apex_kernels.PERSISTENT_LAYER_NORM] is True
     for quiet in (launch(), launch(*LOCAL_MODULES, "--hidden-size", "64", "--num-attention-heads",
                                    "4"), launch(*LOCAL_MODULES, "--no-persist-layer-norm"),
                   resolve([*(f for f in ONE_GPU if f != "--bf16"), *LOCAL_MODULES, "--cpu"],
                           installed=APEX_INSTALLED)):
-        assert not [c for c in quiet.choices if c.name == compat.PERSISTENT_LAYER_NORM]
+        assert not quiet.made(apex_kernels.PERSISTENT_LAYER_NORM)
         assert not [line for line in quiet.log if "persistent kernel measured" in line]
     with pytest.raises(compat.MissingDependencyError, match="needs NVIDIA apex built"):
         launch(*LOCAL_MODULES, "--persist-layer-norm", installed=compat.Installed(

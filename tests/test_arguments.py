@@ -63,11 +63,11 @@ def test_spec_local_with_transformer_engine_named_is_refused():
     from types import SimpleNamespace
 
     from megagpt.compat import Installed
-    from megagpt.layer_impl import choose_transformer_impl
+    from megagpt.launch.layers import transformer_impl
 
     te = Installed(transformer_engine=True, apex=False, fused_layer_norm=False,
                    masked_softmax_kernels=False, gradient_accumulation_kernels=False)
     args = SimpleNamespace(spec=["local"], transformer_impl="transformer_engine")
     with pytest.raises(UserError, match="--spec local asks for megatron's local modules"):
-        choose_transformer_impl(args, {"--transformer-impl"}, te)
-    assert choose_transformer_impl(args, set(), te).impl == "local"
+        transformer_impl(args, {"--transformer-impl"}, te)
+    assert transformer_impl(args, set(), te)[0] == "local"

@@ -22,10 +22,11 @@ def megatron_args(argv=()):
 
 def chosen(args, given, nvrx_installed: bool):
     """(``args`` as the launch's async-save step decides them, its log lines)."""
+    from megagpt.launch import resilience
     from megagpt.launch.planner import Planner
 
     p = Planner(args, frozenset(given), None)
-    async_save.choose_writer(p, nvrx_installed=nvrx_installed)
+    resilience.choose_writer(p, nvrx_installed=nvrx_installed)
     return p.v, p.lines
 
 
@@ -63,10 +64,11 @@ def test_cpu_mode_uses_megatrons_writer_even_with_the_package():
 
 def test_nothing_changes_without_async_save_or_for_the_legacy_format():
     for argv in ([], ["--async-save", "--ckpt-format", "torch"]):
+        from megagpt.launch import resilience
         from megagpt.launch.planner import Planner
 
         p = Planner(megatron_args(argv), frozenset(argv), None)
-        async_save.choose_writer(p, nvrx_installed=False)
+        resilience.choose_writer(p, nvrx_installed=False)
         assert p.decided == {} and p.lines == [] and p.choices == []
 
 

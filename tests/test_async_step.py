@@ -242,11 +242,12 @@ def test_reading_a_device_norm_waits_for_its_step_only():
 def test_bf16_grad_buffer_only_where_values_are_unchanged(attrs, argv, needle):
     from megagpt.launch.fast_path import apply_fast_path_defaults
     from megagpt.launch.fast_path_reasons import bf16_grad_buffer_unsupported_reason
+    from megagpt.launch.layers import layer_path
 
     attrs = dict(attrs)
     given = frozenset(attrs.pop("given", ()))
     args = fast_path_namespace(argv, **attrs)
-    reason = bf16_grad_buffer_unsupported_reason(args, given)
+    reason = bf16_grad_buffer_unsupported_reason(args, layer_path(args)[0], given)
     assert (reason is None) if needle is None else (needle in reason)
     lines = []
     apply_fast_path_defaults(args, lines.append, given=given)

@@ -29,28 +29,28 @@ def resolved(*extra):
 
 
 def test_default_without_transformer_engine_is_the_fast_spec():
-    assert choose().path == gpt_builders.FAST
+    assert choose().path is gpt_builders.LayerPath.FAST
 
 
 def test_no_fast_spec_falls_back_to_local_and_says_why():
     choice = choose("--no-fast-spec")
-    assert choice.path == gpt_builders.LOCAL
+    assert choice.path is gpt_builders.LayerPath.LOCAL
     assert "--no-fast-spec" in choice.describe()
 
 
 def test_experts_use_the_moe_block_spec():
-    assert choose("--num-experts", "4", "--disable-bias-linear").path == gpt_builders.MOE_BLOCK
+    assert choose("--num-experts", "4", "--disable-bias-linear").path is gpt_builders.LayerPath.MOE_BLOCK
 
 
 def test_user_spec_is_left_to_megatron():
     choice = choose("--spec", "megatron.core.models.gpt.gpt_layer_specs",
                     "get_gpt_layer_local_spec")
-    assert choice.path == gpt_builders.USER_SPEC
+    assert choice.path is gpt_builders.LayerPath.USER_SPEC
 
 
 def test_spec_local_is_megatrons_local_spec_not_a_module_to_import():
     choice = choose("--spec", "local")
-    assert choice.path == gpt_builders.LOCAL and "--spec local" in choice.reason
+    assert choice.path is gpt_builders.LayerPath.LOCAL and "--spec local" in str(choice.reason)
 
 
 def test_transformer_engine_spec_when_selected():
@@ -61,7 +61,7 @@ def test_transformer_engine_spec_when_selected():
     on_a_gpu = [flag for flag in TINY if flag != "--cpu"]
     choice = gpt_builders.LayerSpecChoice.of(launch.resolve(
         [*on_a_gpu, "--transformer-impl", "transformer_engine"], te))
-    assert choice.path == gpt_builders.TRANSFORMER_ENGINE
+    assert choice.path is gpt_builders.LayerPath.TRANSFORMER_ENGINE
 
 
 @pytest.fixture()
@@ -88,7 +88,7 @@ def test_model_provider_builds_a_stage_that_runs(one_rank, extra):
     positions = torch.arange(32).repeat(2, 1)
     losses = model(tokens, positions, None, labels=tokens)
     assert losses.shape == (2, 32) and torch.isfinite(losses).all()
-    assert choice.path == (gpt_builders.LOCAL if extra else gpt_builders.FAST)
+    assert choice.path == (gpt_builders.LayerPath.LOCAL if extra else gpt_builders.LayerPath.FAST)
     core = type(model.decoder.layers[0].self_attention.core_attention).__name__
     assert core == ("DotProductAttention" if extra else "SDPADotProductAttention")
 
@@ -110,7 +110,7 @@ def test_the_local_spec_ends_in_its_own_norm_where_megatrons_block_would_take_te
     args, resolved_launch = resolved("--no-fast-spec")
     model_config, _, choice = pretrain_gpt.build_configs(args, resolved_launch)
     model = model_provider.model_provider(model_config)
-    assert choice.path == gpt_builders.LOCAL
+    assert choice.path is gpt_builders.LayerPath.LOCAL
     layer_norm = type(model.decoder.layers[0].input_layernorm)
     assert type(model.decoder.final_layernorm) is layer_norm
     tokens = torch.randint(0, 128, (2, 32))

@@ -426,11 +426,13 @@ def test_the_distributed_optimizers_buckets_keep_float32_gradients_on_the_fast_p
     from megatron_parts import fast_path_namespace
 
     from megagpt.launch.fast_path_reasons import bf16_grad_buffer_unsupported_reason
+    from megagpt.launch.layers import layer_path
 
     def reason(**attrs):
         run = dict(load=ckpt, save=None, ckpt_step=None, ckpt_format="torch_dist",
                    use_distributed_optimizer=True)
-        return bf16_grad_buffer_unsupported_reason(fast_path_namespace([], **{**run, **attrs}))
+        args = fast_path_namespace([], **{**run, **attrs})
+        return bf16_grad_buffer_unsupported_reason(args, layer_path(args)[0])
 
     assert reason() is None  # the CPU run's own snapshot: the plain optimizer
     where = _saved_by_bucket(ckpt, "bfloat16/float32")
@@ -640,12 +642,13 @@ def test_gpt2_sized_vocabulary_moves_between_tp_sizes_when_padded_alike(tmp_path
 def test_divergence_default_and_message():
     from megagpt.resilience import divergence
 
+    from megagpt.launch import resilience
     from megagpt.launch.planner import Planner
 
     def rerun_mode(check_for_nan, given):
         p = Planner(Namespace(check_for_nan_in_loss_and_grad=check_for_nan,
                               rerun_mode="validate_results"), frozenset(given), None)
-        divergence.choose_rerun_mode(p)
+        resilience.choose_rerun_mode(p)
         return p.v.rerun_mode
 
     assert rerun_mode(True, ["--cpu"]) == "disabled"

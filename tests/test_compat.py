@@ -7,6 +7,8 @@ import re
 import pytest
 
 from megagpt import compat
+from megagpt.errors import UserError
+from megagpt.launch import fp8, installed as launch_installed, layers, megatron_quirks
 
 NOTHING = compat.Installed(transformer_engine=False, apex=False, fused_layer_norm=False,
                            masked_softmax_kernels=False, gradient_accumulation_kernels=False)
@@ -27,6 +29,20 @@ def stepped(step, args, flags=(), installed=NOTHING, lines=None):
     return p.v
 
 
+def adapt_to_installed(p):
+    """The launch's compat steps that adapt to what is installed: the layers, then the
+    settings that need what is missing."""
+    layers.choose_transformer_impl(p)
+    launch_installed.adapt_to_installed(p)
+
+
+def check_required_packages(args, installed):
+    """The launch's compat refusals: what nothing installed rescues, and FP8 nothing here
+    runs."""
+    launch_installed.check_required_packages(args, installed)
+    fp8.refuse_what_cannot_run(args, installed)
+
+
 def megatron_defaults(argv=()):
     from megatron.training.arguments import add_megatron_arguments
 
@@ -37,7 +53,7 @@ def megatron_defaults(argv=()):
 
 def test_plain_install_adapts_the_five_settings_with_one_line_each():
     args, lines = megatron_defaults(), []
-    args = stepped(compat.adapt_to_installed, args, [], NOTHING, lines)
+    args = stepped(adapt_to_installed, args, [], NOTHING, lines)
     assert args.transformer_impl == "local"
     assert args.no_persist_layer_norm is True
     assert args.masked_softmax_fusion is False
@@ -59,7 +75,7 @@ def test_rope_fusion_is_turned_off_without_transformer_engine_and_megatron_needs
                                    (["--use-rotary-position-embeddings"], NOTHING, False),
                                    ([], NOTHING, True)):
         lines = []
-        args = stepped(compat.adapt_to_installed, megatron_defaults(argv), argv, installed,
+        args = stepped(adapt_to_installed, megatron_defaults(argv), argv, installed,
                        lines)
         assert args.apply_rope_fusion is fused, (argv, installed)
         said = [line for line in lines if "RoPE" in line]
@@ -78,7 +94,7 @@ TE_WITHOUT_APEX = compat.Installed(transformer_engine=True, apex=False, fused_la
 
 def test_with_everything_installed_only_the_layers_are_chosen():
     args, lines = megatron_defaults(), []
-    args = stepped(compat.adapt_to_installed, args, [], EVERYTHING, lines)
+    args = stepped(adapt_to_installed, args, [], EVERYTHING, lines)
     assert args.transformer_impl == "local"  # the fast spec: no model parallelism
     assert args.gradient_accumulation_fusion and args.masked_softmax_fusion
     assert len(lines) == 1 and "fast spec measured faster" in lines[0]
@@ -126,7 +142,7 @@ def test_layers_are_chosen_by_what_is_installed_and_the_layout(flags, installed,
     parser.add_argument("--cpu", action="store_true")
     add_fast_path_arguments(parser)
     args, lines = parser.parse_args(flags), []
-    args = stepped(compat.adapt_to_installed, args, flags, installed, lines)
+    args = stepped(adapt_to_installed, args, flags, installed, lines)
     assert args.transformer_impl == impl
     assert why in lines[0], lines[0]
 
@@ -140,7 +156,7 @@ def test_no_fast_spec_with_te_installed_keeps_megatrons_default_layers():
     add_megatron_arguments(parser)
     add_fast_path_arguments(parser)
     args = parser.parse_args(["--no-fast-spec"])
-    args = stepped(compat.adapt_to_installed, args, ["--no-fast-spec"], TE_WITHOUT_APEX, None)
+    args = stepped(adapt_to_installed, args, ["--no-fast-spec"], TE_WITHOUT_APEX, None)
     assert args.transformer_impl == "transformer_engine"
 
 
@@ -149,21 +165,21 @@ def test_gradient_accumulation_fusion_follows_the_kernels_really_there():
     fused_weight_gradient_mlp_cuda, which TE does not provide."""
     def adapted(flags, installed):
         args, lines = megatron_defaults(flags), []
-        args = stepped(compat.adapt_to_installed, args, flags, installed, lines)
+        args = stepped(adapt_to_installed, args, flags, installed, lines)
         return args, lines
 
     te_layers, lines = adapted(["--transformer-impl", "transformer_engine"], TE_WITHOUT_APEX)
     assert te_layers.gradient_accumulation_fusion  # for TE's layers
-    assert compat.te_layers_fuse_wgrad_alone(te_layers, TE_WITHOUT_APEX)
+    assert launch_installed.te_layers_fuse_wgrad_alone(te_layers, TE_WITHOUT_APEX)
     assert sum("gradient-accumulation fusion in Transformer Engine's layers" in line
                for line in lines) == 1
     fast, lines = adapted([], TE_WITHOUT_APEX)  # the fast spec: megatron's linears only
     assert not fast.gradient_accumulation_fusion
     assert any("needs apex's fused_weight_gradient_mlp_cuda" in line for line in lines)
-    assert not compat.te_layers_fuse_wgrad_alone(fast, TE_WITHOUT_APEX)
+    assert not launch_installed.te_layers_fuse_wgrad_alone(fast, TE_WITHOUT_APEX)
     with_apex, _ = adapted(["--transformer-impl", "transformer_engine"], EVERYTHING)
     assert with_apex.gradient_accumulation_fusion
-    assert not compat.te_layers_fuse_wgrad_alone(with_apex, EVERYTHING)
+    assert not launch_installed.te_layers_fuse_wgrad_alone(with_apex, EVERYTHING)
 
 
 def test_megatrons_linears_build_without_the_missing_wgrad_kernel():
@@ -202,8 +218,8 @@ def test_the_launch_builds_megatrons_linears_without_wgrad_fusion_only_under_te_
 
     def chosen(flags, installed):
         p = Planner(megatron_defaults(flags), frozenset(explicit_flags(flags)), installed)
-        compat.adapt_to_installed(p)
-        return p.chosen(compat.MEGATRON_LINEARS_WGRAD) is not None
+        adapt_to_installed(p)
+        return p.chosen(launch_installed.MEGATRON_LINEARS_WGRAD) is not None
 
     assert chosen(["--transformer-impl", "transformer_engine"], TE_WITHOUT_APEX)
     assert not chosen([], TE_WITHOUT_APEX)  # the fast spec: megatron's linears, fusion off
@@ -213,7 +229,7 @@ def test_the_launch_builds_megatrons_linears_without_wgrad_fusion_only_under_te_
 def test_explicit_transformer_engine_request_without_te_is_a_clear_error():
     argv = ["--transformer-impl", "transformer_engine"]
     with pytest.raises(compat.MissingDependencyError, match="Transformer Engine is not installed"):
-        stepped(compat.adapt_to_installed, megatron_defaults(argv), argv, NOTHING, None)
+        stepped(adapt_to_installed, megatron_defaults(argv), argv, NOTHING, None)
 
 
 def test_detect_reports_this_environment():
@@ -243,12 +259,11 @@ def test_sequence_parallelism_without_te_or_apex_needs_the_fast_spec():
         args = megatron_defaults(flags + list(extra))
         for name, value in attrs.items():
             setattr(args, name, value)
-        return stepped(compat.adapt_to_installed, args, flags, NOTHING)
-
-    from megagpt.launch.layer_path import fast_path_selected
+        return stepped(adapt_to_installed, args, flags, NOTHING)
 
     def refusal(args, installed):
-        return compat.sequence_parallel_norms_missing(args, installed, fast_path_selected(args))
+        fast = layers.layer_path(args)[0] is layers.LayerPath.FAST
+        return launch_installed.sequence_parallel_norms_missing(args, installed, fast)
 
     assert refusal(plain_install(), NOTHING) is None  # the fast spec serves it
     moe = plain_install(["--num-experts", "4", "--disable-bias-linear"])
@@ -260,12 +275,12 @@ def test_sequence_parallelism_without_te_or_apex_needs_the_fast_spec():
 def test_settings_megatrons_torch_norm_and_local_experts_cannot_run_are_refused_early():
     args = megatron_defaults(["--apply-layernorm-1p"])
     with pytest.raises(compat.MissingDependencyError, match="--apply-layernorm-1p needs"):
-        compat.check_required_packages(args, NOTHING)
-    compat.check_required_packages(args, EVERYTHING)
-    compat.check_required_packages(megatron_defaults(["--num-experts", "4",
+        check_required_packages(args, NOTHING)
+    check_required_packages(args, EVERYTHING)
+    check_required_packages(megatron_defaults(["--num-experts", "4",
                                                       "--disable-bias-linear"]), NOTHING)
     # FP8: the fast spec's linears run it without TE; what they cannot run needs TE's
-    compat.check_required_packages(megatron_defaults(["--fp8-format", "hybrid", "--bf16"]),
+    check_required_packages(megatron_defaults(["--fp8-format", "hybrid", "--bf16"]),
                                    NOTHING)
     for flags, attrs, needle in (
             (["--fp8-recipe", "mxfp8"], {}, "--fp8-recipe mxfp8"),
@@ -277,8 +292,8 @@ def test_settings_megatrons_torch_norm_and_local_experts_cannot_run_are_refused_
         with pytest.raises(compat.MissingDependencyError,
                            match=f"--fp8-format hybrid: the fast spec's FP8 linears cannot run "
                                  f"this launch \\(.*{re.escape(needle)}.*Transformer Engine's FP8"):
-            compat.check_required_packages(args, NOTHING)
-        compat.check_required_packages(args, EVERYTHING)  # TE's FP8 layers run it
+            check_required_packages(args, NOTHING)
+        check_required_packages(args, EVERYTHING)  # TE's FP8 layers run it
 
 
 @pytest.mark.parametrize("flags, attrs, needle", [
@@ -293,8 +308,8 @@ def test_fp8_where_no_layers_can_run_it_is_refused_with_or_without_te(flags, att
     args = megatron_defaults(["--fp8-format", "hybrid", "--bf16", *flags])
     vars(args).update(attrs)  # the entry's own options
     for installed in (NOTHING, EVERYTHING):
-        with pytest.raises(compat.UserError, match=re.escape(needle)):
-            compat.check_required_packages(args, installed)
+        with pytest.raises(UserError, match=re.escape(needle)):
+            check_required_packages(args, installed)
 
 
 def _sequential_experts_step(args):
@@ -328,7 +343,7 @@ def test_moe_experts_with_linear_biases_are_refused_unless_te_groups_them():
 
     biased = megatron_defaults(["--num-experts", "4"])  # megatron's default: linear biases on
     # the GeLU fusion off, as launched
-    biased = stepped(compat.adapt_megatron_quirks, biased)
+    biased = stepped(megatron_quirks.adapt_megatron_quirks, biased)
     with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
         _sequential_experts_step(biased)
     assert torch.isfinite(_sequential_experts_step(
@@ -336,24 +351,24 @@ def test_moe_experts_with_linear_biases_are_refused_unless_te_groups_them():
 
     with pytest.raises(compat.MissingDependencyError,
                        match="--num-experts 4 with linear biases needs Transformer Engine"):
-        compat.check_required_packages(megatron_defaults(["--num-experts", "4"]), NOTHING)
+        check_required_packages(megatron_defaults(["--num-experts", "4"]), NOTHING)
     for installed in (EVERYTHING, TE_WITHOUT_APEX):
-        with pytest.raises(compat.UserError, match="needs --moe-grouped-gemm .*Add "
+        with pytest.raises(UserError, match="needs --moe-grouped-gemm .*Add "
                            "--moe-grouped-gemm, or --disable-bias-linear"):
-            compat.check_required_packages(megatron_defaults(["--num-experts", "4"]), installed)
-        with pytest.raises(compat.UserError, match="drop --transformer-impl local"):
-            compat.check_required_packages(megatron_defaults(
+            check_required_packages(megatron_defaults(["--num-experts", "4"]), installed)
+        with pytest.raises(UserError, match="drop --transformer-impl local"):
+            check_required_packages(megatron_defaults(
                 ["--num-experts", "4", "--moe-grouped-gemm", "--transformer-impl", "local"]),
                 installed)
         spec_local = megatron_defaults(["--num-experts", "4", "--moe-grouped-gemm",
                                         "--spec", "local"])
         spec_local.transformer_impl = "local"  # as layer_impl chooses for --spec local
-        with pytest.raises(compat.UserError, match="and drop --spec local, or"):
-            compat.check_required_packages(spec_local, installed)
-        compat.check_required_packages(
+        with pytest.raises(UserError, match="and drop --spec local, or"):
+            check_required_packages(spec_local, installed)
+        check_required_packages(
             megatron_defaults(["--num-experts", "4", "--moe-grouped-gemm"]), installed)
     with pytest.raises(compat.MissingDependencyError, match="needs Transformer Engine"):
-        compat.check_required_packages(
+        check_required_packages(
             megatron_defaults(["--num-experts", "4", "--moe-grouped-gemm"]), NOTHING)
 
 
@@ -363,7 +378,7 @@ def test_te_grouped_experts_with_biases_run_without_megatrons_bias_dropout_fusio
     from megatron.core.transformer.moe import experts
 
     args, lines = megatron_defaults(["--num-experts", "4", "--moe-grouped-gemm"]), []
-    args = stepped(compat.adapt_megatron_quirks, args, lines=lines)
+    args = stepped(megatron_quirks.adapt_megatron_quirks, args, lines=lines)
     assert args.bias_dropout_fusion is False and args.bias_gelu_fusion is False
     assert lines[-1].startswith("compat: --no-bias-dropout-fusion: Transformer Engine's grouped")
     assert "bias_dropout_fusion is not supported in TEGroupedMLP" in inspect.getsource(
@@ -372,7 +387,7 @@ def test_te_grouped_experts_with_biases_run_without_megatrons_bias_dropout_fusio
                                           "--disable-bias-linear"],
                  ["--num-experts", "4", "--moe-grouped-gemm", "--transformer-impl", "local"]):
         args = megatron_defaults(argv)
-        args = stepped(compat.adapt_megatron_quirks, args, lines=None)
+        args = stepped(megatron_quirks.adapt_megatron_quirks, args, lines=None)
         assert args.bias_dropout_fusion is True, argv
 
 
@@ -385,13 +400,13 @@ def test_grouped_gemm_under_megatrons_local_modules_is_said_to_run_sequential_ex
     assert spec.keywords["submodules"].experts.func is SequentialMLP
     args, lines = megatron_defaults(["--num-experts", "4", "--moe-grouped-gemm",
                                      "--disable-bias-linear", "--transformer-impl", "local"]), []
-    args = stepped(compat.adapt_megatron_quirks, args, lines=lines)
+    args = stepped(megatron_quirks.adapt_megatron_quirks, args, lines=lines)
     assert any("--moe-grouped-gemm under megatron's local modules" in line and
                "SequentialMLP" in line for line in lines)
     args, lines = megatron_defaults(["--num-experts", "4", "--moe-grouped-gemm",
                                      "--disable-bias-linear", "--transformer-impl",
                                      "transformer_engine"]), []
-    args = stepped(compat.adapt_megatron_quirks, args, lines=lines)
+    args = stepped(megatron_quirks.adapt_megatron_quirks, args, lines=lines)
     assert not any("--moe-grouped-gemm" in line for line in lines)
 
 
@@ -399,7 +414,7 @@ def test_rerun_mode_spelling_of_megatrons_parser_reaches_its_enum():
     from megatron.core.rerun_state_machine import RerunMode
 
     args, lines = megatron_defaults(["--rerun-mode", "report_stats"]), []
-    args = stepped(compat.adapt_megatron_quirks, args, lines=lines)
+    args = stepped(megatron_quirks.adapt_megatron_quirks, args, lines=lines)
     assert RerunMode(args.rerun_mode) is RerunMode.REPORT_DETERMINISM_STATS and len(lines) == 1
 
 
@@ -424,7 +439,7 @@ def test_squared_relu_runs_without_the_bias_gelu_fusion_megatron_refuses_with_it
     with pytest.raises(ValueError, match="bias_activation_fusion"):
         _megatron_mlp_config(args)  # megatron's own check, as launched before
     lines = []
-    args = stepped(compat.adapt_megatron_quirks, args, lines=lines)
+    args = stepped(megatron_quirks.adapt_megatron_quirks, args, lines=lines)
     assert args.bias_gelu_fusion is False and lines == [
         "compat: --no-bias-gelu-fusion: megatron fuses a bias only into GeLU, SwiGLU and "
         "quick-GeGLU (--squared-relu)"]
@@ -453,7 +468,7 @@ def test_moe_experts_with_biases_run_without_the_fusion_megatron_stops_at_the_fi
         with pytest.raises(ValueError, match="per_token_scale"):
             expert_forward(args)
         lines = []
-        args = stepped(compat.adapt_megatron_quirks, args, lines=lines)
+        args = stepped(megatron_quirks.adapt_megatron_quirks, args, lines=lines)
         assert args.bias_gelu_fusion is False and len(lines) == 1
         # past the activation now; in training megatron's MLP then adds the expert's bias in
         # place to its row-parallel linear's output, a view, which autograd refuses (these
@@ -467,12 +482,12 @@ def test_moe_experts_with_biases_run_without_the_fusion_megatron_stops_at_the_fi
     for argv in ([], ["--num-experts", "4", "--swiglu"],
                  ["--num-experts", "4", "--disable-bias-linear"]):
         args, lines = megatron_defaults(argv), []
-        args = stepped(compat.adapt_megatron_quirks, args, lines=lines)
+        args = stepped(megatron_quirks.adapt_megatron_quirks, args, lines=lines)
         assert args.bias_gelu_fusion is True and lines == [], argv
 
 
 def test_context_parallelism_without_transformer_engine_is_refused_early():
     args = megatron_defaults(["--context-parallel-size", "2"])
     with pytest.raises(compat.MissingDependencyError, match="--context-parallel-size 2 needs"):
-        compat.check_required_packages(args, NOTHING)
-    compat.check_required_packages(args, EVERYTHING)  # with TE it is fine
+        check_required_packages(args, NOTHING)
+    check_required_packages(args, EVERYTHING)  # with TE it is fine

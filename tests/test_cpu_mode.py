@@ -98,6 +98,7 @@ class _Args:
 
 def test_adapt_sets_gloo_and_rejects_gpu_only_settings():
     from megagpt.compat import Installed
+    from megagpt.launch import cpu
     from megagpt.launch.planner import Planner
 
     no_te = Installed(transformer_engine=False, apex=False, fused_layer_norm=False,
@@ -105,13 +106,13 @@ def test_adapt_sets_gloo_and_rejects_gpu_only_settings():
 
     def adapted(args):
         p = Planner(args, frozenset(), no_te)
-        cpu_mode.adapt(p)
+        cpu.adapt(p)
         return p
 
     p = adapted(_Args())
     assert p.v.distributed_backend == "gloo"
     assert not p.v.gradient_accumulation_fusion and not p.v.masked_softmax_fusion
-    assert p.lines and p.chosen(cpu_mode.CPU_OPTIMIZER).value == "as megatron bound it"
+    assert p.lines and p.chosen(cpu.CPU_OPTIMIZER).value is cpu.CpuOptimizer.AS_BOUND
 
     bad = _Args()
     bad.bf16, bad.fp16 = True, True

@@ -14,7 +14,11 @@ from megatron_parts import fast_path_namespace
 from megagpt.compat import Installed
 from megagpt.errors import UserError
 from megagpt.fast_spec.fp8 import Fp8Recipe
+from megagpt.launch.attention_backend import ATTENTION, Attention
+from megagpt.launch.cuda_graphs import NCCL_CHOICE
 from megagpt.launch.fast_path import SECTION, STEPS, plan_fast_path
+from megagpt.launch.fp8 import FP8, TeFp8
+from megagpt.launch.plan import Label, Reason, Why
 from megagpt.launch.planner import Planner
 from megagpt.launch.resolution import run_steps
 from megagpt.launch.writer import write
@@ -35,26 +39,37 @@ def _given(argv, given):
 
 def launch(argv=(), installed=NO_TE, given=(), **attrs):
     """The namespace the fast path's steps see: the fast-path flags parsed, megatron's layout
-    given (its flags on the command line: ``given``), and --transformer-impl as
-    ``megagpt.compat``'s step chooses it (``layer_impl``)."""
-    from megagpt.layer_impl import choose_transformer_impl
+    given (its flags on the command line: ``given``), and --transformer-impl as the launch's
+    compat step chooses it (``launch.layers``)."""
+    from megagpt.launch.layers import transformer_impl
 
     args = fast_path_namespace(argv, **attrs)
-    args.transformer_impl = choose_transformer_impl(args, _given(argv, given), installed).impl
+    args.transformer_impl = transformer_impl(args, _given(argv, given), installed)[0]
     return args
 
 
 def plan_of(argv=(), installed=NO_TE, environ=None, given=(), **attrs):
     """The launch of the layers step and the fast path's steps, over one planner."""
-    from megagpt.layer_impl import choose_transformer_impl
+    from megagpt.launch.layers import choose_transformer_impl
 
     args = fast_path_namespace(argv, **attrs)
     p = Planner(args, _given(argv, given), installed, {} if environ is None else environ)
     p.section = "compat"
-    impl = choose_transformer_impl(args, p.given, installed)
-    p.set("transformer_impl", impl.impl)
-    p.choose("transformer impl", impl.impl, impl.reason)
+    choose_transformer_impl(p)
+    p.lines.clear()  # the layers' log line is the compat step's, not the fast path's
     return run_steps(p, [(SECTION, step) for step in STEPS])
+
+
+def shown(choice):
+    """(value, reason) of a choice: an enum's member as the plan prints it, the reason's
+    text."""
+    value = choice.value
+    return (str(value) if isinstance(value, (Label, TeFp8, Attention)) else value), str(choice.reason)
+
+
+def named(plan, name: str):
+    """The plan's choice printed under ``name``."""
+    return next(c for c in plan.choices if c.name == name)
 
 
 # layout/flags → {choice: (value, a piece of its reason)}
@@ -215,7 +230,7 @@ TABLE = {
 def test_layout_gives_choices_and_reasons(layout):
     argv, installed, attrs, expected = TABLE[layout]
     plan = plan_of(argv, installed, **attrs)
-    got = {name: (plan.value(name), plan.choice(name).reason) for name in expected}
+    got = {name: shown(named(plan, name)) for name in expected}
     for name, (value, reason) in expected.items():
         assert got[name][0] == value and reason in got[name][1], (name, got[name])
 
@@ -284,7 +299,7 @@ def test_the_plan_is_frozen_and_printed_one_line_per_choice():
 
 def test_the_users_nccl_setting_is_kept():
     plan = plan_of(["--fast-cuda-graphs", "iteration"], world_size=2, environ={"NCCL_RUNTIME_CONNECT": "1"})
-    assert plan.environ == () and plan.value("NCCL connect") == "1"
+    assert plan.environ == () and plan[NCCL_CHOICE] == "1"
 
 
 def test_apply_fast_path_defaults_is_the_plan_applied():
@@ -303,7 +318,7 @@ def test_use_flash_attn_is_taken_as_attention_backend_flash():
 
     args = launch(use_flash_attn=True)
     plan = plan_fast_path(args, NO_TE, {})
-    assert plan.value("attention") == "SDPA, torch's flash attention kernel only"
+    assert str(plan[ATTENTION]) == "SDPA, torch's flash attention kernel only"
     assert dict(plan.args)["attention_backend"] == AttnBackend.flash
     assert any("--use-flash-attn taken as --attention-backend flash" in line
                for line in plan.log)
@@ -341,8 +356,8 @@ def test_the_switches_are_the_ones_megatron_sets(monkeypatch, backend):
 
 
 def test_fp8_on_the_fast_spec_leaves_megatrons_fp8_unset_and_reaches_the_layers():
-    """megatron's FP8 path is Transformer Engine's: the launch moves --fp8-format to the fast
-    spec's own switch, and its FP8 choice is every fused layer's recipe."""
+    """megatron's FP8 path is Transformer Engine's: the launch writes megatron's fp8 off, and
+    its FP8 decision is every fused layer's recipe (no other name carries the format)."""
     from megagpt.fast_spec.fp8 import Fp8Recipe
     from megagpt.gpt_model import fused_layer_options
 
@@ -350,9 +365,9 @@ def test_fp8_on_the_fast_spec_leaves_megatrons_fp8_unset_and_reaches_the_layers(
     plan = plan_fast_path(args, NO_TE, {})
     assert getattr(args, "fp8") == "hybrid"  # planning changes nothing
     write(plan, args, environ={})
-    assert args.fp8 is None and args.fast_fp8 == "hybrid"
+    assert args.fp8 is None and "fast_fp8" not in vars(args)
     recipe = Fp8Recipe(format="hybrid", scaling="tensorwise", margin=1)
-    assert plan.value("FP8") == recipe and fused_layer_options(plan).fp8 == recipe
+    assert plan[FP8] == recipe and fused_layer_options(plan).fp8 == recipe
     assert any("FP8 linears" in line for line in plan.log)
     assert "FP8               hybrid, tensorwise scaling, fast spec" in "\n".join(
         plan.describe())
@@ -376,7 +391,7 @@ SHAPE_345M = dict(hidden_size=1024, num_attention_heads=16, ffn_hidden_size=4096
 ])
 def test_fp8_keeps_linears_too_narrow_to_gain_in_bf16(attrs, argv, linears, bf16):
     plan = plan_of(argv, fp8="hybrid", fp8_recipe="delayed", **attrs)
-    recipe = plan.value("FP8")
+    recipe = plan[FP8]
     assert recipe.linears == linears
     (line,) = [x for x in plan.log if "FP8 linears" in x]
     assert (f"in bf16, too narrow to gain: {bf16}" in line) == bool(bf16), line
@@ -385,8 +400,9 @@ def test_fp8_keeps_linears_too_narrow_to_gain_in_bf16(attrs, argv, linears, bf16
 def test_fp8_where_every_linear_is_too_narrow_is_bf16_with_the_reason():
     plan = plan_of(fp8="hybrid", fp8_recipe="delayed", **dict(
         SHAPE_345M, hidden_size=512, ffn_hidden_size=2048))
-    assert plan.value("FP8") == "off"
-    assert plan.choice("FP8").reason == "every linear too narrow to gain (--fast-fp8-min-width)"
+    assert plan[FP8] is None
+    assert plan.choice(FP8).reason == Reason(Why.SHAPE, "every linear too narrow to gain "
+                                             "(--fast-fp8-min-width)")
     (line,) = [x for x in plan.log if "not taken" in x]
     assert "qkv 8192x512x1536 (a dimension below 1024)" in line
     assert "--fast-fp8-min-width 0 runs them in FP8" in line
@@ -405,11 +421,11 @@ def test_unit_first_scales_are_for_trainings_first_step_not_a_resume(tmp_path):
     unit = ["--fast-fp8-first-scales", "unit"]
     fresh = plan_of(unit, fp8="hybrid", fp8_recipe="delayed", load=str(tmp_path / "none"),
                     **SHAPE_345M)
-    assert fresh.value("FP8").first_scales == "unit"
+    assert fresh[FP8].first_scales == "unit"
     for flags in (unit, []):  # unit is the default
         resumed = plan_of(flags, fp8="hybrid", fp8_recipe="delayed", load=str(ckpt),
                           **SHAPE_345M)
-        assert resumed.value("FP8").first_scales == "amax"
+        assert resumed[FP8].first_scales == "amax"
         (line,) = [x for x in resumed.log if "are for training's first step" in x]
         assert f"resuming {ckpt / 'iter_0000010'}, the first forward scales by its own " \
             "amaxes" in line
@@ -423,36 +439,35 @@ def test_delayed_fp8_under_a_graph_captured_at_the_first_iteration_is_refused():
     # current scaling holds no state across steps; and one warm-up step is enough
     plan_of(fp8="hybrid", fp8_recipe="tensorwise", cuda_graph_warmup_steps=0, **SHAPE_345M)
     assert plan_of(fp8="hybrid", fp8_recipe="delayed", cuda_graph_warmup_steps=1,
-                   **SHAPE_345M).value("FP8").delayed
+                   **SHAPE_345M)[FP8].delayed
 
 
 def test_delayed_scaling_is_tes_unless_told_otherwise():
     """Delayed scaling starts from scales of 1 and scales gradients by the backward before,
     as TE's does (their losses matched TE's FP8 to 0.04 %: docs/speed.md, "FP8")."""
-    recipe = plan_of(fp8="hybrid", fp8_recipe="delayed", **SHAPE_345M).value("FP8")
+    recipe = plan_of(fp8="hybrid", fp8_recipe="delayed", **SHAPE_345M)[FP8]
     assert (recipe.first_scales, recipe.grad_scaling) == ("unit", "delayed")
     assert "gradients by the backward before's; the first forward's scales 1" \
         in recipe.describe()
     own = plan_of(["--fast-fp8-first-scales", "amax", "--fast-fp8-grad-scaling", "current"],
-                  fp8="hybrid", fp8_recipe="delayed", **SHAPE_345M).value("FP8")
+                  fp8="hybrid", fp8_recipe="delayed", **SHAPE_345M)[FP8]
     assert (own.first_scales, own.grad_scaling) == ("amax", "current")
     assert "gradients by their own" in own.describe()
     # current scaling has no first step or gradient history to choose
-    assert not plan_of(fp8="hybrid", fp8_recipe="tensorwise", **SHAPE_345M).value(
-        "FP8").delayed_grads
+    assert not plan_of(fp8="hybrid", fp8_recipe="tensorwise", **SHAPE_345M)[FP8].delayed_grads
 
 
 def test_fp8_first_scales_and_grad_scaling_reach_the_recipe_under_delayed_scaling_only():
     plan = plan_of(["--fast-fp8-first-scales", "amax"], fp8="hybrid", fp8_recipe="delayed",
                    **SHAPE_345M)
-    assert plan.value("FP8").first_scales == "amax"
+    assert plan[FP8].first_scales == "amax"
     with pytest.raises(UserError, match="--fast-fp8-first-scales unit: .*--fp8-recipe "
                        "tensorwise scales every tensor by its own amax"):
         plan_of(["--fast-fp8-first-scales", "unit"], fp8="hybrid", fp8_recipe="tensorwise",
                 **SHAPE_345M)
     plan = plan_of(["--fast-fp8-grad-scaling", "current"], fp8="hybrid",
                    fp8_recipe="delayed", **SHAPE_345M)
-    assert plan.value("FP8").grad_scaling == "current"
+    assert plan[FP8].grad_scaling == "current"
     with pytest.raises(UserError, match="--fast-fp8-grad-scaling delayed: the gradients' "
                        "scaling is delayed scaling's"):
         plan_of(["--fast-fp8-grad-scaling", "delayed"], fp8="hybrid",

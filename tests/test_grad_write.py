@@ -216,9 +216,10 @@ def test_on_by_default_where_nothing_is_accumulated(attrs, needle):
     from megagpt.train_step import grad_write
     from megagpt.launch.fast_path import apply_fast_path_defaults
     from megagpt.launch.fast_path_reasons import grad_write_unsupported_reason
+    from megagpt.launch.layers import layer_path
 
     args = fast_path_namespace(**attrs)
-    reason = grad_write_unsupported_reason(args)
+    reason = grad_write_unsupported_reason(args, layer_path(args)[0])
     assert (reason is None) if needle is None else (needle in reason)
     apply_fast_path_defaults(args, lambda s: None)
     assert args.fast_grad_write is (needle is None)

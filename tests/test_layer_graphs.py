@@ -104,10 +104,11 @@ def test_written_gradients_are_refused_under_layer_graphs():
     unzeroed would then sum two steps."""
     from megagpt.errors import UserError
     from megagpt.launch.fast_path_reasons import grad_write_unsupported_reason
+    from megagpt.launch.layers import LayerPath
 
     args, _ = _resolved(["--fast-cuda-graphs", "layers"])
     assert args.fast_layer_graphs and not args.fast_grad_write
-    assert "per-layer CUDA graphs" in grad_write_unsupported_reason(args)
+    assert "per-layer CUDA graphs" in grad_write_unsupported_reason(args, LayerPath.FAST)
     with pytest.raises(UserError, match="gradients written: per-layer CUDA graphs"):
         _resolved(["--fast-cuda-graphs", "layers"], fast_grad_write=True)
     args, _ = _resolved(["--fast-cuda-graphs", "none"])

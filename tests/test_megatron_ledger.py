@@ -147,20 +147,20 @@ def test_the_launchs_context_composes_in_its_stated_order_and_undoes_it(
 
     import megatron.core.optimizer as mopt
 
-    from megagpt import cpu_mode
-    from megagpt.launch import fast_path as chosen
     from megagpt.launch import resolve, write
+    from megagpt.launch.cpu import CPU_OPTIMIZER, CpuOptimizer
     from megagpt.launch.megatron_changes import launched
+    from megagpt.launch.optimizer_kernels import ASYNC_STEP, OPTIMIZER, OptimizerKernels
 
     mtraining = setup_function_untouched
     resolved = resolve(["--cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "64",
                         "--num-attention-heads", "4", "--seq-length", "64",
                         "--max-position-embeddings", "64", "--micro-batch-size", "2",
                         "--lr", "1e-3", "--train-iters", "2"])
-    every = {chosen.OPTIMIZER: chosen.FLAT_ADAMW, chosen.ASYNC_STEP: True,
-             cpu_mode.CPU_OPTIMIZER: cpu_mode.MEGATRONS_FALLBACKS}
+    every = {OPTIMIZER: OptimizerKernels.FLAT_ADAMW, ASYNC_STEP: True,
+             CPU_OPTIMIZER: CpuOptimizer.MEGATRONS_FALLBACKS}
     launch = dataclasses.replace(resolved, choices=tuple(
-        dataclasses.replace(c, value=every.get(c.name, c.value)) for c in resolved.choices))
+        dataclasses.replace(c, value=every.get(c.decision, c.value)) for c in resolved.choices))
     original = mtraining.setup_model_and_optimizer
     with launched(launch, write(resolved, environ={})):
         assert megatron_wrappers.installed(mtraining, "setup_model_and_optimizer") == [

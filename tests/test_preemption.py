@@ -150,12 +150,13 @@ def test_ctrl_c_before_training_or_without_save_interrupts_at_once_in_one_line(t
 
 
 def test_signal_handler_is_on_whenever_the_run_saves():
+    from megagpt.launch import resilience
     from megagpt.launch.planner import Planner
 
     def decided(save):
         p = Planner(Namespace(save=save, exit_signal_handler=False, exit_signal=signal.SIGTERM),
                     frozenset(), None)
-        preemption.choose_exit_signal_handler(p)
+        resilience.choose_exit_signal_handler(p)
         return p.v, p.lines
 
     args, lines = decided("/ckpt")

@@ -140,7 +140,7 @@ def test_the_estimate_follows_the_launchs_choices_where_the_raw_arguments_would_
     output layer is tensor-parallel, so megatron's loss keeps the [tokens, vocab/TP] logits
     in 16-bit and their fp32 softmax (6 bytes each); in fp16 the flat AdamW step, which reads
     the 16-bit gradients in place, does not run, so the step makes fp32 copies of them."""
-    from megagpt.launch import fast_path as chosen
+    from megagpt.launch.optimizer_kernels import OptimizerKernels
 
     p = plan("--tensor-model-parallel-size", "2", "--global-batch-size", "4", world_size=2)
     assert p.args.fast_lm_loss and p.runs.path == "fast"  # what the arguments alone say
@@ -151,11 +151,11 @@ def test_the_estimate_follows_the_launchs_choices_where_the_raw_arguments_would_
 
     p = plan("--fp16", "--global-batch-size", "4")
     assert p.args.fast_flat_adam and p.args.fast_optimizer  # on in the arguments
-    assert p.runs.optimizer == chosen.FUSED_ADAMW  # the launch: the flat step is bf16's only
+    assert p.runs.optimizer is OptimizerKernels.FUSED_ADAMW  # the launch: the flat step is bf16's only
     assert est.bytes_per_parameter(p.args)[1] == 2  # fp16 gradients in the buffer
     assert p.memory.gradient_copies == 4 * p.params.most_per_gpu > 0
     bf16 = plan("--bf16", "--global-batch-size", "4")
-    assert bf16.runs.optimizer == chosen.FLAT_ADAMW and bf16.memory.gradient_copies == 0
+    assert bf16.runs.optimizer is OptimizerKernels.FLAT_ADAMW and bf16.memory.gradient_copies == 0
 
 
 def test_memory_above_the_gpu_fails_naming_the_parts():

@@ -1,6 +1,6 @@
 """A process started without a launcher is a world of one that meets through an in-memory
 store (no port to choose, none to lose to another process); a launcher's environment is used
-as it is. The launch decides it (``rendezvous.choose_rendezvous``, a step of its resolution)
+as it is. The launch decides it (``launch.rendezvous.choose_rendezvous``, a step of its resolution)
 and its writer sets the environment."""
 
 import argparse
@@ -11,7 +11,7 @@ import pytest
 
 from megagpt.launch.planner import Planner
 from megagpt.launch.writer import write
-from megagpt.rendezvous import IN_MEMORY, LAUNCHERS, RENDEZVOUS, choose_rendezvous, store_for
+from megagpt.launch.rendezvous import RENDEZVOUS, Rendezvous, choose_rendezvous, store_for
 
 LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -31,7 +31,7 @@ def test_without_a_launcher_the_process_is_rank_0_of_one_with_an_in_memory_store
     import torch.distributed as dist
 
     launch, env = rendezvous_of({})
-    assert launch.value(RENDEZVOUS) == IN_MEMORY
+    assert launch[RENDEZVOUS] is Rendezvous.IN_MEMORY
     assert isinstance(store_for(launch), dist.HashStore)
     assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == ("0", "0", "1")
     assert "MASTER_PORT" not in env  # no port was chosen
@@ -45,7 +45,7 @@ def test_without_a_launcher_the_process_is_rank_0_of_one_with_an_in_memory_store
 ], ids=["torchrun", "user_port", "several"])
 def test_a_launchers_environment_is_its_rendezvous(launcher_env):
     launch, env = rendezvous_of(launcher_env)
-    assert launch.value(RENDEZVOUS) == LAUNCHERS
+    assert launch[RENDEZVOUS] is Rendezvous.LAUNCHERS
     assert store_for(launch) is None
     for name, value in launcher_env.items():
         assert env[name] == value
@@ -62,7 +62,7 @@ def test_the_launch_of_a_bare_process_decides_its_rendezvous(monkeypatch):
                       "--num-attention-heads", "4", "--seq-length", "64",
                       "--max-position-embeddings", "64", "--micro-batch-size", "2",
                       "--lr", "1e-3", "--train-iters", "2", "--cpu"], environ={})
-    assert launch.value(RENDEZVOUS) == IN_MEMORY
+    assert launch[RENDEZVOUS] is Rendezvous.IN_MEMORY
     assert dict(launch.environ)["WORLD_SIZE"] == "1"
 
 
@@ -74,7 +74,7 @@ def test_the_store_rendezvouses_a_gloo_group_of_one():
         f"for name in {LAUNCH_VARIABLES!r}: os.environ.pop(name, None)",
         "from megagpt.launch.planner import Planner",
         "from megagpt.launch.writer import write",
-        "from megagpt.rendezvous import choose_rendezvous, store_for",
+        "from megagpt.launch.rendezvous import choose_rendezvous, store_for",
         "p = Planner(argparse.Namespace(), frozenset(), None, os.environ)",
         "choose_rendezvous(p); launch = p.launch(); write(launch, argparse.Namespace())",
         "dist.init_process_group('gloo', store=store_for(launch),",

@@ -17,7 +17,6 @@ from megatron_parts import megatron_changes_in_place
 ROWS = [row for row in flag_matrix.ROWS if row.expected_refusal(te_installed=False) is None]
 
 GPT2_VOCABULARY = 50257  # the rows that name GPT-2's BPE files
-GRAPH_IMPL = {"full iteration": "full_iteration", "per layer": "local", "none": "none"}
 
 
 @pytest.fixture(scope="module")
@@ -66,18 +65,18 @@ def _built_layers(block_spec):
 
     from megagpt.fast_spec.attention import SDPADotProductAttention
     from megagpt.fast_spec.layer import FastTransformerLayer
-    from megagpt.launch import layer_path
+    from megagpt.launch.layers import LayerPath
 
     layer = block_spec.layer_specs[0]
     fused = layer.params.get("fused_options") if layer.module is FastTransformerLayer else None
     mlp = layer.submodules.mlp
     if getattr(mlp, "module", getattr(mlp, "func", None)) is MoELayer:  # a spec or a partial
-        return layer_path.MOE_BLOCK, fused
+        return LayerPath.MOE_BLOCK, fused
     core = layer.submodules.self_attention.submodules.core_attention
     if isinstance(core, type) and issubclass(core, SDPADotProductAttention):
-        return layer_path.FAST, fused
+        return LayerPath.FAST, fused
     assert core is DotProductAttention, core
-    return layer_path.LOCAL, fused
+    return LayerPath.LOCAL, fused
 
 
 @pytest.mark.skipif("_te_installed()", reason="the CPU rows as a plain install resolves them")
@@ -89,21 +88,24 @@ def test_what_is_built_and_installed_is_what_the_launch_says(row, one_rank, monk
     from megagpt import gpt_model, megatron_wrappers
     from megagpt.fast_spec.lm_loss import fused_lm_head_loss, fused_lm_head_unsupported_reason
     from megagpt.launch import fast_path as chosen
+    from megagpt.launch.cuda_graphs import CUDA_GRAPH, NAN_CHECK, NanCheck
+    from megagpt.launch.layers import LAYERS
     from megagpt.launch.megatron_changes import launched
+    from megagpt.launch.optimizer_kernels import ASYNC_STEP, OPTIMIZER, OptimizerKernels
     from megagpt.train_step import grad_write
     from megagpt.train_step.optimizer import torch_fused_adam
 
     launch, args = _resolved(row, monkeypatch)
     model_config, layers = gpt_model.gpt_model_config(args, launch)
-    assert layers.path == launch.value(chosen.LAYERS)
+    assert layers.path is launch[LAYERS]
 
     # the graph mode megatron runs (validated), and the loss the forward step hands the model
-    assert args.cuda_graph_impl == GRAPH_IMPL[launch.value(chosen.CUDA_GRAPH)]
+    assert args.cuda_graph_impl == launch[CUDA_GRAPH].megatron_impl
     loss = gpt_model.output_processor(launch)
-    if launch.value(chosen.LM_LOSS) == chosen.CHUNKED:
+    if launch[chosen.LM_LOSS] is chosen.LmLoss.CHUNKED:
         assert loss.func is fused_lm_head_loss
-        assert loss.keywords["grad_in_forward"] is launch.value(chosen.LM_GRAD_IN_FORWARD)
-        assert loss.keywords["compile_kernels"] is launch.value(chosen.COMPILE)
+        assert loss.keywords["grad_in_forward"] is launch[chosen.LM_GRAD_IN_FORWARD]
+        assert loss.keywords["compile_kernels"] is launch[chosen.COMPILE]
     else:
         assert loss is None
 
@@ -113,23 +115,22 @@ def test_what_is_built_and_installed_is_what_the_launch_says(row, one_rank, monk
         vp_stage = 0 if args.virtual_pipeline_model_parallel_size else None
         built, fused = _built_layers(model_config.transformer_layer_spec(model_config,
                                                                           vp_stage=vp_stage))
-        assert built == launch.value(chosen.LAYERS)
-        assert (fused is not None) is bool(launch.value(chosen.FUSED_LAYER))
+        assert built is launch[LAYERS]
+        assert (fused is not None) is launch[chosen.FUSED_LAYER]
         if fused is not None:
-            assert fused.compile is launch.value(chosen.COMPILE)
-            assert fused.hash_dropout is launch.value(chosen.HASH_DROPOUT)
+            assert fused.compile is launch[chosen.COMPILE]
+            assert fused.hash_dropout is launch[chosen.HASH_DROPOUT]
         # the optimizer class megatron builds, its step, the gradient buffer's mode
-        fused_adam = launch.value(chosen.OPTIMIZER) in (chosen.FUSED_ADAMW, chosen.FLAT_ADAMW)
+        fused_adam = launch[OPTIMIZER].fused
         assert (mopt.Adam is torch_fused_adam) is fused_adam
         assert (mopt.Adam is megatrons_adam) is (not fused_adam)
         wrapping_setup = megatron_wrappers.installed(mtraining, "setup_model_and_optimizer")
         assert ("megagpt.train_step.flat_adam" in wrapping_setup) is (
-            launch.value(chosen.OPTIMIZER) == chosen.FLAT_ADAMW)
-        assert ("megagpt.train_step.async_step" in wrapping_setup) is bool(
-            launch.value(chosen.ASYNC_STEP))
-        assert grad_write.grad_write_enabled() is bool(launch.value(chosen.GRAD_WRITE))
+            launch[OPTIMIZER] is OptimizerKernels.FLAT_ADAMW)
+        assert ("megagpt.train_step.async_step" in wrapping_setup) is launch[ASYNC_STEP]
+        assert grad_write.grad_write_enabled() is launch[chosen.GRAD_WRITE]
         assert ("megagpt.resilience.divergence" in megatron_wrappers.installed(
-            mtraining, "train_step")) is (launch.value(chosen.NAN_CHECK) == chosen.GRADIENT_NORM)
+            mtraining, "train_step")) is (launch[NAN_CHECK] is NanCheck.GRADIENT_NORM)
         if row.nproc == 1:  # this process is the whole layout: the stage itself
             model = gpt_model.build_stage(model_config)
             layer = model.decoder.layers[0]

@@ -1,6 +1,6 @@
 """When a run hangs, slows down or runs out of memory: one line that says where.
 
-The launch's resolution decides (``settings.choose_diagnostics``: its ``diagnostics`` choice)
+The launch's resolution decides (``megagpt.launch.diagnostics``: its ``DIAGNOSTICS`` decision)
 what a launch records (torch's flight recorder into the run's folder, megatron's memory
 snapshot path) and the policies below; ``--dry-run`` shows the collective timeout it will use.
 

@@ -1,10 +1,10 @@
 """What a launch sets up for hangs, slow ranks and out-of-memory errors: one plan.
 
 ``plan_diagnostics(args, environ)`` reads the parsed arguments and the environment and
-returns a frozen ``DiagnosticsPlan``; it changes nothing. ``choose_diagnostics(p)`` is the step
-of the launch's resolution (``megagpt.launch``) that records it: its argument changes and log
-lines go to the launch's writer, and the plan itself is the launch's ``diagnostics`` choice,
-which the training-time hooks (``diagnostics.active``) and the dry run read.
+returns a frozen ``DiagnosticsPlan``; it changes nothing. The launch's resolution records it
+(``megagpt.launch.diagnostics``): its argument changes and log lines go to the launch's writer,
+and the plan itself is the launch's ``DIAGNOSTICS`` decision, which the training-time hooks
+(``diagnostics.active``) and the dry run read.
 What can only be decided once training runs (the collective timeout after the warm-up
 iterations, which depends on the measured step time) is done by ``megagpt.diagnostics``'s
 training-time hooks from the plan's policies, which the plan carries.
@@ -191,21 +191,6 @@ def plan_diagnostics(args, environ: Optional[Mapping[str, str]] = None) -> Diagn
                      "and a snapshot at an out-of-memory error beside it (torch's memory "
                      "viewer reads both)")
     return DiagnosticsPlan(tuple(changes), (), tuple(lines), prefix, timeout, stragglers)
-
-
-DIAGNOSTICS = "diagnostics"  # the launch's choice: the DiagnosticsPlan
-
-
-def choose_diagnostics(p) -> None:
-    """``plan_diagnostics`` as a step of the launch's resolution, over its planner ``p``."""
-    plan = plan_diagnostics(p.v, p.environ)
-    for name, value in plan.args:
-        p.set(name, value)
-    for name, value in plan.environ:
-        p.set_env(name, value)
-    for line in plan.log:
-        p.log(line)
-    p.choose(DIAGNOSTICS, plan, plan.timeout.describe())
 
 
 def run_folder(args) -> str | None:

@@ -82,7 +82,7 @@ class Fp8Recipe:
     first_scales: str = "unit"  # --fast-fp8-first-scales (delayed scaling's first forward)
     grad_scaling: str = "delayed"  # --fast-fp8-grad-scaling (delayed scaling's gradients)
     emulate: bool = False  # float32 products of the dequantised operands (tests)
-    # the linears that run in FP8; the others in bf16 (too narrow to gain: fp8_support)
+    # the linears that run in FP8; the others in bf16 (too narrow to gain: megagpt.launch.fp8)
     linears: tuple = ALL_LINEARS
 
     def __post_init__(self):

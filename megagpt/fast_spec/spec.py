@@ -61,7 +61,8 @@ def fast_spec_unsupported_reason(args) -> Optional[str]:
 
 def fast_spec_uncovered_reason(args) -> Optional[str]:
     """What in this run the fast spec's layers do not cover, whether or not ``--no-fast-spec``
-    is given (None: they cover it all)."""
+    is given (None: they cover it all). The FP8 they do not run is the launch's to say
+    (``megagpt.launch.fp8``)."""
     if (_get(args, "context_parallel_size", 1) or 1) > 1:
         return (
             "context parallelism (CP > 1) needs Transformer Engine's attention; "
@@ -77,12 +78,6 @@ def fast_spec_uncovered_reason(args) -> Optional[str]:
         return "--use-kitchen"
     if _get(args, "fp4", None):
         return "FP4 training needs Transformer Engine"
-    if _get(args, "fp8", None):
-        from .fp8_support import fast_fp8_unsupported_reason
-
-        fp8_reason = fast_fp8_unsupported_reason(args)
-        if fp8_reason is not None:
-            return f"--fp8-format {args.fp8} on the fast spec: {fp8_reason}"
     if _get(args, "layernorm_zero_centered_gamma", False):
         # megatron's WrappedTorchNorm asserts on it; apex's FusedLayerNorm (megatron's local
         # spec) and TE's norms have it

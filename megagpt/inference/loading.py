@@ -70,10 +70,10 @@ def build_model(args, launch):
 
     from megagpt import compat
     from megagpt.gpt_model import build_stage, gpt_model_config
+    from megagpt.launch.installed import MEGATRON_LINEARS_WGRAD
 
     model_config, _ = gpt_model_config(args, launch)
-    without_wgrad_fusion = any(c.name == compat.MEGATRON_LINEARS_WGRAD for c in launch.choices)
-    with (compat.megatron_linears_without_wgrad_fusion() if without_wgrad_fusion
+    with (compat.megatron_linears_without_wgrad_fusion() if launch.made(MEGATRON_LINEARS_WGRAD)
           else contextlib.nullcontext()):
         model = build_stage(model_config, pre_process=parallel_state.is_pipeline_first_stage(),
                             post_process=parallel_state.is_pipeline_last_stage())

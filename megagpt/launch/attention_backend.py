@@ -15,8 +15,9 @@ by restricting the kernels torch may pick from to the same family as TE's:
   fused    cuDNN's fused attention (TE's "fused" backend is cuDNN's too)
   unfused  torch's math kernel: matmul, softmax, matmul (TE: its unfused attention)
 
-``attention_plan`` is what the launch's resolution decides and logs for the flag; the
-kernel table the fast spec's attention reads is ``megagpt.fast_spec.sdpa_kernels``.
+``attention_plan`` is what the launch's resolution decides and logs for the flag (the
+``ATTENTION`` decision); the kernel table the fast spec's attention reads is
+``megagpt.fast_spec.sdpa_kernels``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from typing import Mapping, Optional
 
 from megagpt.errors import UserError
 from megagpt.fast_spec.sdpa_kernels import AUTO, FLASH, FUSED, LOCAL, UNFUSED, backend_name
+
+from .layers import TRANSFORMER_ENGINE_IMPL, LayerPath
+from .plan import Decision, Label, Reason, Why
 
 KERNEL_NAMES = {FLASH: "torch's flash attention kernel", FUSED: "cuDNN's fused attention",
                 UNFUSED: "torch's unfused math kernel", LOCAL: "torch's unfused math kernel"}
@@ -67,19 +71,45 @@ def _te_backend_for(environ: Mapping[str, str]) -> Optional[str]:
     return None
 
 
+class AttentionModule(Label):
+    """Whose core attention the layers run."""
+
+    SDPA = "SDPA"  # the fast spec's: torch's scaled_dot_product_attention
+    TE = "TE"  # Transformer Engine's
+    MEGATRON_LOCAL = "megatron's DotProductAttention"  # unfused
+
+
+@dataclass(frozen=True)
+class Attention:
+    """The attention a launch runs: whose module, and megatron's ``--attention-backend``
+    (auto, flash, fused, unfused, local) as that module takes it."""
+
+    module: AttentionModule
+    backend: str
+
+    def __str__(self) -> str:
+        if self.module is AttentionModule.TE:
+            return "TE picks" if self.backend == AUTO else f"TE's {self.backend} attention"
+        if self.module is AttentionModule.MEGATRON_LOCAL:
+            return str(self.module)
+        if self.backend == AUTO:
+            return "SDPA, torch picks"
+        return f"SDPA, {KERNEL_NAMES[self.backend]} only"
+
+
+ATTENTION: Decision[Attention] = Decision("attention", Attention)
+
+
 @dataclass(frozen=True)
 class AttentionPlan:
-    backend: str  # megatron's --attention-backend after the plan
-    kernels: str  # what runs, for the plan's table
-    reason: str
+    attention: Attention  # what runs; its backend is megatron's --attention-backend after it
+    reason: Reason
     log: tuple[str, ...] = ()
 
 
-def attention_plan(args, path: str, environ: Mapping[str, str]) -> AttentionPlan:
+def attention_plan(args, path: LayerPath, environ: Mapping[str, str]) -> AttentionPlan:
     """What ``--attention-backend`` (and megatron's legacy ``--use-flash-attn``) come to on
-    ``path`` (a ``layer_path`` constant); UserError where the launch cannot run them."""
-    from .layer_path import FAST, MOE_BLOCK, TRANSFORMER_ENGINE
-
+    layers of ``path``; UserError where the launch cannot run them."""
     backend = backend_name(getattr(args, "attention_backend", None))
     log: list[str] = []
     if getattr(args, "use_flash_attn", False):
@@ -90,8 +120,9 @@ def attention_plan(args, path: str, environ: Mapping[str, str]) -> AttentionPlan
             backend = FLASH
             log.append("attention: --use-flash-attn taken as --attention-backend flash "
                        "(megatron-core reads only --attention-backend)")
-    te = path == TRANSFORMER_ENGINE or (
-        path == MOE_BLOCK and getattr(args, "transformer_impl", None) == "transformer_engine")
+    te = path is LayerPath.TRANSFORMER_ENGINE or (
+        path is LayerPath.MOE_BLOCK
+        and getattr(args, "transformer_impl", None) == TRANSFORMER_ENGINE_IMPL)
     conflict = te_switch_conflict(backend, environ)
     if conflict is not None:
         # megatron asserts on it in every GPT model's constructor, whatever its layers
@@ -103,19 +134,19 @@ def attention_plan(args, path: str, environ: Mapping[str, str]) -> AttentionPlan
         raise UserError(f"{conflict}: megatron stops on it while building the model; "
                         f"unset {', '.join(TE_SWITCH_NAMES)} {how}")
     if te:
-        kernels = "TE picks" if backend == AUTO else f"TE's {backend} attention"
-        return AttentionPlan(backend, kernels, "megatron sets TE's NVTE_*_ATTN switches from "
-                             "--attention-backend", tuple(log))
-    if path != FAST:
+        return AttentionPlan(Attention(AttentionModule.TE, backend), Reason(
+            Why.MEGATRON, "megatron sets TE's NVTE_*_ATTN switches from --attention-backend"),
+            tuple(log))
+    if path is not LayerPath.FAST:
         if backend not in (AUTO, LOCAL):
             log.append(f"attention: megatron's local DotProductAttention (unfused): "
                        f"--attention-backend {backend} selects the kernels of TE's and the "
                        "fast spec's attention only")
-        return AttentionPlan(backend, "megatron's DotProductAttention",
-                             "megatron's local attention is unfused", tuple(log))
+        return AttentionPlan(Attention(AttentionModule.MEGATRON_LOCAL, backend), Reason(
+            Why.MEGATRON, "megatron's local attention is unfused"), tuple(log))
     if backend == AUTO:
-        return AttentionPlan(backend, "SDPA, torch picks", "--attention-backend auto",
-                             tuple(log))
+        return AttentionPlan(Attention(AttentionModule.SDPA, backend), Reason(
+            Why.DEFAULT, "--attention-backend auto"), tuple(log))
     on_cpu = bool(getattr(args, "cpu", False))
     if backend == FUSED and on_cpu:
         raise UserError("--attention-backend fused with --cpu: cuDNN's fused attention runs "
@@ -129,5 +160,5 @@ def attention_plan(args, path: str, environ: Mapping[str, str]) -> AttentionPlan
         raise UserError(f"--attention-backend {backend}: {KERNEL_NAMES[backend]} runs in bf16 "
                         "or fp16, and this launch trains in fp32; add --bf16, or use auto or "
                         "unfused")
-    return AttentionPlan(backend, f"SDPA, {KERNEL_NAMES[backend]} only",
-                         f"--attention-backend {backend}", tuple(log))
+    return AttentionPlan(Attention(AttentionModule.SDPA, backend), Reason(
+        Why.GIVEN, f"--attention-backend {backend}"), tuple(log))

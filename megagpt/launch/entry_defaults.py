@@ -5,6 +5,11 @@ from __future__ import annotations
 
 from megagpt.arguments import ArgumentError, check_entry_limits
 
+from .plan import Decision, Reason, Why
+
+GPUS: Decision[int] = Decision("GPUs", int)
+TOKENIZER: Decision[str] = Decision("tokenizer", str)
+
 # A vocabulary for --mock-data runs that name no tokenizer: GPT-2's size.
 MOCK_DATA_VOCAB_SIZE = 50257
 
@@ -23,8 +28,9 @@ def planned_world(p) -> None:
         p.set("world_size", p.v.dry_run_world_size)
     if p.v.rank != 0:
         p.set("rank", 0)
-    p.choose("GPUs", p.v.world_size, "--dry-run-world-size" if p.v.dry_run_world_size
-             is not None else "WORLD_SIZE, as torchrun sets it (1 where unset)")
+    p.choose(GPUS, p.v.world_size, Reason(Why.GIVEN, "--dry-run-world-size")
+             if p.v.dry_run_world_size is not None
+             else Reason(Why.ENVIRONMENT, "WORLD_SIZE, as torchrun sets it (1 where unset)"))
 
 
 def default_tokenizer(p) -> None:
@@ -39,7 +45,7 @@ def default_tokenizer(p) -> None:
     if args.vocab_size is None:
         p.set("vocab_size", MOCK_DATA_VOCAB_SIZE)
     why = "mock data" if args.mock_data else "dry run without a tokenizer"
-    p.choose("tokenizer", f"NullTokenizer, vocabulary {args.vocab_size}", why)
+    p.choose(TOKENIZER, f"NullTokenizer, vocabulary {args.vocab_size}", Reason(Why.GIVEN, why))
     p.log(f"{why}: --tokenizer-type NullTokenizer --vocab-size {args.vocab_size}")
 
 

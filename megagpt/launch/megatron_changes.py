@@ -40,14 +40,18 @@ import contextlib
 from typing import Callable, ContextManager, Iterator, Optional
 
 from megagpt import compat, cpu_mode, diagnostics, resilience, run_log
-from megagpt.diagnostics import settings as diagnostics_settings
 from megagpt.resilience import interrupt
 from megagpt.train_step import async_step, capture_watchdog, flat_adam, grad_write
 from megagpt.train_step import optimizer as fast_optimizer
 
-from . import fast_path as chosen
 from . import writer
-from .planner import Launch
+from .cpu import CPU_OPTIMIZER, CpuOptimizer
+from .cuda_graphs import CUDA_GRAPH, NAN_CHECK, CudaGraph, NanCheck
+from .diagnostics import DIAGNOSTICS
+from .fast_path import GRAD_WRITE
+from .installed import MEGATRON_LINEARS_WGRAD
+from .optimizer_kernels import ASYNC_STEP, OPTIMIZER, OptimizerKernels
+from .plan import Launch
 
 
 def pieces(launch: Launch, args, container=None,
@@ -59,52 +63,47 @@ def pieces(launch: Launch, args, container=None,
         ("dataset helpers prebuilt", compat.dataset_helpers_prebuilt()),
         ("distributed optimizer resumes", compat.distributed_optimizer_resuming(log)),
     ]
-    if _made(launch, compat.MEGATRON_LINEARS_WGRAD):
+    if launch.made(MEGATRON_LINEARS_WGRAD):
         out.append(("megatron's linears without wgrad fusion",
                     compat.megatron_linears_without_wgrad_fusion()))
-    if launch.value(chosen.CUDA_GRAPH) == chosen.FULL_ITERATION and not args.cpu:
+    if launch[CUDA_GRAPH] is CudaGraph.FULL_ITERATION and not args.cpu:
         timeout = float(getattr(args, "fast_cuda_graph_capture_timeout", 300))
         out.append(("capture deadline", capture_watchdog.deadline(timeout, log)))
-    if launch.value(chosen.GRAD_WRITE):
+    if launch[GRAD_WRITE]:
         out.append(("gradients written", grad_write.writing(log)))
-    optimizer = launch.value(chosen.OPTIMIZER)
-    asynchronous = bool(launch.value(chosen.ASYNC_STEP))
-    if optimizer == chosen.MEGATRONS:
+    optimizer = launch[OPTIMIZER]
+    asynchronous = launch[ASYNC_STEP]
+    if optimizer is OptimizerKernels.MEGATRONS:
         log("fast optimizer: off (--fast-disable optimizer)")
     else:
-        fused = optimizer in (chosen.FUSED_ADAMW, chosen.FLAT_ADAMW)
+        fused = optimizer.fused
         if not fused:
-            log(f"fast optimizer: {launch.choice(chosen.OPTIMIZER).reason}")
+            log(f"fast optimizer: {launch.choice(OPTIMIZER).reason}")
         out.append(("optimizer kernels", fast_optimizer.fast_kernels(
             launch.installed.megatron_fused_optimizer, fused_adam=fused, multi_tensor=True,
             tensor_clip=asynchronous, log=log)))
-        if optimizer == chosen.FLAT_ADAMW:
+        if optimizer is OptimizerKernels.FLAT_ADAMW:
             out.append(("flat AdamW step", flat_adam.flat_steps(log)))
         elif fused:
             log(f"fast optimizer: megatron's five-pass step kept "
-                f"({launch.choice(chosen.OPTIMIZER).reason})")
+                f"({launch.choice(OPTIMIZER).reason})")
         if asynchronous:
             out.append(("asynchronous step", async_step.without_host_waits(log)))
         else:
             log("fast path: host synchronisations inside the step kept "
                 "(--fast-disable async-step)")
-    if _made(launch, diagnostics_settings.DIAGNOSTICS):
-        out.append(("diagnostics", diagnostics.active(
-            args, launch.value(diagnostics_settings.DIAGNOSTICS), memory_knobs)))
+    if launch.made(DIAGNOSTICS):
+        out.append(("diagnostics", diagnostics.active(args, launch[DIAGNOSTICS], memory_knobs)))
     out.append(("resilience", resilience.active(
         args, writer.load_earlier, container,
-        grad_norm_guard=launch.value(chosen.NAN_CHECK) == chosen.GRADIENT_NORM,
+        grad_norm_guard=launch[NAN_CHECK] is NanCheck.GRADIENT_NORM,
         ckpt_step_given="--ckpt-step" in launch.given)))
     out.append(("Ctrl-C saves", interrupt.saving_on_ctrl_c(args, log)))
     out.append(("run log", run_log.active(args, log)))
     if args.cpu:
-        fallbacks = launch.value(cpu_mode.CPU_OPTIMIZER) == cpu_mode.MEGATRONS_FALLBACKS
+        fallbacks = launch[CPU_OPTIMIZER] is CpuOptimizer.MEGATRONS_FALLBACKS
         out.append(("CPU mode", cpu_mode.active(optimizer_fallbacks=fallbacks)))
     return out
-
-
-def _made(launch: Launch, name: str) -> bool:
-    return any(c.name == name for c in launch.choices)
 
 
 @contextlib.contextmanager

@@ -1,74 +1,25 @@
-"""A launch being resolved, and what it comes to.
+"""A launch being resolved.
 
 ``Planner`` is handed to every step of the resolution in turn (``resolution.STEPS``). A step
 reads the arguments as decided so far (``p.v``: the parsed arguments with every earlier
 step's values laid over them), what the command line gave (``p.given``), what is installed
 and the environment as found, and records what it decides: a value for one of megatron's
 arguments (``p.set``), a variable for the environment (``p.set_env``), a log line
-(``p.log``) and a choice with its reason (``p.choose``). A step changes nothing else; a
-launch that cannot run is refused by raising ``UserError`` with its one line.
+(``p.log``) and a choice with its reason (``p.choose``, typed by its ``plan.Decision``). A
+step changes nothing else; a launch that cannot run is refused by raising ``UserError`` with
+its one line.
 
-``Launch`` is the frozen result: every choice with its reason, the argument values and
-environment variables to write, each in the order decided, and the log lines in the order
-written. ``writer.write_launch`` is the one place that applies it.
+``Planner.launch()`` is the frozen result (``plan.Launch``); ``writer.write`` is the one
+place that applies it.
 """
 
 from __future__ import annotations
 
-import argparse
-from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from .layer_path import fast_path_selected, layer_path, te_layers_selected
-
-
-@dataclass(frozen=True)
-class Choice:
-    section: str  # the concern that decided it: "compat", "fast path", ...
-    name: str
-    value: object
-    reason: str
-
-    def describe(self) -> str:
-        value = ("on" if self.value else "off") if isinstance(self.value, bool) else self.value
-        return f"  {self.name:<17} {value} — {self.reason}"
-
-
-@dataclass(frozen=True)
-class Launch:
-    """What a command line comes to on this machine (``resolution.resolve``)."""
-
-    parsed: argparse.Namespace  # megatron's and the entry's arguments as parsed; never written
-    given: frozenset[str]  # the long option names the command line gives (config expanded)
-    installed: object  # compat.Installed
-    choices: tuple[Choice, ...]
-    args: tuple[tuple[str, object], ...]  # (argument, value) to write, in the order decided
-    environ: tuple[tuple[str, str], ...]  # (variable, value) to set, in the order decided
-    log: tuple[str, ...]  # what the writer logs, in order
-
-    def choice(self, name: str) -> Choice:
-        for c in self.choices:
-            if c.name == name:
-                return c
-        raise KeyError(name)
-
-    def value(self, name: str):
-        return self.choice(name).value
-
-    def arg(self, name: str):
-        """megatron's argument ``name`` as the launch writes it (as parsed where it writes
-        none)."""
-        return dict(self.args).get(name, getattr(self.parsed, name, None))
-
-    def section(self, section: str) -> tuple[Choice, ...]:
-        return tuple(c for c in self.choices if c.section == section)
-
-    def describe(self) -> list[str]:
-        """The launch for ``--dry-run``: each section's choices, one line each."""
-        lines: list[str] = []
-        for section in dict.fromkeys(c.section for c in self.choices):
-            lines += [f"{section}:", *(c.describe() for c in self.section(section))]
-        return lines
+from .layers import LAYERS, TRANSFORMER_IMPL, LayerPath, layer_path
+from .layout import planned_world_size
+from .plan import Choice, Decision, Launch, Reason, T, Why
 
 
 class _View:
@@ -104,8 +55,6 @@ class Planner:
         self.lines: list[str] = []
         self.choices: list[Choice] = []
         self.section = "launch"  # the concern of the step that runs (resolution sets it)
-        self.full_off = None  # why the full-iteration graph is off (None: on or not asked)
-        self.layers_off = None  # why per-layer graphs are off
 
     def get(self, name, default=None):
         return getattr(self.v, name, default)
@@ -119,29 +68,45 @@ class Planner:
     def log(self, line: str) -> None:
         self.lines.append(line)
 
-    def choose(self, name: str, value, reason: str) -> None:
-        self.choices.append(Choice(self.section, name, value, reason))
+    def choose(self, decision: Decision[T], value: T, reason: Reason) -> None:
+        if not isinstance(value, decision.kind):
+            raise TypeError(f"the {decision.name!r} decision takes {decision.kind}, not "
+                            f"{value!r}")
+        if not isinstance(reason, Reason):
+            raise TypeError(f"the {decision.name!r} decision's reason is a Reason, not "
+                            f"{reason!r}")
+        self.choices.append(Choice(self.section, decision, value, reason))
 
-    def chosen(self, name: str) -> Optional[Choice]:
-        """The choice of that name made so far (None: not yet made)."""
-        return next((c for c in self.choices if c.name == name), None)
+    def chosen(self, decision: Decision[T]) -> Optional[Choice[T]]:
+        """The choice of that decision made so far (None: not yet made)."""
+        return next((c for c in self.choices if c.decision == decision), None)
 
-    def layers(self) -> tuple[str, str]:
-        """(path, reason) of the layers this launch builds (``layer_path``)."""
-        impl = self.chosen("transformer impl")
+    # --- what several steps read -----------------------------------------------------------
+
+    def impl_reason(self) -> Reason:
+        """Why megatron's ``--transformer-impl`` is what it is (``layers.TRANSFORMER_IMPL``)."""
+        impl = self.chosen(TRANSFORMER_IMPL)
+        return impl.reason if impl is not None else Reason(Why.GIVEN,
+                                                           "--transformer-impl as given")
+
+    def layers(self) -> tuple[LayerPath, Reason]:
+        """(path, reason) of the layers this launch builds: the ``LAYERS`` decision once it is
+        made, before it what the arguments so far come to (``layers.layer_path``)."""
+        made = self.chosen(LAYERS)
+        if made is not None:
+            return made.value, made.reason
+        impl = self.chosen(TRANSFORMER_IMPL)
         return layer_path(self.v, impl.reason if impl is not None else None)
 
     def fast(self) -> bool:
-        return fast_path_selected(self.v)
+        return self.layers()[0] is LayerPath.FAST
 
     def te(self) -> bool:
-        return te_layers_selected(self.v)
+        return self.layers()[0] is LayerPath.TRANSFORMER_ENGINE
 
     def world(self) -> int:
         """The GPUs the launch is for (a dry run's planned count)."""
-        from .fast_path_reasons import _planned_world_size
-
-        return _planned_world_size(self.v)
+        return planned_world_size(self.v)
 
     def launch(self) -> Launch:
         return Launch(self.args, self.given, self.installed, tuple(self.choices),

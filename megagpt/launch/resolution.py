@@ -11,13 +11,14 @@ megatron changes, the dry run) reads the ``Launch``.
 The steps, in order (a step reads only what the steps above it decided):
 
   entry        how the processes meet: a launcher-free process's environment and in-memory
-               store (``rendezvous.choose_rendezvous``); a dry run's GPU count
-  compat       the layers for what is installed and the settings that need what is missing
-               (``compat.adapt_to_installed``); what no adaptation can rescue is refused;
-               apex's kernels that measured slower are left (``apex_kernels``)
-  cpu mode     the settings of a ``--cpu`` run (``cpu_mode.adapt``)
-  compat       settings megatron's parser accepts and its code rejects
-  resilience   the asynchronous checkpoint writer (``async_save.choose_writer``)
+               store (``rendezvous``); a dry run's GPU count
+  compat       the layers for what is installed (``layers.choose_transformer_impl``), the
+               settings that need what is missing (``installed``); what no adaptation can
+               rescue is refused, FP8 that nothing here runs too (``fp8``); apex's kernels
+               that measured slower are left (``apex_kernels``)
+  cpu mode     the settings of a ``--cpu`` run (``cpu``)
+  compat       settings megatron's parser accepts and its code rejects (``megatron_quirks``)
+  resilience   the asynchronous checkpoint writer (``resilience.choose_writer``)
   entry        the default tokenizer, the entry's limits, megatron's missing eval interval
   fast path    every choice of the fast path (``fast_path.STEPS``)
   resilience   the exit-signal handler with ``--save``, the rerun mode (after the fast path,
@@ -35,36 +36,37 @@ from __future__ import annotations
 import os
 from typing import Callable, Iterable, Mapping, Optional
 
-from megagpt import compat, cpu_mode, rendezvous
-from megagpt.diagnostics import settings as diagnostics_settings
-from megagpt.run_log import quiet
+from megagpt import compat
 from megagpt.arguments import parse_command_line
 from megagpt.flags import explicit_flags
-from megagpt.resilience import async_save, divergence, preemption
 
-from . import apex_kernels, entry_defaults, fast_path
-from .planner import Launch, Planner
+from . import (apex_kernels, cpu, diagnostics, entry_defaults, fast_path, fp8, installed, layers,
+               megatron_quirks, rendezvous, resilience, run_log)
+from .plan import Launch
+from .planner import Planner
 
 Step = Callable[[Planner], None]
 
 STEPS: tuple[tuple[str, Step], ...] = (
     ("entry", rendezvous.choose_rendezvous),
     ("entry", entry_defaults.planned_world),
-    ("compat", compat.adapt_to_installed),
-    ("compat", compat.refuse_what_is_missing),
+    ("compat", layers.choose_transformer_impl),
+    ("compat", installed.adapt_to_installed),
+    ("compat", installed.refuse_what_is_missing),
+    ("compat", fp8.refuse_fp8_that_cannot_run),
     ("compat", apex_kernels.choose_persistent_layer_norm),
-    ("cpu mode", cpu_mode.adapt),
-    ("compat", compat.adapt_megatron_quirks),
-    ("resilience", async_save.choose_writer),
+    ("cpu mode", cpu.adapt),
+    ("compat", megatron_quirks.adapt_megatron_quirks),
+    ("resilience", resilience.choose_writer),
     ("entry", entry_defaults.default_tokenizer),
     ("entry", entry_defaults.refuse_what_the_entry_cannot_run),
     ("entry", entry_defaults.eval_interval),
     *((fast_path.SECTION, step) for step in fast_path.STEPS),
-    ("resilience", preemption.choose_exit_signal_handler),
-    ("resilience", divergence.choose_rerun_mode),
-    ("diagnostics", diagnostics_settings.choose_diagnostics),
+    ("resilience", resilience.choose_exit_signal_handler),
+    ("resilience", resilience.choose_rerun_mode),
+    ("diagnostics", diagnostics.choose_diagnostics),
     ("entry", entry_defaults.device_connections),
-    ("run log", quiet.choose_quiet_settings),
+    ("run log", run_log.choose_quiet_settings),
 )
 
 

@@ -32,7 +32,7 @@ import copy
 import os
 from typing import Callable, Iterator, MutableMapping, Optional
 
-from .planner import Launch
+from .plan import Launch
 
 
 def write(launch: Launch, args=None, environ: Optional[MutableMapping[str, str]] = None,

@@ -157,11 +157,11 @@ def _optimizer_step_parts(memory: est.MemoryEstimate) -> str:
 
 
 def diagnostics_lines(launch, run: cost.RunEstimate | None) -> list[str]:
-    """The collective timeout the launch will use (its ``diagnostics`` choice; the others
+    """The collective timeout the launch will use (its ``DIAGNOSTICS`` decision; the others
     are logged above), worked out at the estimated step time."""
-    from megagpt.diagnostics.settings import DIAGNOSTICS
+    from megagpt.launch.diagnostics import DIAGNOSTICS
 
-    diagnostics = launch.value(DIAGNOSTICS)
+    diagnostics = launch[DIAGNOSTICS]
     step = run.step.seconds if run is not None else None
     return ["hangs:", f"  {diagnostics.timeout.describe(step)}"]
 

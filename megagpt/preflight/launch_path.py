@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megagpt.fast_spec.fp8 import ALL_LINEARS
+from megagpt.fast_spec.fp8 import ALL_LINEARS, Fp8Recipe
 from megagpt.launch import fast_path as chosen
-from megagpt.launch import layer_path
+from megagpt.launch.cuda_graphs import CUDA_GRAPH, CudaGraph
+from megagpt.launch.fp8 import FP8
+from megagpt.launch.layers import LAYERS, TRANSFORMER_ENGINE_IMPL, LayerPath
+from megagpt.launch.optimizer_kernels import OPTIMIZER, OptimizerKernels
 
 # the layers' paths as the models tell them apart
 TE, FAST, LOCAL = "te", "fast", "local"
@@ -24,34 +27,34 @@ class WhatRuns:
 
     path: str  # TE, FAST or LOCAL
     chunked_loss: bool  # the chunked LM-head cross entropy (no [tokens, vocab] logits kept)
-    optimizer: str  # the launch's ``optimizer`` choice (launch.fast_path: MEGATRONS, ...)
-    cuda_graph: bool  # a full-iteration or per-layer CUDA graph
+    optimizer: OptimizerKernels  # the launch's ``OPTIMIZER`` decision
+    cuda_graph: bool  # a CUDA graph: of the iteration, per layer, or megatron's TE graphs
     fp8: bool  # the layers' linears in FP8
     fp8_linears: tuple = ALL_LINEARS  # which of them (the fast spec's recipe; TE: all four)
 
     @classmethod
     def of(cls, launch) -> "WhatRuns":
         # TE's modules under an MoE block or a user's spec are still TE's kernels
-        te = launch.arg("transformer_impl") == "transformer_engine"
-        path = TE if te else FAST if launch.value(chosen.LAYERS) == layer_path.FAST else LOCAL
-        fp8 = launch.value(chosen.FP8)  # "off", TE's (a text) or the fast spec's recipe
+        te = launch.arg("transformer_impl") == TRANSFORMER_ENGINE_IMPL
+        path = TE if te else FAST if launch[LAYERS] is LayerPath.FAST else LOCAL
+        fp8 = launch[FP8]  # None, TE's or the fast spec's recipe
         return cls(
             path=path,
-            chunked_loss=launch.value(chosen.LM_LOSS) == chosen.CHUNKED,
-            optimizer=launch.value(chosen.OPTIMIZER),
-            cuda_graph=launch.value(chosen.CUDA_GRAPH) not in ("none", None),
-            fp8=fp8 != "off" and path != LOCAL,
-            fp8_linears=getattr(fp8, "linears", ALL_LINEARS))
+            chunked_loss=launch[chosen.LM_LOSS] is chosen.LmLoss.CHUNKED,
+            optimizer=launch[OPTIMIZER],
+            cuda_graph=launch[CUDA_GRAPH] is not CudaGraph.NONE,
+            fp8=fp8 is not None and path != LOCAL,
+            fp8_linears=fp8.linears if isinstance(fp8, Fp8Recipe) else ALL_LINEARS)
 
     @property
     def fused_adamw(self) -> bool:
         """torch's fused AdamW steps in place of megatron's Adam (no temporaries)."""
-        return self.optimizer in (chosen.FUSED_ADAMW, chosen.FLAT_ADAMW)
+        return self.optimizer.fused
 
     @property
     def flat_step(self) -> bool:
         """The flat AdamW step reads the 16-bit gradient buffer in place (no fp32 copies)."""
-        return self.optimizer == chosen.FLAT_ADAMW
+        return self.optimizer is OptimizerKernels.FLAT_ADAMW
 
 
 def fused_softmax(args) -> bool:

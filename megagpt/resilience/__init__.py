@@ -2,10 +2,9 @@
 
 What ``pretrain_gpt`` uses:
 
-steps of the launch's resolution (``megagpt.launch.resolution``), before megatron validates
-    the asynchronous writer (``async_save.choose_writer``), the exit-signal handler when
-    ``--save`` is given (``preemption.choose_exit_signal_handler``) and the rerun mode
-    (``divergence.choose_rerun_mode``);
+steps of the launch's resolution (``megagpt.launch.resilience``), before megatron validates
+    the asynchronous writer (``choose_writer``), the exit-signal handler when ``--save`` is
+    given (``choose_exit_signal_handler``) and the rerun mode (``choose_rerun_mode``);
 ``checkpoint_guard.prepare_load(args, given, log)``
     once megatron has validated the arguments: the checks of ``--load`` and the checkpoint to
     resume from (the launch's one post-validation step writes what it returns); raises

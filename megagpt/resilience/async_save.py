@@ -4,8 +4,8 @@ Megatron 0.19 saves a ``torch_dist`` checkpoint asynchronously only through a pe
 writer process (``--use-persistent-ckpt-worker``; without it ``validate_args`` turns
 ``--async-save`` off with a warning and saves synchronously), and its default writer,
 ``--async-strategy nvrx``, is nvidia-resiliency-ext's: without that package the run stops
-before its first step with ``ModuleNotFoundError``. ``choose_writer`` makes
-``--async-save`` mean what it says:
+before its first step with ``ModuleNotFoundError``. The launch's ``choose_writer``
+(``megagpt.launch.resilience``) makes ``--async-save`` mean what it says:
 
 * nvidia-resiliency-ext installed (``pip install 'megagpt[resilience]'``): its writer, as
   megatron intends;
@@ -45,44 +45,6 @@ def resiliency_ext_installed() -> bool:
         return importlib.util.find_spec(NVRX_MODULE) is not None
     except (ImportError, ValueError):
         return False
-
-
-def choose_writer(p, nvrx_installed: bool | None = None) -> None:
-    """The writer and the worker for ``--async-save`` (a step of the launch's resolution,
-    over its planner ``p``: ``megagpt.launch.planner``)."""
-    args = p.v
-    if not args.async_save or args.ckpt_format == "torch":
-        return  # megatron's legacy format has no asynchronous save; it says so itself
-    nvrx = resiliency_ext_installed() if nvrx_installed is None else nvrx_installed
-    explicit = "--async-strategy" in p.given
-    if args.async_strategy == "nvrx" and not nvrx:
-        if explicit:
-            raise AsyncSaveError(
-                "--async-strategy nvrx needs nvidia-resiliency-ext, which is not installed: "
-                "pip install 'megagpt[resilience]', or --async-strategy mcore (megatron's own "
-                "writer)")
-        p.set("async_strategy", "mcore")
-        why = "nvidia-resiliency-ext is not installed; pip install 'megagpt[resilience]' for its writer"
-    elif args.async_strategy == "nvrx" and getattr(args, "cpu", False):
-        if explicit:
-            raise AsyncSaveError("--async-strategy nvrx: nvidia-resiliency-ext's writer process "
-                                 "needs a GPU; in CPU mode use --async-strategy mcore")
-        p.set("async_strategy", "mcore")
-        why = "CPU mode: nvidia-resiliency-ext's writer process needs a GPU"
-    else:
-        why = None
-    worker = ""
-    if not args.use_persistent_ckpt_worker:
-        p.set("use_persistent_ckpt_worker", True)
-        worker = (" in a persistent writer process (--use-persistent-ckpt-worker; without it "
-                  "megatron 0.19 saves synchronously)")
-    writer = ("nvidia-resiliency-ext's writer" if args.async_strategy == "nvrx"
-              else "megatron's own writer (--async-strategy mcore)")
-    p.choose("async save", writer + (" in a persistent process" if worker else ""),
-             why or ("as given" if not worker else "megatron 0.19 saves asynchronously only "
-                                                    "from a persistent writer process"))
-    if why or worker:
-        p.log(f"async save: {writer}{worker}" + (f"; {why}" if why else ""))
 
 
 # The finalize functions asked for by the save wrappers now running, outermost first.

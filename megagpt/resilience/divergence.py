@@ -43,37 +43,6 @@ class DivergenceError(UserError, RuntimeError):
     """The loss or the gradients became NaN or Inf; the message names the iteration."""
 
 
-def choose_rerun_mode(p) -> None:
-    """Stop on the first fault without saving, unless the user chose a rerun mode (a step of
-    the launch's resolution, over its planner ``p``, after the fast path's: its CUDA graphs
-    turn megatron's in-step checks off)."""
-    args = p.v
-    mode_given = "--rerun-mode" in p.given
-    if not args.check_for_nan_in_loss_and_grad:
-        if "--no-check-for-nan-in-loss-and-grad" in p.given:
-            p.log("divergence: NaN/Inf checks are off (--no-check-for-nan-in-loss-and-grad)")
-        else:
-            # The fast path's CUDA graph cannot hold megatron's in-step checks; the gradient
-            # norm, computed after the graph, is checked instead (grad_norm_guard).
-            p.log("divergence: NaN/Inf in the gradient norm stops the run, naming that iteration "
-                  "(checked after each step, or one step late while the norm stays on the GPU, and "
-                  "always before a checkpoint is saved; megatron's in-step checks are off)")
-        if not mode_given:
-            # nothing is validated with the checks off, and a rerun state machine that is
-            # not disabled all-reduces (and waits for) a flag before every step
-            p.set("rerun_mode", "disabled")
-            p.choose("rerun mode", "disabled", "megatron's in-step checks are off: nothing to "
-                     "rerun, and its state machine would wait for a flag before every step")
-        return
-    if mode_given or args.rerun_mode != "validate_results":
-        return
-    p.set("rerun_mode", "disabled")
-    p.choose("rerun mode", "disabled", "a fault stops the run at its iteration and saves "
-             "nothing (--rerun-mode validate_results reruns it and saves)")
-    p.log("divergence: NaN/Inf in the loss or gradients stops the run at that iteration; "
-          "no checkpoint is written (--rerun-mode disabled)")
-
-
 def fault_of(exc: BaseException) -> tuple[str, str] | None:
     """(result, what was checked) if ``exc`` is megatron's result-validation error."""
     match = _FAULT.search(str(exc))

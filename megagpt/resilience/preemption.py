@@ -28,23 +28,6 @@ import os
 import signal
 
 
-def choose_exit_signal_handler(p) -> None:
-    """Turn on the exit-signal handler when the run saves checkpoints (a step of the launch's
-    resolution, over its planner ``p``: ``megagpt.launch.planner``; megatron installs the
-    handler when its globals are set)."""
-    args = p.v
-    name = signal.Signals(args.exit_signal).name
-    if args.save and not args.exit_signal_handler:
-        p.set("exit_signal_handler", True)
-        p.choose("exit signal", f"{name} saves and exits", "--save is given "
-                 "(--exit-signal-handler)")
-        p.log(f"preemption: {name} saves a checkpoint to {args.save} and exits "
-              "(--exit-signal-handler, on because --save is given)")
-    elif args.exit_signal_handler and not args.save:
-        p.log(f"preemption: {name} stops the run after the current iteration; "
-              "nothing is saved (no --save)")
-
-
 _keeping_workers = False
 _fork_hook_registered = False
 

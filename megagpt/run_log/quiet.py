@@ -145,10 +145,3 @@ def argument_changes(args) -> dict[str, object]:
     return changes
 
 
-def choose_quiet_settings(p) -> None:
-    """``argument_changes`` as a step of the launch's resolution (``megagpt.launch``), over
-    its planner ``p``: written with the launch's other choices, before megatron validates."""
-    for name, value in argument_changes(p.v).items():
-        p.set(name, value)
-        p.choose(f"--{name.replace('_', '-')}", value,
-                 "one_logger is not installed: megatron would only print its internal link")

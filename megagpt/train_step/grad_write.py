@@ -29,7 +29,7 @@ parameter in one step (accumulation after all) stops the run rather than overwri
 It applies when one micro-batch per step reaches one data-parallel rank and nothing else adds
 into ``main_grad`` (megatron's gradient-accumulation fusion, the distributed optimizer, FSDP
 and buffers with extra local gradients are excluded);
-``megagpt.launch.fast_path_reasons.grad_write_unsupported_reason(args)`` says why not.
+``megagpt.launch.fast_path_reasons.grad_write_unsupported_reason(args, path)`` says why not.
 
 Writing is on inside ``writing()`` (its wrappers of megatron's DDP methods, through
 ``megagpt.megatron_wrappers``): process-wide while they are in place, as megatron's DDP methods
