@@ -1,4 +1,4 @@
-"""The tables of docs/benchmarks.md: one ``Table`` per concern, its columns and its rows.
+"""The tables of bench/benchmarks.md: one ``Table`` per concern, its columns and its rows.
 
 ``TABLES`` (in the order of the document) says, for each ``table`` a record names
 (``bench/records.py``): its title and introduction (what was measured and how it is
@@ -55,8 +55,8 @@ def fig_row(key: str, decimals: int = 1) -> Callable[[dict], str]:
 
 
 def values_link(record: dict) -> str:
-    """A link from docs/benchmarks.md to the record's per-iteration values, if it has them."""
-    return f"[csv]({record['data'].removeprefix('docs/')})" if record.get("data") else ""
+    """A link from bench/benchmarks.md to the record's per-iteration values, if it has them."""
+    return f"[csv]({record['data'].removeprefix('bench/')})" if record.get("data") else ""
 
 
 def code(text: str) -> str:
@@ -226,7 +226,7 @@ TABLES = (
         "(Δ = with the switch − default; positive: the switch is slower or takes more "
         "memory). A switch \"on\" other flags is measured against a run with those flags "
         "alone, which is then its \"default\". Shapes and counting as in the table above. "
-        "What each piece does: [speed.md](speed.md).",
+        "What each piece does: [notes/fast-path.md](notes/fast-path.md).",
         columns=(("shape", rowval("shape")), ("switch", _switch_text),
                  ("dropout", rowval("dropout")), ("default ms/iter", fig("default_ms")),
                  ("with switch", fig("switch_ms")), ("Δ ms", _switch_delta),
@@ -243,7 +243,7 @@ TABLES = (
         "branches of every layer) against the same path without any dropout, in one "
         "invocation of `bench/bench_throughput.py`; cost = ms/iter ÷ ms/iter without "
         "dropout − 1. Shapes and counting as in the first table. Where the time goes: "
-        "[speed.md](speed.md#dropout).",
+        "[notes/dropout.md](notes/dropout.md).",
         columns=(("shape", rowval("shape")), ("path", rowval("path", PATHS)),
                  ("attention dropout", rowval("attention_dropout")),
                  ("hidden dropout", rowval("hidden_dropout")), ("ms/iter", fig("ms_per_iter")),
@@ -276,7 +276,7 @@ TABLES = (
         "entry's default picks the fast spec on one GPU with or without TE "
         "(`megagpt/layer_impl.py`); TE's layers are measured beside it. vs = ms/iter of the "
         "default without TE ÷ this row's (above 1: faster). What TE changes and why: "
-        "[speed.md](speed.md#with-transformer-engine-installed).",
+        "[notes/transformer-engine.md](notes/transformer-engine.md).",
         columns=(("shape", rowval("shape")), ("TE", rowval("te")),
                  ("path", rowval("path", TE_PATHS)), ("ms/iter", fig("ms_per_iter")),
                  ("TFLOP/s/GPU", fig("tflops_per_gpu")),
@@ -415,7 +415,7 @@ TABLES = (
         "apex's persistent layer norm until 2026-12-07 (d893954, the rows of that date); the "
         "entry now leaves it, measured slower. What megatron takes from apex "
         "and why the fast path leaves most of it: "
-        "[speed.md](speed.md#what-a-user-of-nvidias-containers-gets).",
+        "[notes/apex.md](notes/apex.md).",
         columns=(("shape", rowval("shape")), ("install", rowval("install")),
                  ("path", rowval("path", APEX_PATHS)), ("ms/iter", fig("ms_per_iter")),
                  ("TFLOP/s/GPU", fig("tflops_per_gpu")),
@@ -612,7 +612,7 @@ TABLES = (
         "same command against the same run uninterrupted: `bench/resume_fidelity.py` "
         "(deterministic mode, one process) and `bench/layouts.py --resume-check FROM,TO` "
         "(saved under one layout, resumed under another; megatron's torch_dist format "
-        "reshards). Details: [resilience.md](resilience.md).",
+        "reshards). What a user sees: [docs/resume.md](../docs/resume.md).",
         columns=(("shape", rowval("shape")), ("saved under", rowval("saved_under")),
                  ("resumed under", rowval("resumed_under")), ("saved at", fig("saved_at", 0)),
                  ("iterations compared", fig("iterations", 0)),

@@ -1,5 +1,5 @@
-"""docs/benchmarks.md and the README's figures are generated from the records in
-docs/figures/runs/ (bench/records.py, bench/tables.py): the committed files are what the
+"""bench/benchmarks.md and the README's figures are generated from the records in
+bench/figures/runs/ (bench/records.py, bench/tables.py): the committed files are what the
 records give, every record is valid, a newer record takes a row over and the older one goes
 to the log, and bench outputs become records."""
 
@@ -256,4 +256,4 @@ def test_copied_records_regenerate_the_same_docs(tmp_path):
     """The generator reads nothing but the records (a copy of them gives the same text)."""
     shutil.copytree(records.RUNS, tmp_path / "runs")
     assert tables.benchmarks_text(records.load(tmp_path / "runs")) == \
-        (REPO / "docs" / "benchmarks.md").read_text()
+        (REPO / "bench" / "benchmarks.md").read_text()
