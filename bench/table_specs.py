@@ -664,5 +664,42 @@ TABLES = (
         summary=lambda r: (f"{r['row']['corpus_mb']} MB, {r['row']['tool']}: "
                            f"{number(r['figures'].get('wall_s'), 2)} s"),
     ),
+    Table(
+        "checkpoint-checksums", "What the checkpoint checksums cost",
+        "`bench/checkpoint_checksums.py`: files of each size hashed as the entry hashes a "
+        "checkpoint's files right after a save (a SHA-256 of the SHA-256s of 16 MiB blocks, on "
+        "up to the given threads), against writing the same files; the sizes are the "
+        "checkpoints of a bf16 run with Adam, 14 bytes per parameter. What a user sees: "
+        "[docs/resume.md](../docs/resume.md#checksums).",
+        columns=(("checkpoint", rowval("size")), ("threads", rowval("threads")),
+                 ("GB", fig("gb", 2)), ("hashing s", fig("hash_s", 2)),
+                 ("s per GB", fig("s_per_gb", 2)), ("writing s", fig("write_s", 2)),
+                 ("hashing ÷ writing", fig("vs_write", 2))),
+        sort=lambda r: (str(r["size"]), r["threads"]),
+        text_columns=2,
+        summary=lambda r: (f"{r['row']['size']}, {r['row']['threads']} threads: "
+                           f"{number(r['figures'].get('hash_s'), 2)} s"),
+    ),
+    Table(
+        "test-suite", "The test suite: make demo and make test",
+        "`python bench/suite_time.py`: the two set-up commands timed one after the other in a "
+        "fresh clone (so `make demo` includes `make venv`), in minutes, with pytest's counts. "
+        "Caches warm: torch inductor's, the project's and Hugging Face's as earlier runs left "
+        "them; empty: the first run on a machine (`CI=true bash .ci/run`, set-up and suite "
+        "together). The machine is shared with other work, so the same code's minutes move "
+        "between runs.",
+        columns=(("caches", rowval("caches")), ("make demo, min", fig("demo_min")),
+                 ("make test, min", fig("suite_min")),
+                 ("set-up and suite, min", fig("setup_and_suite_min")),
+                 ("passed", fig("passed", 0))),
+        sort=lambda r: (r["caches"] != "warm",),
+        text_columns=1,
+        summary=lambda r: (f"caches {r['row']['caches']}: " + (
+            f"make demo {number(r['figures'].get('demo_min'))} min, make test "
+            f"{number(r['figures'].get('suite_min'))} min"
+            if "suite_min" in r["figures"] else
+            f"set-up and suite {number(r['figures'].get('setup_and_suite_min'))} min")
+            + (f" ({r['figures']['passed']:,} passed)" if r["figures"].get("passed") else "")),
+        expected=((dict(caches="warm"), "python bench/suite_time.py"),),
+    ),
 )
-
