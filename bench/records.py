@@ -23,8 +23,8 @@ A record with ``"current": false`` (an outlier, a run cut short) is only ever in
 with its ``why``. ``commit`` is the commit whose code ran (``+changes``: with uncommitted
 changes). Records converted from the benchmark notes kept before this format (2026-11-29)
 carry the commit those notes name for the code measured, else the commit that recorded the
-figure (``git log bench/benchmarks.md``, before that ``docs/benchmarks.md``): the code measured is that commit's, or the one
-before it with the changes that commit brought.
+figure (``git log --follow bench/benchmarks.md``): the code measured is that commit's, or the
+one before it with the changes that commit brought.
 
 The tables and their keys (``bench/table_specs.py`` renders them; a table it does not know
 is shown with its keys as headers):

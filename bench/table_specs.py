@@ -545,8 +545,9 @@ TABLES = (
     ),
     Table(
         "dry-run-estimate", "Several GPUs: what the dry run predicts (estimates, not measured)",
-        "No GPU ran for these rows: they are the dry run's step-time model (docs/cost.md) for "
-        "the launch as the entry resolves it at that GPU count (`python pretrain_gpt.py "
+        "No GPU ran for these rows: they are the dry run's step-time model "
+        "([notes/cost-model.md](notes/cost-model.md)) for the launch as the entry resolves it "
+        "at that GPU count (`python pretrain_gpt.py "
         "--config configs/gpt2_345m.yaml --dry-run --dry-run-world-size N --gpu-type H200`; "
         "on several GPUs the fast path takes per-layer CUDA graphs in place of one GPU's "
         "full-iteration graph). Throughput on several GPUs has not been measured with this "

@@ -2,7 +2,7 @@
 
 megatron's ``--transformer-impl`` defaults to ``transformer_engine``. Where TE is installed and
 the flag is not given, the entry picks instead, by what ran faster for the layout
-(docs/speed.md, "With Transformer Engine installed", has the measurements):
+(bench/notes/transformer-engine.md has the measurements):
 
 - without tensor and pipeline parallelism the fast spec (``local`` modules; its fused layer
   is compiled and runs under CUDA graphs there) was faster than TE's layers on one GPU, with
@@ -16,7 +16,7 @@ the flag is not given, the entry picks instead, by what ran faster for the layou
   launch that asks for it by name;
 - FP8 (``--fp8-format``) without tensor and pipeline parallelism runs in the fast spec's
   FP8 linears (``fast_spec.fp8``), which measured faster than TE's FP8 layers on one GPU
-  (docs/speed.md, "FP8"); under tensor or pipeline parallelism in TE's;
+  (bench/notes/fp8.md); under tensor or pipeline parallelism in TE's;
 - ``--spec local`` (megatron's spelling of its local spec) gets megatron's local modules.
 
 ``choose_transformer_impl`` decides from the arguments and what is installed, without touching
@@ -111,8 +111,9 @@ def choose_transformer_impl(args, given: set[str], installed) -> ImplChoice:
     if getattr(args, "fp8", None):
         return ImplChoice(
             LOCAL, "FP8 without tensor or pipeline parallelism: the fast spec's FP8 linears "
-            "measured faster than TE's FP8 layers here (docs/speed.md, \"FP8\"); "
+            "measured faster than TE's FP8 layers here (docs/fp8.md); "
             f"{FLAG} transformer_engine asks for TE's")
     return ImplChoice(
         LOCAL, "no tensor or pipeline parallelism: the fast spec measured faster than TE's "
-        f"layers here (docs/speed.md); {FLAG} transformer_engine asks for TE's")
+        f"layers here (docs/transformer-engine-and-apex.md); {FLAG} transformer_engine asks "
+        "for TE's")

@@ -121,6 +121,29 @@ def test_a_broken_link_or_anchor_is_found(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------
+# the pages the code names
+# ---------------------------------------------------------------------------------------
+CODE = ["pretrain_gpt.py", "gpt_builders.py", "model_provider.py", "Makefile", "pyproject.toml",
+        *(str(p.relative_to(REPO)) for folder in ("megagpt", "tools", "bench", "tests",
+                                                   "examples", "scripts", "configs")
+          for p in sorted((REPO / folder).rglob("*"))
+          if p.suffix in (".py", ".sh", ".sbatch", ".yaml") and "figures" not in p.parts)]
+# a page of docs/ or bench/ named in the code (not git's COMMIT:path of an old one)
+PAGE_PATH = re.compile(r"(?<![\w:/.-])((?:docs|bench)/[\w/.-]*?\.md)\b")
+
+
+def test_every_page_the_code_names_exists():
+    """Comments, docstrings and messages cite pages (``docs/fp8.md``, ``bench/notes/...``):
+    a page moved or renamed leaves none of them pointing at nothing."""
+    assert PAGE_PATH.findall("(docs/fp8.md, \"FP8\"); git show 5883aa4:docs/old.md") == \
+        ["docs/fp8.md"]
+    missing = [f"{path}: {page}" for path in CODE
+               for page in PAGE_PATH.findall((REPO / path).read_text(errors="replace"))
+               if not (REPO / page).is_file()]
+    assert not missing, "\n".join(missing)
+
+
+# ---------------------------------------------------------------------------------------
 # the shape of the user's pages
 # ---------------------------------------------------------------------------------------
 HASH = re.compile(r"(?<![\w/.-])(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}(?![\w/-])")

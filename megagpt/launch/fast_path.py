@@ -230,8 +230,8 @@ def _full_iteration_asked(p: Planner, impl) -> None:
                         "(--recompute-modules)")
     elif (p.get("pipeline_model_parallel_size", 1) or 1) != 1:
         # megatron's pipeline schedule waits on the host for its exchanges inside the step,
-        # which a capture forbids (a PP=2 capture failed: docs/speed.md, "Full-iteration
-        # CUDA graph")
+        # which a capture forbids (a PP=2 capture failed: bench/notes/fast-path.md,
+        # "Full-iteration CUDA graph")
         raise UserError(
             "--fast-cuda-graphs iteration with pipeline parallelism: megatron's pipeline "
             "schedule synchronises with the host inside the step, which a CUDA graph capture "
@@ -271,7 +271,7 @@ def _layer_graphs(p: Planner) -> None:
         # each check reads a GPU value on the host: once per micro-batch (the loss) and per
         # gradient bucket; the host then has nothing queued and the GPU idles through its
         # Python, the optimizer's per-parameter loops exposed behind the last wait (figures:
-        # docs/speed.md, "Per-layer CUDA graphs")
+        # bench/notes/fast-path.md, "Per-layer CUDA graphs")
         p.set("check_for_nan_in_loss_and_grad", False)
         p.log("fast path: megatron's in-step NaN/Inf checks off under per-layer graphs (each "
               "waits for the GPU); every step's gradient norm is checked instead "
@@ -322,8 +322,9 @@ def _graph_choices(p: Planner) -> None:
 
 def _nccl_connect(p: Planner) -> None:
     # NCCL (2.22+) connects peers lazily, on a collective's first use of them; inside a
-    # capture that cannot happen (a DP=2 capture hung: docs/speed.md, "Full-iteration CUDA
-    # graph"). 0 connects them when each communicator is made, after this point.
+    # capture that cannot happen (a DP=2 capture hung: bench/notes/fast-path.md,
+    # "Full-iteration CUDA graph"). 0 connects them when each communicator is made, after this
+    # point.
     full_iteration = p.get("cuda_graph_impl", "none") == "full_iteration"
     current = p.environ.get(NCCL_CONNECT)
     if not (full_iteration and p.world() != 1):

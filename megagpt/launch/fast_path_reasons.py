@@ -53,9 +53,9 @@ def cuda_graph_unsupported_reason(args) -> Optional[str]:
         # asked for (--fast-cuda-graphs iteration, or megatron's --cuda-graph-impl
         # full_iteration) it runs; not by default: with TE's layers at a small shape (head
         # size 16) launches under it failed where the same launch without it trained
-        # (docs/speed.md)
+        # (bench/notes/transformer-engine.md)
         return ("not by default for Transformer Engine's layers (--fast-cuda-graphs "
-                "iteration asks for it; docs/speed.md)")
+                "iteration asks for it; docs/transformer-engine-and-apex.md)")
     if not fast_path_selected(args):
         return "the fast spec is not used"
     if getattr(args, "cuda_graph_impl", "none") not in ("none", None):
