@@ -24,7 +24,7 @@ test: venv
 test-fast: venv
 	$(PYTEST) -m "not slow"
 
-# docs/benchmarks.md and the README's figures, from the records in docs/figures/runs/
+# bench/benchmarks.md and the figures of README.md and docs/, from bench/figures/runs/
 tables: venv
 	$(PY) bench/tables.py
 

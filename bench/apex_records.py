@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Records of the ``apex`` table of docs/benchmarks.md from bench/gpu_record_apex.sh's output.
+"""Records of the ``apex`` table of bench/benchmarks.md from bench/gpu_record_apex.sh's output.
 
     python bench/apex_records.py OUT_DIR [--commit C] [--dry-run]
 

@@ -46,7 +46,7 @@ SHAPES = {
              "--seq-length", "512", "--max-position-embeddings", "512"],
 }
 GPT2_VOCAB = 50257
-# measured for transformers 5.17 on one H200 (docs/benchmarks.md): the goal is a multiple
+# measured for transformers 5.17 on one H200 (bench/benchmarks.md): the goal is a multiple
 GOALS = {1: 10.0, 16: 5.0}
 
 

@@ -51,7 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# hidden, heads, seq, micro-batch: docs/benchmarks.md's shapes
+# hidden, heads, seq, micro-batch: bench/benchmarks.md's shapes
 SHAPES = {"345M": (1024, 16, 1024, 8), "1.3B": (2048, 16, 2048, 4),
           # a 6.7B-wide layer (FP8's case: matmuls dominate)
           "wide": (4096, 32, 4096, 1),

@@ -22,7 +22,7 @@ the bf16 matmul peak it measures itself (8192^3), peak memory (max allocated) an
 ratio to the reference. Iterations inside the first ``--warmup-iters`` (compilation,
 allocator warm-up) are left out of the figures. ``OUT/bench_<shape>.json`` holds them with the
 run's date, commit, machine, versions and command; ``python bench/records.py add`` makes the
-rows of docs/benchmarks.md from it.
+rows of bench/benchmarks.md from it.
 
   python bench/bench_throughput.py --shape 345M --paths local,fast,reference --out runs/bench
 

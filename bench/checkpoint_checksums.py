@@ -18,7 +18,7 @@ save hashes each rank's own shards on that rank. So on N GPUs of one node a pass
 about the one-process time / N where the node's cores and disk keep up.
 
 ``--json`` writes the results with the run's info; ``--record`` adds them as records of the
-``checkpoint-checksums`` table under docs/figures/runs (then ``make tables``).
+``checkpoint-checksums`` table under bench/figures/runs (then ``make tables``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Records of the ``fp8-fast`` table of docs/benchmarks.md from one run of bench/gpu_fp8.sh.
+"""Records of the ``fp8-fast`` table of bench/benchmarks.md from one run of bench/gpu_fp8.sh.
 
     python bench/fp8_records.py BENCH.json [BENCH.json ...] [--note TEXT] [--te-version V]
                                 [--torchao-version V] [--dry-run]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # megatron's --attention-backend on the fast spec, on one GPU: the runs behind
-# docs/benchmarks.md's section "Attention backends on the fast spec".
+# bench/benchmarks.md's section "Attention backends on the fast spec".
 #
 #   source bench/gpu_site.sh && bash bench/gpu_attention.sh OUT_DIR [SECONDS]
 #

@@ -8,7 +8,7 @@
 #   3. what the flight recorder and the straggler report cost: 345M, the default (both on)
 #      against --no-flight-recorder --straggler-threshold 0, one invocation of
 #      bench/bench_throughput.py (log interval 10: one timed step and one all-gather per 10);
-#      `python bench/records.py add OUT/bench_345M.json` makes its row of docs/benchmarks.md.
+#      `python bench/records.py add OUT/bench_345M.json` makes its row of bench/benchmarks.md.
 #
 #   source bench/gpu_site.sh && bash bench/gpu_diagnostics.sh OUT_DIR
 #

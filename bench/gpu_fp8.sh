@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The fast spec's FP8 linears on one GPU: its GPU tests, the fused layer's kernels in bf16 and
-# FP8, and training throughput against bf16 (the runs behind docs/speed.md, "FP8").
+# FP8, and training throughput against bf16 (the runs behind bench/notes/fp8.md).
 #
 #   MCORE_SITE=DIR [TE_SITE=DIR] bash bench/gpu_fp8.sh OUT_DIR STEP [SECONDS]
 #
@@ -16,7 +16,7 @@
 #           torchao's FP8, from the wheels in .whl-ref; tefp8 and tefp8cs, TE's FP8 layers,
 #           where TE_SITE holds Transformer Engine), at the wide shape and 1.3B (FP8_SHAPES)
 #           (`python bench/fp8_records.py OUT/train_<shape>/bench_<shape>.json ...`, the
-#           outputs of one call, makes docs/benchmarks.md's records)
+#           outputs of one call, makes bench/benchmarks.md's records)
 #   te      per shape (FP8_SHAPES), one call each: train's fast,fp8,referencefp8 without TE,
 #           then tefp8,tefp8cs with TE (TE_SITE), then fp8own (each skipped where the
 #           call's time is short); about 480 s for the wide shape

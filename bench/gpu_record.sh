@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The recorded runs on one GPU, in one go. Each bench script writes its JSON with the run's
 # date, commit, machine, versions and command; `python bench/records.py add OUT/.../*.json`
-# makes rows of docs/benchmarks.md of them (then `make tables`). A copy without git history
+# makes rows of bench/benchmarks.md of them (then `make tables`). A copy without git history
 # names its commit through MEGAGPT_COMMIT.
 #
 #   bash bench/gpu_record.sh OUT_DIR [SECONDS]
@@ -30,7 +30,7 @@
 #      path compiles it against other inductor settings (multi-kernel, ...), ~90 s.
 #   7. (not in the default STEPS) the fast path's first 50 losses against the local spec's
 #      on real text (the corpus), 345M and 1.3B, dropout 0: at 1.3B mock data's loss spikes
-#      part any two runs whose rounding differs (docs/benchmarks.md), text should not spike.
+#      part any two runs whose rounding differs (bench/benchmarks.md), text should not spike.
 #   8. (not in the default STEPS) the path every several-GPU launch takes, forced onto one
 #      GPU (--fast-multi-gpu-path with the distributed optimizer and the overlapped gradient
 #      reduce), against the single-GPU default in the same invocation: 345M with 8
@@ -40,8 +40,9 @@
 #   9. (not in the default STEPS) each piece of the fast path against the default, in one
 #      invocation per shape, dropout 0.1: one run per `--fast-disable PIECE` (PIECES picks,
 #      default every piece that applies on one GPU; PIECE_SHAPES the shapes, default 345M 1.3B).
-#      What the pieces table of docs/speed.md and the switches table of benchmarks.md hold;
-#      a piece worth under 1 % of the step at both shapes is a candidate for removal.
+#      What the pieces table of bench/notes/fast-path.md and the switches table of
+#      bench/benchmarks.md hold; a piece worth under 1 % of the step at both shapes is a
+#      candidate for removal.
 #  10. (not in the default STEPS; needs BASE, another commit's files with that commit named in
 #      BASE/COMMIT, e.g. `mkdir .bench-base && git archive C | tar -x -C .bench-base && echo C >
 #      .bench-base/COMMIT`, carried) that commit's default path against this one's in
@@ -257,8 +258,8 @@ if [ "$(left)" -gt 90 ]; then
     grep -A6 "^path" "$OUT/base_mgpu.txt"
 fi
 fi
-# the rows of docs/benchmarks.md these runs measured: copy OUT/records/*.json into
-# docs/figures/runs/ and run `make tables`
+# the rows of bench/benchmarks.md these runs measured: copy OUT/records/*.json into
+# bench/figures/runs/ and run `make tables`
 for f in "$OUT"/*/bench_*.json "$OUT"/*/resume_fidelity.json; do
     [ -f "$f" ] && $PY bench/records.py add "$f" --dir "$OUT/records"
 done

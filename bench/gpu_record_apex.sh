@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # With NVIDIA apex installed against without it, alone and beside Transformer Engine, on one
-# GPU: the runs behind docs/benchmarks.md's section "With NVIDIA apex installed".
+# GPU: the runs behind bench/benchmarks.md's section "With NVIDIA apex installed".
 #
 #   source bench/gpu_site.sh && bash bench/gpu_record_apex.sh OUT_DIR STEP[,STEP...] [SECONDS]
 #
@@ -31,7 +31,7 @@
 #                optimizer's layout too) and the generation and Hugging Face export of an
 #                apex checkpoint under every install
 # Each bench run's JSON lands in OUT_DIR/<step>/<install>_<shape>/; `python
-# bench/apex_records.py OUT_DIR` turns them into records for docs/benchmarks.md.
+# bench/apex_records.py OUT_DIR` turns them into records for bench/benchmarks.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: gpu_record_apex.sh OUT_DIR STEP[,STEP...] [SECONDS]}

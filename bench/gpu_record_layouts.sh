@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The recorded runs on one host with several GPUs (docs/benchmarks.md, several GPUs; each
+# The recorded runs on one host with several GPUs (bench/benchmarks.md, several GPUs; each
 # set's layouts.json becomes its rows through `python bench/records.py add`).
 #
 #   [SETS="dp345 pp345 tp13 profile"] [GPUS=N] bash bench/gpu_record_layouts.sh OUT_DIR [SECONDS]
@@ -85,8 +85,8 @@ if want profile && [ "$(left)" -gt 70 ]; then
     head -1 "$OUT/profile_tp2_report.txt"
 fi
 date -u >> "$OUT/gpu.txt"
-# the rows of docs/benchmarks.md these runs measured: copy OUT/records/*.json into
-# docs/figures/runs/ and run `make tables`
+# the rows of bench/benchmarks.md these runs measured: copy OUT/records/*.json into
+# bench/figures/runs/ and run `make tables`
 for f in "$OUT"/*/layouts.json; do
     [ -f "$f" ] && $PY bench/records.py add "$f" --dir "$OUT/records"
 done

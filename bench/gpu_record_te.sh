@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # With Transformer Engine installed against without it, on one GPU: the runs behind
-# docs/benchmarks.md's section "With Transformer Engine installed".
+# bench/benchmarks.md's section "With Transformer Engine installed".
 #
 #   MCORE_SITE=DIR TE_SITE=DIR bash bench/gpu_record_te.sh OUT_DIR STEP [SECONDS]
 #

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""The measured runs behind docs/benchmarks.md: one JSON file per row, under docs/figures/runs/.
+"""The measured runs behind bench/benchmarks.md: one JSON file per row, under bench/figures/runs/.
 
 A record is one measured row of one table:
 
     {
-      "table":    "train-1gpu",            # a table of docs/benchmarks.md (bench/table_specs.py)
+      "table":    "train-1gpu",            # a table of bench/benchmarks.md (bench/table_specs.py)
       "row":      {"shape": "345M", "path": "fast", "dropout": 0},   # what was measured
       "figures":  {"ms_per_iter": 44.8, "tflops_per_gpu": 415.5, ...},  # what came out
       "date":     "2026-11-29 23:43 UTC",
@@ -13,7 +13,7 @@ A record is one measured row of one table:
       "versions": {"torch": "2.11.0+cu130", "megatron-core": "0.19.2", ...},
       "command":  "python bench/bench_throughput.py --shape 345M ...",
       "note":     "...",                          # optional: what a reader must know
-      "data":     "docs/figures/....csv",         # optional: the per-iteration values
+      "data":     "bench/figures/....csv",        # optional: the per-iteration values
       "current":  false, "why": "..."             # optional: never the table's current row
     }
 
@@ -23,8 +23,8 @@ A record with ``"current": false`` (an outlier, a run cut short) is only ever in
 with its ``why``. ``commit`` is the commit whose code ran (``+changes``: with uncommitted
 changes). Records converted from the benchmark notes kept before this format (2026-11-29)
 carry the commit those notes name for the code measured, else the commit that recorded the
-figure (``git log docs/benchmarks.md``): the code measured is that commit's, or the one
-before it with the changes that commit brought.
+figure (``git log --follow bench/benchmarks.md``): the code measured is that commit's, or the
+one before it with the changes that commit brought.
 
 The tables and their keys (``bench/table_specs.py`` renders them; a table it does not know
 is shown with its keys as headers):
@@ -56,8 +56,9 @@ their JSON output, and
 turns such an output into record files (``bench_throughput.py``'s ``bench_<shape>.json``,
 ``layouts.py``'s ``layouts.json``, ``bench_preprocess.py --json``'s file,
 ``resume_fidelity.py``'s ``resume_fidelity.json``); a hand-written file in the same format is
-as good. Then ``python bench/tables.py`` (``make tables``) writes docs/benchmarks.md and the
-README's figures. ``python bench/records.py check`` validates every record.
+as good. Then ``python bench/tables.py`` (``make tables``) writes bench/benchmarks.md and the
+current figures of the pages that show them (``bench/page_figures.py``).
+``python bench/records.py check`` validates every record.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RUNS = ROOT / "docs" / "figures" / "runs"
+RUNS = ROOT / "bench" / "figures" / "runs"
 DATE_FORMAT = "%Y-%m-%d %H:%M UTC"
 REQUIRED = {"table": str, "row": dict, "figures": dict, "date": str, "machine": str,
             "versions": dict, "command": str}
@@ -424,7 +425,7 @@ def main(argv=None) -> int:
     add.add_argument("--commit", help="the commit measured, where the output does not say")
     add.add_argument("--note", help="a note for every record made")
     add.add_argument("--dir", default=str(RUNS))
-    sub.add_parser("check", help="validate every record under docs/figures/runs")
+    sub.add_parser("check", help="validate every record under bench/figures/runs")
     a = p.parse_args(argv)
     if a.what == "check":
         print(f"{len(load())} records, all valid")

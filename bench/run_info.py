@@ -1,7 +1,7 @@
 """What every benchmark records about its own run: date, commit, machine, versions, command.
 
 ``run_info()`` is written into each bench script's JSON output (``info``), from which
-``bench/records.py add`` makes the rows of docs/benchmarks.md.
+``bench/records.py add`` makes the rows of bench/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The tables of docs/benchmarks.md: one ``Table`` per concern, its columns and its rows.
+"""The tables of bench/benchmarks.md: one ``Table`` per concern, its columns and its rows.
 
 ``TABLES`` (in the order of the document) says, for each ``table`` a record names
 (``bench/records.py``): its title and introduction (what was measured and how it is
@@ -55,8 +55,8 @@ def fig_row(key: str, decimals: int = 1) -> Callable[[dict], str]:
 
 
 def values_link(record: dict) -> str:
-    """A link from docs/benchmarks.md to the record's per-iteration values, if it has them."""
-    return f"[csv]({record['data'].removeprefix('docs/')})" if record.get("data") else ""
+    """A link from bench/benchmarks.md to the record's per-iteration values, if it has them."""
+    return f"[csv]({record['data'].removeprefix('bench/')})" if record.get("data") else ""
 
 
 def code(text: str) -> str:
@@ -226,7 +226,7 @@ TABLES = (
         "(Δ = with the switch − default; positive: the switch is slower or takes more "
         "memory). A switch \"on\" other flags is measured against a run with those flags "
         "alone, which is then its \"default\". Shapes and counting as in the table above. "
-        "What each piece does: [speed.md](speed.md).",
+        "What each piece does: [notes/fast-path.md](notes/fast-path.md).",
         columns=(("shape", rowval("shape")), ("switch", _switch_text),
                  ("dropout", rowval("dropout")), ("default ms/iter", fig("default_ms")),
                  ("with switch", fig("switch_ms")), ("Δ ms", _switch_delta),
@@ -243,7 +243,7 @@ TABLES = (
         "branches of every layer) against the same path without any dropout, in one "
         "invocation of `bench/bench_throughput.py`; cost = ms/iter ÷ ms/iter without "
         "dropout − 1. Shapes and counting as in the first table. Where the time goes: "
-        "[speed.md](speed.md#dropout).",
+        "[notes/dropout.md](notes/dropout.md).",
         columns=(("shape", rowval("shape")), ("path", rowval("path", PATHS)),
                  ("attention dropout", rowval("attention_dropout")),
                  ("hidden dropout", rowval("hidden_dropout")), ("ms/iter", fig("ms_per_iter")),
@@ -276,7 +276,7 @@ TABLES = (
         "entry's default picks the fast spec on one GPU with or without TE "
         "(`megagpt/launch/layers.py`); TE's layers are measured beside it. vs = ms/iter of the "
         "default without TE ÷ this row's (above 1: faster). What TE changes and why: "
-        "[speed.md](speed.md#with-transformer-engine-installed).",
+        "[notes/transformer-engine.md](notes/transformer-engine.md).",
         columns=(("shape", rowval("shape")), ("TE", rowval("te")),
                  ("path", rowval("path", TE_PATHS)), ("ms/iter", fig("ms_per_iter")),
                  ("TFLOP/s/GPU", fig("tflops_per_gpu")),
@@ -415,7 +415,7 @@ TABLES = (
         "apex's persistent layer norm until 2026-12-07 (d893954, the rows of that date); the "
         "entry now leaves it, measured slower. What megatron takes from apex "
         "and why the fast path leaves most of it: "
-        "[speed.md](speed.md#what-a-user-of-nvidias-containers-gets).",
+        "[notes/apex.md](notes/apex.md).",
         columns=(("shape", rowval("shape")), ("install", rowval("install")),
                  ("path", rowval("path", APEX_PATHS)), ("ms/iter", fig("ms_per_iter")),
                  ("TFLOP/s/GPU", fig("tflops_per_gpu")),
@@ -545,8 +545,9 @@ TABLES = (
     ),
     Table(
         "dry-run-estimate", "Several GPUs: what the dry run predicts (estimates, not measured)",
-        "No GPU ran for these rows: they are the dry run's step-time model (docs/cost.md) for "
-        "the launch as the entry resolves it at that GPU count (`python pretrain_gpt.py "
+        "No GPU ran for these rows: they are the dry run's step-time model "
+        "([notes/cost-model.md](notes/cost-model.md)) for the launch as the entry resolves it "
+        "at that GPU count (`python pretrain_gpt.py "
         "--config configs/gpt2_345m.yaml --dry-run --dry-run-world-size N --gpu-type H200`; "
         "on several GPUs the fast path takes per-layer CUDA graphs in place of one GPU's "
         "full-iteration graph). Throughput on several GPUs has not been measured with this "
@@ -612,7 +613,7 @@ TABLES = (
         "same command against the same run uninterrupted: `bench/resume_fidelity.py` "
         "(deterministic mode, one process) and `bench/layouts.py --resume-check FROM,TO` "
         "(saved under one layout, resumed under another; megatron's torch_dist format "
-        "reshards). Details: [resilience.md](resilience.md).",
+        "reshards). What a user sees: [docs/resume.md](../docs/resume.md).",
         columns=(("shape", rowval("shape")), ("saved under", rowval("saved_under")),
                  ("resumed under", rowval("resumed_under")), ("saved at", fig("saved_at", 0)),
                  ("iterations compared", fig("iterations", 0)),
@@ -664,5 +665,42 @@ TABLES = (
         summary=lambda r: (f"{r['row']['corpus_mb']} MB, {r['row']['tool']}: "
                            f"{number(r['figures'].get('wall_s'), 2)} s"),
     ),
+    Table(
+        "checkpoint-checksums", "What the checkpoint checksums cost",
+        "`bench/checkpoint_checksums.py`: files of each size hashed as the entry hashes a "
+        "checkpoint's files right after a save (a SHA-256 of the SHA-256s of 16 MiB blocks, on "
+        "up to the given threads), against writing the same files; the sizes are the "
+        "checkpoints of a bf16 run with Adam, 14 bytes per parameter. What a user sees: "
+        "[docs/resume.md](../docs/resume.md#checksums).",
+        columns=(("checkpoint", rowval("size")), ("threads", rowval("threads")),
+                 ("GB", fig("gb", 2)), ("hashing s", fig("hash_s", 2)),
+                 ("s per GB", fig("s_per_gb", 2)), ("writing s", fig("write_s", 2)),
+                 ("hashing ÷ writing", fig("vs_write", 2))),
+        sort=lambda r: (str(r["size"]), r["threads"]),
+        text_columns=2,
+        summary=lambda r: (f"{r['row']['size']}, {r['row']['threads']} threads: "
+                           f"{number(r['figures'].get('hash_s'), 2)} s"),
+    ),
+    Table(
+        "test-suite", "The test suite: make demo and make test",
+        "`python bench/suite_time.py`: the two set-up commands timed one after the other in a "
+        "fresh clone (so `make demo` includes `make venv`), in minutes, with pytest's counts. "
+        "Caches warm: torch inductor's, the project's and Hugging Face's as earlier runs left "
+        "them; empty: the first run on a machine (`CI=true bash .ci/run`, set-up and suite "
+        "together). The machine is shared with other work, so the same code's minutes move "
+        "between runs.",
+        columns=(("caches", rowval("caches")), ("make demo, min", fig("demo_min")),
+                 ("make test, min", fig("suite_min")),
+                 ("set-up and suite, min", fig("setup_and_suite_min")),
+                 ("passed", fig("passed", 0))),
+        sort=lambda r: (r["caches"] != "warm",),
+        text_columns=1,
+        summary=lambda r: (f"caches {r['row']['caches']}: " + (
+            f"make demo {number(r['figures'].get('demo_min'))} min, make test "
+            f"{number(r['figures'].get('suite_min'))} min"
+            if "suite_min" in r["figures"] else
+            f"set-up and suite {number(r['figures'].get('setup_and_suite_min'))} min")
+            + (f" ({r['figures']['passed']:,} passed)" if r["figures"].get("passed") else "")),
+        expected=((dict(caches="warm"), "python bench/suite_time.py"),),
+    ),
 )
-

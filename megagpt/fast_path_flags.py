@@ -16,7 +16,7 @@
 They set the namespace attributes the launch's resolution reads (``fast_cuda_graph``,
 ``fast_layer_graphs``, ``fast_spec_compile`` and one per piece, ``PIECES``); "auto" leaves
 an attribute None for the resolution to decide (``megagpt.launch.fast_path``). What each
-piece does and what it measured: docs/speed.md.
+piece does and what it measured: bench/notes/fast-path.md.
 """
 
 from __future__ import annotations

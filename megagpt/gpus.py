@@ -34,7 +34,7 @@ class GpuSpec:
 # TFLOP/s assume the 1.83 GHz boost clock (132 SMs x 4 tensor cores x 1024 FLOP per clock),
 # which power limits pull down under dense tensor-core load (the clock HPL peaks are quoted
 # at); 0.65 (~640 TFLOP/s) sits at the low end of what cuBLAS reaches on H100 training shapes,
-# and is the one constant the H100 and H200 validation rows pin (docs/cost.md).
+# and is the one constant the H100 and H200 validation rows pin (bench/notes/cost-model.md).
 AMPERE_GEMM_EFFICIENCY = 0.8
 HOPPER_GEMM_EFFICIENCY = 0.65
 

@@ -12,8 +12,8 @@ import (cuDNN opens the rest when first used).
 
 On a machine with a system cuDNN the process thus ends with parts of two cuDNN versions.
 torch's ``scaled_dot_product_attention`` then loses its cuDNN kernel and runs flash
-attention instead, and a launch that never calls TE gets slower (docs/speed.md, "With
-Transformer Engine installed"); where the sub-libraries do not fit together, TE's import
+attention instead, and a launch that never calls TE gets slower (bench/notes/transformer-engine.md,
+"Which cuDNN TE loads"); where the sub-libraries do not fit together, TE's import
 stops ("undefined symbol ... libcudnn_graph.so.9"); where torch was imported after TE,
 ``torch.backends.cudnn`` refuses to start ("cuDNN version incompatibility").
 

@@ -362,7 +362,7 @@ def test_moe_experts_with_linear_biases_are_refused_unless_te_groups_them():
                 installed)
         spec_local = megatron_defaults(["--num-experts", "4", "--moe-grouped-gemm",
                                         "--spec", "local"])
-        spec_local.transformer_impl = "local"  # as layer_impl chooses for --spec local
+        spec_local.transformer_impl = "local"  # as the launch chooses for --spec local
         with pytest.raises(UserError, match="and drop --spec local, or"):
             check_required_packages(spec_local, installed)
         check_required_packages(

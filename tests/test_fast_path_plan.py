@@ -444,7 +444,7 @@ def test_delayed_fp8_under_a_graph_captured_at_the_first_iteration_is_refused():
 
 def test_delayed_scaling_is_tes_unless_told_otherwise():
     """Delayed scaling starts from scales of 1 and scales gradients by the backward before,
-    as TE's does (their losses matched TE's FP8 to 0.04 %: docs/speed.md, "FP8")."""
+    as TE's does (their losses matched TE's FP8 to 0.04 %: bench/notes/fp8.md)."""
     recipe = plan_of(fp8="hybrid", fp8_recipe="delayed", **SHAPE_345M)[FP8]
     assert (recipe.first_scales, recipe.grad_scaling) == ("unit", "delayed")
     assert "gradients by the backward before's; the first forward's scales 1" \

@@ -758,8 +758,8 @@ def test_te_dense_layers_on_one_gpu_take_the_full_iteration_graph_when_asked(
         restore_optimizer):
     """Transformer Engine's layer spec takes the launch-level graph when asked for
     (--fast-cuda-graphs iteration: megatron's --cuda-graph-impl full_iteration, with the fast path's
-    capture deadline and NaN handling; docs/speed.md has its measured gain), and says how to
-    ask where it is off; per-layer graphs and the gradient writes stay the fast spec's."""
+    capture deadline and NaN handling; bench/notes/fast-path.md has its measured gain), and says
+    how to ask where it is off; per-layer graphs and the gradient writes stay the fast spec's."""
     args, lines, _ = _resolved([], transformer_impl="transformer_engine")
     assert not args.fast_cuda_graph and args.cuda_graph_impl == "none"
     assert any("--fast-cuda-graphs iteration asks for it" in line for line in lines), lines

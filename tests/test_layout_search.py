@@ -28,7 +28,7 @@ from test_step_time import NARAYANAN
 # pipeline's bubble and InfiniBand sends add. Unfused attention, the paper's, does not change
 # that: its [b, heads/TP, s, s] scores are counted in memory, but the fastest layouts use
 # micro-batch 1 or 2, where they are 1 GB at TP 2, and their time is the same for every
-# layout of a row. docs/cost.md has the breakdowns; the table grew
+# layout of a row. bench/notes/cost-model.md has the breakdowns; the table grew
 # TP with model size as a weak-scaling study, not as a search for the fastest layout of each
 # model.
 LOWER_TP_FASTER = {"18.4B", "39.1B"}

@@ -46,12 +46,12 @@ def test_layouts_bench_runs_compares_and_resumes_across_layouts(tmp_path):
         # logged 7 digits agree too depends on the CPU's GEMM kernels. The distributed
         # optimizer's moments and step must come back as saved: a step advanced once per
         # parameter moved a tiny CPU run's loss (about 6) by 4e-3 two iterations after its
-        # resume (docs/resilience.md), 60 times this bound.
+        # resume (bench/notes/resume.md), 60 times this bound.
         assert resume["against_uninterrupted"]["max_rel_diff"] < 1e-5, resume
     assert not list(out.glob("ckpt_*")), "checkpoints are removed after the check"
     assert "resumed under dp2" in p.stdout
 
-    # the report becomes rows of docs/benchmarks.md (bench/records.py)
+    # the report becomes rows of bench/benchmarks.md (bench/records.py)
     sys.path.insert(0, str(REPO / "bench"))
     import records
 

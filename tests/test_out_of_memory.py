@@ -15,7 +15,7 @@ from megagpt.launch import resolve
 from megagpt.diagnostics import out_of_memory as oom
 from megagpt.preflight import make_plan, memory_knobs
 
-# The 1.3B shape of docs/benchmarks.md (24 x 2048 x 16, sequence 2048), bf16, on 8 GPUs
+# The 1.3B shape of bench/benchmarks.md (24 x 2048 x 16, sequence 2048), bf16, on 8 GPUs
 SHAPE_13B = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
              "--seq-length", "2048", "--max-position-embeddings", "2048", "--bf16",
              "--mock-data", "--lr", "1e-4", "--train-iters", "10"]

@@ -3,9 +3,9 @@
 Each published row is compared as iteration time: the published TFLOP/s per GPU are turned
 back into seconds per iteration with the FLOP count the publication used. Every row must be
 within ±15 % and the median |error| of the published rows at most 8 %; the project's H200
-rows (docs/benchmarks.md) within ±10 %. Assumptions where a publication leaves a setting out
+rows (bench/benchmarks.md) within ±10 %. Assumptions where a publication leaves a setting out
 are stated with its table; ``python tests/test_step_time.py`` prints the tables for
-docs/cost.md.
+bench/notes/cost-model.md.
 """
 
 import contextlib
@@ -147,7 +147,7 @@ def test_median_error_over_the_published_runs_is_at_most_8_percent():
 
 
 # ---------------------------------------------------------------------------------------------
-# This project's H200 rows (docs/benchmarks.md, first table): one GPU, bf16, mock data, global
+# This project's H200 rows (bench/benchmarks.md, first table): one GPU, bf16, mock data, global
 # batch = micro-batch, through the dry run of the launch line bench/bench_throughput.py uses.
 # (shape, path, dropout, ms/iter, peak MiB)
 H200_RUNS = [
@@ -257,7 +257,7 @@ def test_an_estimate_takes_well_under_a_millisecond():
 
 
 def markdown_tables() -> str:
-    """The validation tables of docs/cost.md."""
+    """The validation tables of bench/notes/cost-model.md."""
     lines = []
     for title, rows in (("Narayanan et al. 2021, A100-80GB", narayanan_rows()),
                         ("Megatron-LM README, H100 (Megatron-Core 0.8)", megatron_h100_rows())):

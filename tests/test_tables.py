@@ -1,13 +1,14 @@
-"""docs/benchmarks.md and the README's figures are generated from the records in
-docs/figures/runs/ (bench/records.py, bench/tables.py): the committed files are what the
-records give, every record is valid, a newer record takes a row over and the older one goes
-to the log, and bench outputs become records."""
+"""bench/benchmarks.md and the figures of the user's pages are generated from the records in
+bench/figures/runs/ (bench/records.py, bench/tables.py, bench/page_figures.py): the committed
+files are what the records give, every record is valid, a newer record takes a row over and
+the older one goes to the log, and bench outputs become records."""
 
 import copy
 import json
 import re
 import shlex
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -16,7 +17,9 @@ from helpers import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
 
+import page_figures  # noqa: E402
 import records  # noqa: E402
+import suite_time  # noqa: E402
 import tables  # noqa: E402
 
 
@@ -27,14 +30,14 @@ def test_the_committed_docs_are_what_the_records_give():
 
 
 @pytest.mark.slow
-def test_the_readmes_cost_lines_are_what_the_dry_run_prints_today():
-    """The README's estimate of the 175B example and its layout search, from that dry run
-    (bench/readme_cost.py): fails when the step model changes and make tables was not run."""
-    import readme_cost
+def test_the_cost_lines_are_what_the_dry_run_prints_today():
+    """docs/several-gpus.md's estimate of the 175B example and its layout search, from that dry
+    run (bench/dry_run_cost.py): fails when the step model changes and make tables was not run."""
+    import dry_run_cost
 
-    output = readme_cost.dry_run_output()
-    block = readme_cost.block(output)
-    assert block in (REPO / "README.md").read_text()
+    output = dry_run_cost.dry_run_output()
+    block = dry_run_cost.block(output)
+    assert block in (REPO / dry_run_cost.PAGE).read_text()
     assert "  per iteration   " in block and "whole run" in block and "GPU-hours" in block
     assert re.search(r"its best \(TP \d+ × PP \d+ × DP \d+, .*\) is [\d.]+ % faster", block)
 
@@ -256,4 +259,58 @@ def test_copied_records_regenerate_the_same_docs(tmp_path):
     """The generator reads nothing but the records (a copy of them gives the same text)."""
     shutil.copytree(records.RUNS, tmp_path / "runs")
     assert tables.benchmarks_text(records.load(tmp_path / "runs")) == \
-        (REPO / "docs" / "benchmarks.md").read_text()
+        (REPO / "bench" / "benchmarks.md").read_text()
+
+
+def test_a_newer_record_changes_the_figure_on_the_users_page():
+    """The README's table shows the newest record of each row, and names its GPU; the block of
+    a page is replaced whole, the page around it kept."""
+    newer = _one(shape="1.3B", path="fast", dropout=0.0)
+    newer.update(date="2027-01-02 03:04 UTC", machine="NVIDIA H100 80GB HBM3")
+    newer["figures"].update(tflops_per_gpu=612.3, peak_mib=33366)
+    found = records.load() + [dict(newer, _file="new")]
+    current = list(tables.current_and_earlier(found)[0].values())
+    text = page_figures.with_blocks("README.md", (REPO / "README.md").read_text(), current)
+    block = text.split(page_figures.start_marker("training"))[1].split(
+        page_figures.end_marker("training"))[0]
+    assert "| 1.3B | 0 | 612.3 (33,366 MiB) |" in block
+    assert "one NVIDIA H100 80GB HBM3 and one NVIDIA H200" in block and "2027-01-02" in block
+    assert text.split(page_figures.start_marker("training"))[0] == \
+        (REPO / "README.md").read_text().split(page_figures.start_marker("training"))[0]
+
+
+def test_a_page_without_its_markers_is_refused():
+    with pytest.raises(SystemExit, match="docs/fp8.md: needs one"):
+        page_figures.with_blocks("docs/fp8.md", "# FP8\n\nno markers here\n", [])
+
+
+def test_a_block_links_to_its_table_and_names_no_commit():
+    current = list(tables.current_and_earlier(records.load())[0].values())
+    for page, blocks in page_figures.PAGES.items():
+        for name, render in blocks.items():
+            lines = render(current, page)
+            assert any("](" in line and "benchmarks.md#" in line for line in lines), (page, name)
+            assert not any(r["commit"] and r["commit"].split("+")[0] in "\n".join(lines)
+                           for r in current if r["commit"]), (page, name)
+
+
+def test_the_suite_time_is_read_from_pytests_own_summary(tmp_path):
+    """pytest's last line, from a real pytest run, becomes a valid test-suite record, and the
+    contributor's page says it."""
+    (tmp_path / "test_x.py").write_text(
+        "import pytest\n\ndef test_a():\n    pass\n\ndef test_b():\n    pass\n\n"
+        "@pytest.mark.skip(reason='no')\ndef test_c():\n    pass\n")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          str(tmp_path / "test_x.py")], capture_output=True, text=True,
+                         cwd=tmp_path)
+    counts = suite_time.pytest_counts(out.stdout)
+    assert counts == {"passed": 2, "skipped": 1}, out.stdout[-500:]
+    assert suite_time.pytest_counts("no summary here") == {}
+    record = suite_time.suite_record(
+        240.0, 1038.2, counts, caches="warm", date="2027-01-02 03:04 UTC", commit="abcdef0",
+        machine_name="2-core x86_64 CPU", versions={"torch": "2.14.1", "megatron-core": "0.19.2"},
+        command="python bench/suite_time.py")
+    assert not records.problems(record)
+    assert record["figures"] == dict(demo_min=4.0, suite_min=17.3, passed=2, skipped=1)
+    line = page_figures.test_suite([record], "CONTRIBUTING.md")[0]
+    assert "`make demo` 4.0 minutes, `make test` 17.3 (2 passed)" in line

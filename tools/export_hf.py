@@ -4,7 +4,7 @@
     python tools/export_hf.py --load runs/tiny_cpu/checkpoints --output runs/tiny_hf
 
 GPT2LMHeadModel or LlamaForCausalLM, loadable offline with AutoModelForCausalLM; see
-docs/inference.md. The code is megagpt/hf/export_hf.py.
+docs/after-training.md. The code is megagpt/hf/export_hf.py.
 """
 
 import os

@@ -4,7 +4,7 @@
     python tools/generate.py --load runs/tiny_cpu/checkpoints --cpu --prompt "ROMEO:" \
         --max-new-tokens 40 --temperature 0.8 --top-k 40
 
-See docs/inference.md; the code is megagpt/inference/generate.py.
+See docs/after-training.md; the code is megagpt/inference/generate.py.
 """
 
 import os

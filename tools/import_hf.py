@@ -4,7 +4,7 @@
     python tools/import_hf.py --hf runs/tiny_hf --save runs/tiny_imported
 
 A release checkpoint (fresh optimizer and schedule) plus a --config YAML; see
-docs/inference.md. The code is megagpt/hf/import_hf.py.
+docs/after-training.md. The code is megagpt/hf/import_hf.py.
 """
 
 import os

@@ -3,7 +3,7 @@
 
     python tools/perplexity.py --load runs/tiny_cpu/checkpoints --cpu --input held_out.txt
 
-See docs/inference.md; the code is megagpt/inference/perplexity.py.
+See docs/after-training.md; the code is megagpt/inference/perplexity.py.
 """
 
 import os

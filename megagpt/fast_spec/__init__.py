@@ -1,4 +1,4 @@
-"""The fast spec: GPT layers without Transformer Engine (see docs/speed.md).
+"""The fast spec: GPT layers without Transformer Engine (see bench/notes/fast-path.md).
 
 - ``spec``: the layer spec (``get_fast_gpt_layer_spec``) and what it does not cover
   (``fast_spec_unsupported_reason``);

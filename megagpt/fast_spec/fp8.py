@@ -24,7 +24,7 @@ amax comes from:
   scaling does, it scales its inputs, weights and output gradients by 1
   (``first_scales="unit"``, the default), or each tensor by its own amax (``"amax"``,
   ``--fast-fp8-first-scales``). At 345M on text TE's choices trained to TE's FP8 losses
-  (0.04 % apart over two seeds), the own-amax ones 0.66 % above them (docs/speed.md).
+  (0.04 % apart over two seeds), the own-amax ones 0.66 % above them (bench/notes/fp8.md).
 
 The backward GEMMs read the FP8 operands transposed (cuBLAS's FP8 GEMM takes its first
 operand row-major and its second column-major): each cast writes both layouts in one pass

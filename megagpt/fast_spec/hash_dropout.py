@@ -3,7 +3,7 @@
 Compiled, ``F.dropout`` draws one Philox number (10 rounds) per element inside the kernel
 that applies it, and saves the mask for the backward. At the 345M shape those draws are
 most of what the two residual dropouts of a layer cost: the two forward kernels that apply
-them take 23.5 and 20.4 µs more than without dropout (docs/speed.md, "Dropout").
+them take 23.5 and 20.4 µs more than without dropout (bench/notes/dropout.md).
 
 Here the mask is ``keep = mix(mix(index ^ seed) + seed) & 0xFFFF >= p · 65536``, where
 ``mix`` is Wellons' ``lowbias32`` 32-bit integer hash and ``index`` the element's position

@@ -40,7 +40,7 @@ from megagpt.torch_compile import is_compile_error
 # of the peak (activations grow with it), and wider models get chunks of more tokens: each
 # chunk's weight-gradient GEMM reads and writes the whole fp32 [vocab, hidden] accumulator,
 # so fewer, longer chunks move less memory per FLOP (1024-token chunks ran well below the
-# layers' GEMMs at the 1.3B shape: docs/speed.md, "Chunked LM-head loss").
+# layers' GEMMs at the 1.3B shape: bench/notes/fast-path.md, "Chunked LM-head loss").
 _CHUNK_ELEMENTS = 2**26
 
 
@@ -132,8 +132,8 @@ def fused_fp32_accumulation_works(device: torch.device) -> bool:
     (two calls onto a non-zero accumulator must give three times one product).
 
     ``bench/bench_kernels.py`` measures this form against fp32 and against a bf16 product
-    followed by an fp32 add (docs/speed.md, "Chunked LM-head loss"). The check stays so that
-    a torch build or device where it does not accumulate falls back instead of training on a
+    followed by an fp32 add (bench/notes/fast-path.md, "Chunked LM-head loss"). The check stays
+    so that a torch build or device where it does not accumulate falls back instead of training on a
     wrong gradient. Never checked during CUDA graph
     capture (it reads a value back).
     """

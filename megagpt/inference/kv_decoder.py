@@ -43,7 +43,7 @@ EOD_CHECK_EVERY = 32
 
 # A compiled step computes its linear layers as reductions up to this many rows (batch x
 # tokens); see ``_linear``. Above it each row reads the weights again and cuBLAS's products
-# win (``bench_generate.py --gemv-max-rows N``; figures: docs/inference.md, "Two engines").
+# win (``bench_generate.py --gemv-max-rows N``; figures: bench/notes/generation.md).
 GEMV_MAX_ROWS = 4
 
 
@@ -78,7 +78,8 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     kernel that reads 2-8 MB of weights well below the memory bandwidth, plus the separate
     kernels around it; the reductions read them faster and need fewer kernels.
     With more rows each row reads the weights again, and cuBLAS wins (figures:
-    docs/inference.md). Eagerly the product would be materialised, so only when compiling."""
+    bench/notes/generation.md). Eagerly the product would be materialised, so only when
+    compiling."""
     rows = x.numel() // x.shape[-1]
     if rows > GEMV_MAX_ROWS or not torch.compiler.is_compiling():
         return F.linear(x, weight, bias)

@@ -6,7 +6,7 @@ FusedLayerNorm wherever apex imports, with the persistent kernel for the hidden 
 (``PERSISTENT_HIDDEN_SIZES``) unless ``--no-persist-layer-norm``. Against apex's other
 LayerNorm kernel (``fused_layer_norm_cuda``, what ``--no-persist-layer-norm`` leaves) it was
 slower: 345M (hidden 1024, bf16) under megatron's local spec on one H100, 113.5 against 105.9
-ms per iteration in one invocation (2026-12-07, d893954; docs/benchmarks.md "With NVIDIA apex
+ms per iteration in one invocation (2026-12-07, d893954; bench/benchmarks.md "With NVIDIA apex
 installed"). Other hidden sizes are not measured. So the launch leaves it unless
 ``--persist-layer-norm`` asks for it; the fast spec's and Transformer Engine's norms are their
 own either way.

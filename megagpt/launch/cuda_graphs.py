@@ -99,9 +99,9 @@ def full_iteration_unsupported_reason(args, path: LayerPath) -> Optional[str]:
         # asked for (--fast-cuda-graphs iteration, or megatron's --cuda-graph-impl
         # full_iteration) it runs; not by default: with TE's layers at a small shape (head
         # size 16) launches under it failed where the same launch without it trained
-        # (docs/speed.md)
+        # (bench/notes/transformer-engine.md)
         return ("not by default for Transformer Engine's layers (--fast-cuda-graphs "
-                "iteration asks for it; docs/speed.md)")
+                "iteration asks for it; docs/transformer-engine-and-apex.md)")
     if path is not LayerPath.FAST:
         return "the fast spec is not used"
     if getattr(args, "cuda_graph_impl", "none") not in ("none", None):
@@ -238,8 +238,8 @@ def _full_iteration_asked(p, impl, path: LayerPath) -> Optional[str]:
                         "(--recompute-modules)")
     if (p.get("pipeline_model_parallel_size", 1) or 1) != 1:
         # megatron's pipeline schedule waits on the host for its exchanges inside the step,
-        # which a capture forbids (a PP=2 capture failed: docs/speed.md, "Full-iteration
-        # CUDA graph")
+        # which a capture forbids (a PP=2 capture failed: bench/notes/fast-path.md,
+        # "Full-iteration CUDA graph")
         raise UserError(
             "--fast-cuda-graphs iteration with pipeline parallelism: megatron's pipeline "
             "schedule synchronises with the host inside the step, which a CUDA graph capture "
@@ -281,7 +281,7 @@ def _layer_graphs(p, path: LayerPath) -> Optional[str]:
         # each check reads a GPU value on the host: once per micro-batch (the loss) and per
         # gradient bucket; the host then has nothing queued and the GPU idles through its
         # Python, the optimizer's per-parameter loops exposed behind the last wait (figures:
-        # docs/speed.md, "Per-layer CUDA graphs")
+        # bench/notes/fast-path.md, "Per-layer CUDA graphs")
         p.set("check_for_nan_in_loss_and_grad", False)
         p.log("fast path: megatron's in-step NaN/Inf checks off under per-layer graphs (each "
               "waits for the GPU); every step's gradient norm is checked instead "
@@ -352,8 +352,9 @@ def choose_cuda_graphs(p) -> None:
 
 def choose_nccl_connect(p) -> None:
     # NCCL (2.22+) connects peers lazily, on a collective's first use of them; inside a
-    # capture that cannot happen (a DP=2 capture hung: docs/speed.md, "Full-iteration CUDA
-    # graph"). 0 connects them when each communicator is made, after this point.
+    # capture that cannot happen (a DP=2 capture hung: bench/notes/fast-path.md,
+    # "Full-iteration CUDA graph"). 0 connects them when each communicator is made, after this
+    # point.
     full_iteration = p.get("cuda_graph_impl", "none") == "full_iteration"
     current = p.environ.get(NCCL_CONNECT)
     if not (full_iteration and p.world() != 1):

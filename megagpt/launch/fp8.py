@@ -8,7 +8,7 @@ In order of the resolution:
    installed, Transformer Engine's.
 2. **Whose layers** (read by ``layers.transformer_impl``): without tensor and pipeline
    parallelism the fast spec's FP8 linears, which measured faster than TE's FP8 layers on one
-   GPU (docs/speed.md, "FP8"; ``fast_spec_faster_reason``); under tensor or pipeline
+   GPU (bench/notes/fp8.md; ``fast_spec_faster_reason``); under tensor or pipeline
    parallelism TE's (``needs_te_layers``: the fast spec's layer runs eagerly there); and TE's
    wherever the fast spec cannot run the recipe (``fast_spec_refusal``).
 3. **The recipe and its linears** (``choose_fp8``, a fast-path step): on TE's layers TE's
@@ -234,7 +234,7 @@ def fast_spec_faster_reason(args) -> Optional[str]:
     if not asked(args):
         return None
     return ("FP8 without tensor or pipeline parallelism: the fast spec's FP8 linears "
-            "measured faster than TE's FP8 layers here (docs/speed.md, \"FP8\")")
+            "measured faster than TE's FP8 layers here (docs/fp8.md)")
 
 
 def refuse_what_cannot_run(args, installed) -> None:

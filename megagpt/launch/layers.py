@@ -8,7 +8,7 @@ resolution asks it once (the ``LAYERS`` decision) and what builds the model
 
 megatron's ``--transformer-impl`` defaults to ``transformer_engine``. Where TE is installed and
 the flag is not given, the launch picks instead, by what ran faster for the layout
-(docs/speed.md, "With Transformer Engine installed", has the measurements):
+(bench/notes/transformer-engine.md has the measurements):
 
 - without tensor and pipeline parallelism the fast spec (``local`` modules; its fused layer
   is compiled and runs under CUDA graphs there) was faster than TE's layers on one GPU, with
@@ -138,7 +138,8 @@ def transformer_impl(args, given: set[str] | frozenset[str], installed) -> tuple
                                   "for TE's")
     return LOCAL_IMPL, Reason(
         Why.DEFAULT, "no tensor or pipeline parallelism: the fast spec measured faster than "
-        f"TE's layers here (docs/speed.md); {FLAG} transformer_engine asks for TE's")
+        f"TE's layers here (docs/transformer-engine-and-apex.md); {FLAG} transformer_engine asks "
+        "for TE's")
 
 
 def describe_impl(impl: str, reason: Reason) -> str:

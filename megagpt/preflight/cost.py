@@ -160,7 +160,7 @@ def estimate_lines(run: RunEstimate | None, gpu: Gpu) -> list[str]:
     lines = [
         f"time (estimate on {gpu.name}: {spec.dense_16bit_tflops:g} TFLOP/s dense 16-bit, "
         f"{spec.hbm_gb_s / 1000:g} TB/s HBM, NVLink {spec.nvlink_gb_s:g} GB/s, network "
-        f"{spec.network_gb_s:g} GB/s per GPU; docs/cost.md):",
+        f"{spec.network_gb_s:g} GB/s per GPU; docs/several-gpus.md):",
         f"  per iteration   {human_duration(run.step.seconds)}: "
         f"{run.tokens_per_second_per_gpu:,.0f} tokens/s per GPU, "
         f"{run.tflops_per_gpu:.1f} TFLOP/s per GPU, MFU {100 * run.mfu:.1f} %",

@@ -347,7 +347,7 @@ def gradient_copy_bytes(args, runs: WhatRuns) -> float:
 # Bytes per parameter that torch's AdamW allocates inside its step in the default
 # multi-tensor (foreach) form: sqrt of the second moment for every parameter of a group at
 # once (``exp_avg_sq_sqrt`` in torch.optim.adam._multi_tensor_adam), fp32; the fused form
-# keeps none (the measurement is in docs/cost.md).
+# keeps none (the measurement is in bench/notes/cost-model.md).
 FOREACH_ADAM_TEMPORARY_BYTES = 4
 
 

@@ -25,7 +25,7 @@ from megagpt.gpus import GpuSpec
 # --- constants, each with its source -----------------------------------------------------
 
 # Share of the HBM datasheet bandwidth a streaming kernel reaches: 0.87 (4.2 of 4.8 TB/s,
-# the fast path's fused Adam kernel on H200, docs/benchmarks.md).
+# the fast path's fused Adam kernel on H200, bench/benchmarks.md).
 HBM_EFFICIENCY = 0.87
 # Flash attention's forward+backward utilisation of the dense peak, counted as the
 # FlashAttention papers count (backward = 2.5 × forward FLOPs): FlashAttention-2 reaches
@@ -53,7 +53,7 @@ SCORE_BYTES_TORCH = (18, 22)
 SCORE_BYTES_TORCH_FP32_EXTRA = (20, 22)
 # Attention dropout inside a flash kernel: one Philox draw per kept score, forward and again
 # backward; 2.65 ms for 3.2e9 draws (24 layers × 8 × 16 heads × 1024² / 2, twice) at 345M on
-# H200 (docs/speed.md: cuDNN with and without dropout) = 0.82 ps per score element. Taken
+# H200 (bench/notes/dropout.md: cuDNN with and without dropout) = 0.82 ps per score element. Taken
 # the same on Ampere.
 FLASH_DROPOUT_S_PER_ELEMENT = 0.82e-12
 # Element passes (a read or a write of one activation element) of the memory-bound work
@@ -85,8 +85,8 @@ CROSS_ENTROPY_BYTES_FAST = 6
 # Optimizer step, bytes per parameter: Adam with fp32 master weights reads the gradient, reads
 # and writes master weights and both moments and writes the 16-bit copy (30), plus the norm
 # read and the zeroing of the gradient buffer (8): 38 (megatron with TE/apex fused Adam). The
-# fast path's flat step: 28 (docs/benchmarks.md). Megatron without TE/apex: five passes, 52
-# (docs/speed.md). fp16's loss-scale unscale and inf check: +8.
+# fast path's flat step: 28 (bench/benchmarks.md). Megatron without TE/apex: five passes, 52
+# (bench/notes/fast-path.md). fp16's loss-scale unscale and inf check: +8.
 OPTIMIZER_BYTES_FUSED = 38
 OPTIMIZER_BYTES_FAST = 28
 OPTIMIZER_BYTES_FALLBACK = 52
@@ -104,8 +104,8 @@ NETWORK_BUS_EFFICIENCY = 0.94
 NCCL_LATENCY_S = 10e-6
 # Host time per kernel launch through megatron's local modules, eager (Python module calls,
 # autograd, host synchronisations and the launch): ~1,700 launches per 345M step with the GPU
-# idle half of its ~170 ms (docs/speed.md's profile) = 100 µs. Without a CUDA graph the step
-# takes at least its launches times this. This constant is fitted to that one profile.
+# idle half of its ~170 ms (bench/notes/fast-path.md's profile) = 100 µs. Without a CUDA graph
+# the step takes at least its launches times this. This constant is fitted to that one profile.
 EAGER_HOST_S_PER_KERNEL = 100e-6
 # Launches per layer per micro-batch (forward + backward) of megatron's local layer, and per
 # parameter tensor per step (gradient cast, norm, Adam, copy back) of its non-fused
@@ -293,7 +293,7 @@ class _Kernels:
 
     def _flash_efficiency(self) -> float:
         # Hopper: TE calls cuDNN's fused attention, and torch's SDPA picks cuDNN's too (the
-        # fast path; docs/speed.md)
+        # fast path; bench/notes/fast-path.md)
         return FLASH_EFFICIENCY_AMPERE if self.gpu.fp8_tflops is None else \
             FLASH_EFFICIENCY_HOPPER_CUDNN
 

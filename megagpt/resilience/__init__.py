@@ -29,7 +29,7 @@ steps of the launch's resolution (``megagpt.launch.resilience``), before megatro
     (``worker_deaths``). The launch's one context of megatron changes enters it
     (``megagpt.launch.megatron_changes``).
 
-docs/resilience.md describes the behaviour and the rules.
+docs/resume.md describes the behaviour, bench/notes/resume.md the rules and why.
 """
 
 from __future__ import annotations

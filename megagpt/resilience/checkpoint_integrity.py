@@ -37,7 +37,7 @@ def add_arguments(group) -> None:
     group.add_argument("--no-checkpoint-checksums", dest="checkpoint_checksums",
                        action="store_false",
                        help="Do not record a checksum of each checkpoint file at save, nor "
-                            "check them before a load (docs/resilience.md gives their cost).")
+                            "check them before a load (docs/resume.md gives their cost).")
 
 
 def enabled(args) -> bool:

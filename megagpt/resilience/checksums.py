@@ -11,7 +11,7 @@ compared (``megagpt.resilience.verified_load`` decides what a mismatch leads to)
 The digest of a file is SHA-256 over the SHA-256 digests of its 16 MiB blocks, in order: the
 blocks of all files are hashed side by side on a few threads (hashlib releases the GIL), so a
 save or a load pays the read and a fraction of the hashing. Its cost per GB, and for the 345M
-and 1.3B checkpoints, is measured by ``bench/checkpoint_checksums.py`` (docs/resilience.md).
+and 1.3B checkpoints, is measured by ``bench/checkpoint_checksums.py`` (bench/notes/resume.md).
 A checkpoint without the file (saved by megatron's own entry, by this entry with
 ``--no-checkpoint-checksums``, or killed between the tracker and the manifest) loads
 unchecked, with a log line.

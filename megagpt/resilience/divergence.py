@@ -96,7 +96,7 @@ class NormInFlight:
     memory right behind the step that computes it, and an event recorded after that copy is
     what the read waits for: that step, not what follows it. (The gain measured within
     run-to-run noise: megatron's step itself keeps the host close behind the GPU; figures:
-    docs/speed.md, "Asynchronous step".)
+    bench/notes/fast-path.md, "Asynchronous step".)
     """
 
     def __init__(self, norm):

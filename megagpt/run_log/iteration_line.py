@@ -9,9 +9,10 @@ number is megatron's own, for the same iterations), in one line of the form::
      [DATE TIME] iteration N/TOTAL | lm loss: L | lr: LR | grad norm: G | tokens/s: T |
      TFLOP/s/GPU: F | MFU: M% | ms/iter: MS | time left: 1h 05m
 
-(docs/log.md shows real ones). TFLOP/s per GPU counts as megatron's ``--log-throughput`` does
-(``num_floating_point_operations``); MFU divides it by the dense 16-bit (or FP8) peak of the
-GPU that the dry run plans for (``megagpt.gpus``: this machine's GPU, or ``--gpu-type``),
+(docs/train.md, "The log", shows one). TFLOP/s per GPU counts as megatron's
+``--log-throughput`` does (``num_floating_point_operations``); MFU divides it by the dense
+16-bit (or FP8) peak of the GPU
+that the dry run plans for (``megagpt.gpus``: this machine's GPU, or ``--gpu-type``),
 where that is known and the run trains in bf16, fp16 or FP8. Time left is the iterations to
 ``--train-iters`` at this line's rate. Skipped and NaN iterations, the loss scale (fp16) and
 MoE/MTP losses appear when they say something. ``--megatron-iteration-log`` prints

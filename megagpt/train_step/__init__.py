@@ -1,5 +1,5 @@
 """The training step without Transformer Engine: what the fast path changes in megatron's
-optimizer, training loop and gradient buffer (docs/speed.md has what each measured).
+optimizer, training loop and gradient buffer (bench/notes/fast-path.md has what each measured).
 
 - ``optimizer``: torch's fused AdamW as megatron's Adam, ``torch._foreach_*`` gradient-norm,
   scale and copy kernels in place of megatron's per-tensor fallbacks;

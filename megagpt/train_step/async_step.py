@@ -5,7 +5,7 @@ every read (``.item()``, or building a CUDA tensor from a Python number, which c
 pageable memory and waits) stalls the CPU until all queued GPU work is done. While the CPU
 then runs the rest of the step in Python — optimizer bookkeeping, logging, the next batch,
 zeroing gradients — the GPU idles. A profile at the 345M shape (``bench/profile_entry.py``;
-figures: docs/speed.md, "Asynchronous step") put the largest idle gaps after these reads:
+figures: bench/notes/fast-path.md, "Asynchronous step") put the largest idle gaps after these reads:
 
 1. the gradient norm: without TE's ``multi_tensor_scale_tensor`` megatron brings the norm
    to the host to decide the clipping factor. ``optim.foreach_multi_tensor_scale_tensor``

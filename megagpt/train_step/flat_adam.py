@@ -10,7 +10,7 @@ memory, each a full read (and most a write) of every parameter's worth of data:
   4. torch's fused AdamW over fp32 master weights and states    (read 16 B, write 12 B)
   5. copy the fp32 master weights into the bf16 model weights  (read 4 B, write 2 B)
 
-52 bytes per parameter, bandwidth-bound: about a tenth of the 345M step (docs/speed.md,
+52 bytes per parameter, bandwidth-bound: about a tenth of the 345M step (bench/notes/fast-path.md,
 "Where the time went"). TE's and apex's fused Adam with master weights do it in one pass.
 So does this module: one elementwise kernel (``torch.compile``d on a GPU) reads the
 gradient straight from megatron's contiguous gradient buffer, applies the clip factor,
@@ -445,7 +445,7 @@ def attach(opt, all_buffer_params=None, compiled: bool = True) -> FlatAdamState:
     # The norm over the gradients megatron's norm counts, read from the flat buffer in a few
     # long runs: one read of the buffer instead of torch._foreach_norm's ~64 launches over
     # 294 tensors at the 1.3B shape, which run well below the memory bandwidth (figures:
-    # docs/speed.md, "Flat AdamW step"). Summed in
+    # bench/notes/fast-path.md, "Flat AdamW step"). Summed in
     # another order than megatron's per-parameter norms, it equals theirs to fp32 rounding,
     # not bit for bit. Where the counted parameters are scattered, megatron's own norm.
     state.norm_spans = norm_spans(entries, lambda main_param: counted_in_norm(opt, main_param))

@@ -8,7 +8,7 @@ parameter used twice, like tied embeddings), and ``0 + g`` is ``g``. So the zero
 (2 bytes per parameter in a bf16 buffer) and the add's read of the zeros (2 more) move memory
 for nothing, and the add needs the gradient in a tensor of its own first: one more write
 of the whole buffer and one more read of it per step (the kernel time and the step-time gain:
-docs/speed.md, "Gradients written"; docs/benchmarks.md, ``--fast-disable grad-write``).
+bench/notes/fast-path.md, "Gradients written"; bench/benchmarks.md, ``--fast-disable grad-write``).
 
 With writing on (the default where it applies; ``--fast-disable grad-write`` turns it off):
 
