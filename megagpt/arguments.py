@@ -20,7 +20,7 @@ from megagpt import compat, megatron_wrappers
 from megagpt.config_file import (ConfigFileError, expand_config_file, flag_name,
                                  load_config_mapping, split_config_option)
 from megagpt.errors import UserError
-from megagpt.gpus import gpu_type_names
+from megagpt.gpus import DEFAULT_GPU, gpu_type_names
 
 class ArgumentError(UserError, ValueError):
     """The arguments cannot describe a run; the message says which and why."""
@@ -69,7 +69,7 @@ def _add_dry_run_arguments(group) -> None:
     group.add_argument("--gpu-type", type=str, default=None, metavar="NAME",
                        help="GPU the dry run plans for: memory, arch and the speed figures of "
                             f"the time estimate ({', '.join(gpu_type_names())}; default: this "
-                            "machine's GPU, else A100-80GB).")
+                            f"machine's GPU, else {DEFAULT_GPU}).")
     group.add_argument("--gpu-hour-price", type=float, default=None, metavar="PRICE",
                        help="Price of one GPU for one hour: the dry run's estimate then gives "
                             "the run's cost.")

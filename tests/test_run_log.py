@@ -127,10 +127,14 @@ def test_each_quieted_message_is_still_in_its_modules_source(quieted):
 
 def test_mfu_time_left_and_rates_from_megatrons_figures():
     peak, about = iteration_line.peak_for(Namespace(cpu=False, bf16=True, fp16=False,
-                                                    fp8=None, gpu_type="H200"))
+                                                    gpu_type="H200"))
     assert peak.tflops == 989 and "H200's 989 TFLOP/s dense 16-bit peak" in about
-    assert iteration_line.peak_for(Namespace(cpu=False, bf16=False, fp16=False, fp8=None,
+    assert iteration_line.peak_for(Namespace(cpu=False, bf16=False, fp16=False,
                                              gpu_type="H200"))[0] is None
+    # an FP8 launch (TE's layers or the fast spec's, as its plan says) against the FP8 peak
+    fp8_peak, fp8_about = iteration_line.peak_for(
+        Namespace(cpu=False, bf16=True, fp16=False, gpu_type="H200"), fp8=True)
+    assert fp8_peak.tflops == 1979 and "dense FP8 peak" in fp8_about
     line = iteration_line.parse(
         " [2026-12-04 10:01:02.123456] iteration       40/    1000 | consumed samples:"
         "         2560 | elapsed time per iteration (ms): 45.0 | throughput per GPU "

@@ -7,17 +7,15 @@ refused in one line. What CPU mode changes inside megatron while it runs is
 from __future__ import annotations
 
 from megagpt.cpu_mode import CpuModeError
-from megagpt.gpus import fp8_gpu_names
 
 from .plan import Decision, Label, Reason, Why
 
-# Settings CPU mode cannot honour, with the message that names them.
+# Settings CPU mode cannot honour, with the message that names them (FP8 on a CPU is refused
+# before, with the FP8 the launch could run elsewhere: ``fp8.hardware_reason``).
 _UNSUPPORTED = (
     ("bf16", "--bf16: bfloat16 training needs a GPU (megatron's mixed-precision optimizer "
              "checks for CUDA tensors); CPU mode trains in fp32"),
     ("fp16", "--fp16: half-precision training needs a GPU; CPU mode trains in fp32"),
-    ("fp8", "--fp8-format: FP8 needs a GPU with FP8 tensor cores (compute capability 8.9 "
-            f"or later, such as the {fp8_gpu_names()})"),
     ("use_torch_fsdp2", "--use-torch-fsdp2: megatron builds torch FSDP2's device mesh on CUDA"),
     ("moe_grouped_gemm", "--moe-grouped-gemm: the grouped GEMM kernels need a GPU"),
 )

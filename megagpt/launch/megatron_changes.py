@@ -49,6 +49,7 @@ from .cpu import CPU_OPTIMIZER, CpuOptimizer
 from .cuda_graphs import CUDA_GRAPH, NAN_CHECK, CudaGraph, NanCheck
 from .diagnostics import DIAGNOSTICS
 from .fast_path import GRAD_WRITE
+from .fp8 import FP8
 from .installed import MEGATRON_LINEARS_WGRAD
 from .optimizer_kernels import ASYNC_STEP, OPTIMIZER, OptimizerKernels
 from .plan import Launch
@@ -99,7 +100,7 @@ def pieces(launch: Launch, args, container=None,
         grad_norm_guard=launch[NAN_CHECK] is NanCheck.GRADIENT_NORM,
         ckpt_step_given="--ckpt-step" in launch.given)))
     out.append(("Ctrl-C saves", interrupt.saving_on_ctrl_c(args, log)))
-    out.append(("run log", run_log.active(args, log)))
+    out.append(("run log", run_log.active(args, log, fp8=launch[FP8] is not None)))
     if args.cpu:
         fallbacks = launch[CPU_OPTIMIZER] is CpuOptimizer.MEGATRONS_FALLBACKS
         out.append(("CPU mode", cpu_mode.active(optimizer_fallbacks=fallbacks)))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megagpt.errors import UserError
-from megagpt.gpus import Gpu
+from megagpt.gpus import Gpu, gpu_type_names
 from megagpt.preflight import estimate as est
 from megagpt.preflight.launch_path import LOCAL, WhatRuns, fused_softmax, softmax_in_fp32
 from megagpt.preflight.step_time import PART_NAMES, StepEstimate, StepShape, estimate_step
@@ -154,8 +154,8 @@ def breakdown(step: StepEstimate) -> str:
 def estimate_lines(run: RunEstimate | None, gpu: Gpu) -> list[str]:
     """The estimate's lines under the plan."""
     if run is None:
-        return ["time: no speed figures for this GPU; pass --gpu-type (e.g. H100-SXM) for an "
-                "estimate"]
+        return [f"time: no speed figures for this GPU; pass --gpu-type (one of "
+                f"{', '.join(gpu_type_names())}) for an estimate"]
     spec = gpu.spec
     lines = [
         f"time (estimate on {gpu.name}: {spec.dense_16bit_tflops:g} TFLOP/s dense 16-bit, "

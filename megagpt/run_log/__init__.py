@@ -53,8 +53,9 @@ def _say_on_this_rank(message: str) -> None:
 
 
 @contextlib.contextmanager
-def active(args, log: Callable[[str], None]):
-    """The run's log and files for the duration of ``pretrain`` (see the module docstring)."""
+def active(args, log: Callable[[str], None], fp8: bool = False):
+    """The run's log and files for the duration of ``pretrain`` (see the module docstring);
+    ``fp8``: the launch's linears run in FP8 (MFU against the GPU's FP8 peak)."""
     import megatron.training.training as mtraining
     from megatron.training.training import num_floating_point_operations
 
@@ -68,7 +69,7 @@ def active(args, log: Callable[[str], None]):
             folder.mkdir(parents=True, exist_ok=True)
         except OSError:
             records = None
-    peak, about_peak = iteration_line.peak_for(args)
+    peak, about_peak = iteration_line.peak_for(args, fp8)
     line = iteration_line.IterationLine(
         args.seq_length, args.world_size,
         lambda batch: num_floating_point_operations(args, batch), peak, records)

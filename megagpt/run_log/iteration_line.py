@@ -82,14 +82,14 @@ class Peak:
     what: str  # e.g. "H200, 989 TFLOP/s dense bf16"
 
 
-def peak_for(args) -> tuple[Peak | None, str]:
-    """The peak MFU divides by, and a sentence saying which (or why there is none)."""
+def peak_for(args, fp8: bool = False) -> tuple[Peak | None, str]:
+    """The peak MFU divides by, and a sentence saying which (or why there is none). ``fp8``:
+    the launch's linears run in FP8 (its ``FP8`` decision: TE's layers or the fast spec's)."""
     from megagpt.gpus import resolve_gpu
 
     if getattr(args, "cpu", False):
         return None, "no MFU on the CPU"
-    precision = "FP8" if getattr(args, "fp8", None) else "bf16" if args.bf16 else \
-        "fp16" if args.fp16 else None
+    precision = "FP8" if fp8 else "bf16" if args.bf16 else "fp16" if args.fp16 else None
     if precision is None:
         return None, "no MFU in fp32 (the GPU peaks are 16-bit and FP8 tensor-core rates)"
     gpu = resolve_gpu(getattr(args, "gpu_type", None), None)
