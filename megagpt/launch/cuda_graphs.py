@@ -157,15 +157,22 @@ def layer_graphs_unsupported_reason(args, path: LayerPath) -> Optional[str]:
     return None
 
 
+def layer_graphs_default_off_layout(args) -> Optional[tuple[str, str]]:
+    """(the layout, why) where per-layer graphs, which could run here, are not switched on by
+    default (None: they are)."""
+    if (getattr(args, "tensor_model_parallel_size", 1) or 1) != 1:
+        return ("tensor parallelism", "its collectives would run inside the graphs; not yet "
+                "measured on several GPUs: --fast-cuda-graphs layers asks for them")
+    if (getattr(args, "pipeline_model_parallel_size", 1) or 1) != 1:
+        return ("pipeline parallelism", "one set of graphs and buffers per micro-batch in "
+                "flight: --fast-cuda-graphs layers asks for them")
+    return None
+
+
 def layer_graphs_default_off_reason(args) -> Optional[str]:
     """Why per-layer graphs, which could run here, are not switched on by default."""
-    if (getattr(args, "tensor_model_parallel_size", 1) or 1) != 1:
-        return ("tensor parallelism (its collectives would run inside the graphs; not yet "
-                "measured on several GPUs: --fast-cuda-graphs layers asks for them)")
-    if (getattr(args, "pipeline_model_parallel_size", 1) or 1) != 1:
-        return ("pipeline parallelism (one set of graphs and buffers per micro-batch in "
-                "flight: --fast-cuda-graphs layers asks for them)")
-    return None
+    off = layer_graphs_default_off_layout(args)
+    return None if off is None else f"{off[0]} ({off[1]})"
 
 
 # --- the steps of the resolution -----------------------------------------------------------
@@ -286,10 +293,10 @@ def _layer_graphs(p, path: LayerPath) -> Optional[str]:
         p.log("fast path: megatron's in-step NaN/Inf checks off under per-layer graphs (each "
               "waits for the GPU); every step's gradient norm is checked instead "
               "(--fast-disable deferred-nan-checks keeps megatron's)")
-    default_off = layer_graphs_default_off_reason(p.v)
+    default_off = layer_graphs_default_off_layout(p.v)
     if default_off is not None:
-        p.log(f"fast path: per-layer CUDA graphs with {default_off.split(' (')[0]}: asked "
-              "for; not yet measured there")
+        p.log(f"fast path: per-layer CUDA graphs with {default_off[0]}: asked for; not yet "
+              "measured there")
     return off
 
 

@@ -105,35 +105,54 @@ def hardware_reason(args) -> Optional[str]:
     return None
 
 
-def gemm_dimensions(args) -> dict[str, int]:
-    """The dimensions of the fused layer's GEMMs on one tensor-parallel rank, by name (those
-    the arguments give: megatron's validation names a missing size itself)."""
+@dataclass(frozen=True)
+class GemmSizes:
+    """The sizes of the fused layer's GEMMs on one tensor-parallel rank (None: not given;
+    megatron's validation names a missing size itself)."""
+
+    hidden: Optional[int] = None
+    qkv_out: Optional[int] = None
+    heads_width: Optional[int] = None
+    ffn: Optional[int] = None
+    fc1_out: Optional[int] = None
+    tokens: Optional[int] = None
+
+    def named(self) -> dict[str, int]:
+        """Each size given, by what a message calls it."""
+        names = {"hidden": "--hidden-size",
+                 "qkv_out": "the QKV output per tensor-parallel rank",
+                 "heads_width": "the attention heads' width per tensor-parallel rank",
+                 "ffn": "--ffn-hidden-size per tensor-parallel rank",
+                 "fc1_out": "fc1's output per tensor-parallel rank",
+                 "tokens": "tokens per micro-batch (--seq-length x --micro-batch-size)"}
+        return {names[field.name]: getattr(self, field.name)
+                for field in dataclasses.fields(self) if getattr(self, field.name) is not None}
+
+
+def gemm_sizes(args) -> GemmSizes:
+    """The fused layer's GEMM sizes on one tensor-parallel rank, from the arguments."""
     tp = _size(args, "tensor_model_parallel_size")
     hidden, heads = getattr(args, "hidden_size", None), getattr(args, "num_attention_heads", None)
-    dims = {}
+    sizes = {}
     if hidden and heads:
         head_dim = int(getattr(args, "kv_channels", None) or hidden // heads)
         groups = (int(args.num_query_groups) if getattr(args, "group_query_attention", False)
                   and getattr(args, "num_query_groups", None) else heads)
         ffn = int(getattr(args, "ffn_hidden_size", None) or 4 * hidden)
         glu = bool(getattr(args, "swiglu", False))
-        dims.update({
-            "--hidden-size": int(hidden),
-            "the QKV output per tensor-parallel rank": (heads + 2 * groups) * head_dim // tp,
-            "the attention heads' width per tensor-parallel rank": heads * head_dim // tp,
-            "--ffn-hidden-size per tensor-parallel rank": ffn // tp,
-            "fc1's output per tensor-parallel rank": ffn * (2 if glu else 1) // tp,
-        })
+        sizes.update(hidden=int(hidden), qkv_out=(heads + 2 * groups) * head_dim // tp,
+                     heads_width=heads * head_dim // tp, ffn=ffn // tp,
+                     fc1_out=ffn * (2 if glu else 1) // tp)
     seq, micro = getattr(args, "seq_length", None), getattr(args, "micro_batch_size", None)
     if seq and micro:
-        dims["tokens per micro-batch (--seq-length x --micro-batch-size)"] = int(seq) * int(micro)
-    return dims
+        sizes["tokens"] = int(seq) * int(micro)
+    return GemmSizes(**sizes)
 
 
 def shape_reason(args) -> Optional[str]:
     """A GEMM dimension FP8 cannot take (None: every one is a multiple of 16, as cuBLAS's FP8
     GEMM, which Transformer Engine calls too, needs)."""
-    for what, size in gemm_dimensions(args).items():
+    for what, size in gemm_sizes(args).named().items():
         if size % FP8_GEMM_MULTIPLE:
             return (f"{what} is {size}, not a multiple of {FP8_GEMM_MULTIPLE} (FP8 GEMMs, "
                     "Transformer Engine's too, need multiples of 16)")
@@ -142,15 +161,11 @@ def shape_reason(args) -> Optional[str]:
 
 def linear_gemms(args) -> dict[int, tuple[int, int, int]]:
     """Each fused-layer linear's GEMM on one tensor-parallel rank: (tokens, in, out)."""
-    dims = gemm_dimensions(args)
-    tokens = next((v for k, v in dims.items() if k.startswith("tokens")), None)
-    if "--hidden-size" not in dims or tokens is None:
+    g = gemm_sizes(args)
+    if g.hidden is None or g.tokens is None:
         return {}
-    hidden = dims["--hidden-size"]
-    return {QKV: (tokens, hidden, dims["the QKV output per tensor-parallel rank"]),
-            PROJ: (tokens, dims["the attention heads' width per tensor-parallel rank"], hidden),
-            FC1: (tokens, hidden, dims["fc1's output per tensor-parallel rank"]),
-            FC2: (tokens, dims["--ffn-hidden-size per tensor-parallel rank"], hidden)}
+    return {QKV: (g.tokens, g.hidden, g.qkv_out), PROJ: (g.tokens, g.heads_width, g.hidden),
+            FC1: (g.tokens, g.hidden, g.fc1_out), FC2: (g.tokens, g.ffn, g.hidden)}
 
 
 def linears_in_fp8(args) -> tuple[list[tuple[int, str]], list[str]]:
