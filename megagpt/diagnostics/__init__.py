@@ -141,9 +141,10 @@ def active(args, plan: DiagnosticsPlan, memory_knobs=None):
         sigterm.install()
     clock = stragglers.StepClock(args.log_interval)
     report = _StragglerReportAtLogInterval(args, plan, clock)
-    # (megatron function, owner, wrapper); composed in the ledger's order, and built again
-    # whenever another owner's wrapper of the same function comes or goes: the state lives in
-    # clock, timeout and report, not in the wrappers
+    # (megatron function, owner, wrapper), installed in this order over what the launch's
+    # context installed before (megagpt.launch.megatron_changes); each is built again whenever
+    # another owner's wrapper of the same function comes or goes: the state lives in clock,
+    # timeout and report, not in the wrappers
     wrappers = [
         ("train_step", stragglers.__name__, clock.timing_train_step),
         ("finalize_model_grads", stragglers.__name__, clock.timing_gradient_collectives),

@@ -12,14 +12,17 @@ pieces wrap one megatron function the one entered first is inside, next to megat
      full-iteration graph's capture; gradients written; the optimizer's kernels; the flat
      AdamW step; the asynchronous step (outside the flat step's ``setup_model_and_optimizer``:
      it reads the optimizer that one has finished);
-  3. the diagnostics (``diagnostics.active``): the collective timeout tightened after the
-     warm-up and relaxed during saves, the straggler report, a failed collective, a hang or
-     an out-of-memory error as one line;
-  4. resilience (``resilience.active``): resume fidelity (outside the asynchronous step's
+  3. resilience (``resilience.active``): resume fidelity (outside the asynchronous step's
      ``training_log``: it rebinds the arguments megatron's function receives), the
      configuration snapshot, one-line load errors, a mixed-precision checkpoint resumed in
      fp32, and where the launch's NaN check is the gradient norm the divergence guard
      (outside the snapshot's ``save_checkpoint``: no snapshot of a save it refuses);
+  4. the diagnostics (``diagnostics.active``): the collective timeout tightened after the
+     warm-up and relaxed during saves (outside resilience's ``save_checkpoint``: the
+     checksums' gather and the divergence guard's check are part of the save), the straggler
+     report (outside the divergence guard's ``train_step``: its host read of the gradient
+     norm counts in the step), a failed collective, a hang or an out-of-memory error as one
+     line;
   5. Ctrl-C as megatron's exit signal where the run saves (``resilience.interrupt``), and the
      run's log and files (``run_log.active``: the iteration line through megatron's
      ``print_rank_last``, megatron's argument table and the plot in the run folder);
@@ -88,13 +91,13 @@ def pieces(launch: Launch, args, container=None,
         else:
             log("fast path: host synchronisations inside the step kept "
                 "(--fast-disable async-step)")
-    if _made(launch, diagnostics_settings.DIAGNOSTICS):
-        out.append(("diagnostics", diagnostics.active(
-            args, launch.value(diagnostics_settings.DIAGNOSTICS), memory_knobs)))
     out.append(("resilience", resilience.active(
         args, writer.load_earlier, container,
         grad_norm_guard=launch.value(chosen.NAN_CHECK) == chosen.GRADIENT_NORM,
         ckpt_step_given="--ckpt-step" in launch.given)))
+    if _made(launch, diagnostics_settings.DIAGNOSTICS):
+        out.append(("diagnostics", diagnostics.active(
+            args, launch.value(diagnostics_settings.DIAGNOSTICS), memory_knobs)))
     out.append(("Ctrl-C saves", interrupt.saving_on_ctrl_c(args, log)))
     out.append(("run log", run_log.active(args, log)))
     if args.cpu:

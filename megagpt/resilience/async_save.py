@@ -96,7 +96,7 @@ def finalize_adds(fn: Callable[[], None]):
     The request's finalize functions run in the trainer once the writer has finished
     (after ``metadata.json`` and the tracker); they cannot be added after scheduling
     (megatron freezes the request), so the scheduling call is wrapped. Save wrappers nest
-    (the configuration snapshot inside, the checksums outside, in the ledger's order):
+    (the configuration snapshot inside, the checksums outside, in the order they are installed):
     the innermost one's function runs first, as it would after a synchronous save.
     """
     import megatron.training.checkpointing as mckpt
