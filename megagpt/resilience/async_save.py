@@ -32,6 +32,7 @@ import importlib.util
 from typing import Callable
 
 from megagpt.errors import UserError
+from megagpt.megatron_change import WRAPS, Change
 
 NVRX_MODULE = "nvidia_resiliency_ext.checkpointing.async_ckpt"
 
@@ -87,6 +88,19 @@ def choose_writer(p, nvrx_installed: bool | None = None) -> None:
 
 # The finalize functions asked for by the save wrappers now running, outermost first.
 _PENDING: list[Callable[[], None]] = []
+
+
+# What ``finalize_adds`` changes in megatron, around one save (not at the launch's entry).
+SCHEDULE_ASYNC_SAVE = Change(
+    "megatron.training.checkpointing.schedule_async_save", WRAPS, __name__,
+    why="an asynchronous save's request takes finalize functions only before it is scheduled "
+        "(megatron freezes it); the configuration snapshot is one, written once the writer has "
+        "finished",
+    when="inside each asynchronous persistent save (resilience.config_snapshot, "
+         "resilience.checkpoint_integrity), undone after",
+    does="adds the save wrappers' finalize functions to the request",
+    fingerprint="bdf6754425e0")
+MEGATRON_CHANGES = (SCHEDULE_ASYNC_SAVE,)
 
 
 @contextlib.contextmanager
