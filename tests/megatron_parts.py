@@ -175,3 +175,25 @@ def megatron_changes_in_place() -> list[str]:
 
     return sorted(target for target, chain in megatron_wrappers._CHAINS.items()
                   if not chain.megatron_sets)
+
+
+def with_every_change(launch, cpu_fallbacks: bool = False):
+    """``launch`` with every choice that turns a change of the launch's table on: the
+    full-iteration graph, gradients written, the flat AdamW step, the asynchronous step, the
+    gradient-norm guard, megatron's linears built without wgrad fusion (as under TE's layers
+    without apex: no TE here, the choice is given), and with ``cpu_fallbacks`` CPU mode's
+    torch fallbacks (as where megatron bound TE's kernels)."""
+    import dataclasses
+
+    from megagpt import compat, cpu_mode
+    from megagpt.launch import fast_path as chosen
+    from megagpt.launch.planner import Choice
+
+    every = {chosen.CUDA_GRAPH: chosen.FULL_ITERATION, chosen.GRAD_WRITE: True,
+             chosen.OPTIMIZER: chosen.FLAT_ADAMW, chosen.ASYNC_STEP: True,
+             chosen.NAN_CHECK: chosen.GRADIENT_NORM}
+    if cpu_fallbacks:
+        every[cpu_mode.CPU_OPTIMIZER] = cpu_mode.MEGATRONS_FALLBACKS
+    choices = [dataclasses.replace(c, value=every.get(c.name, c.value)) for c in launch.choices]
+    choices.append(Choice("compat", compat.MEGATRON_LINEARS_WGRAD, "through autograd", "test"))
+    return dataclasses.replace(launch, choices=tuple(choices))
