@@ -3,7 +3,7 @@
 #   make test   - the test suite (CPU; GPU tests skip without CUDA)
 PY := .venv/bin/python
 
-.PHONY: venv demo test test-fast tables clean
+.PHONY: venv demo test test-fast tables step-doc clean
 
 venv:
 	bash scripts/setup_venv.sh
@@ -27,6 +27,10 @@ test-fast: venv
 # bench/benchmarks.md and the figures of README.md and docs/, from bench/figures/runs/
 tables: venv
 	$(PY) bench/tables.py
+
+# docs/step.md: what one iteration runs, in order, from the launch's table of megatron changes
+step-doc: venv
+	$(PY) -m megagpt.launch.step_doc
 
 clean:
 	rm -rf runs/ .pytest_cache

@@ -20,6 +20,7 @@ from megagpt import compat, megatron_wrappers
 from megagpt.config_file import (ConfigFileError, expand_config_file, flag_name,
                                  load_config_mapping, split_config_option)
 from megagpt.errors import UserError
+from megagpt.megatron_change import REPLACES, Change
 from megagpt.gpus import DEFAULT_GPU, gpu_type_names
 
 class ArgumentError(UserError, ValueError):
@@ -222,6 +223,25 @@ def _check_user_spec(spec: list[str]) -> None:
         raise ArgumentError(f"--spec {module} {name}: cannot import {module}: {exc}") from None
     if not hasattr(found, name):
         raise ArgumentError(f"--spec {module} {name}: {module} has no {name}")
+
+
+# What this module changes in megatron, each around one call (not at the launch's entry).
+DEVICE_ARCH_VERSION = Change(
+    "megatron.training.arguments.get_device_arch_version", REPLACES, __name__,
+    does="answers with the planned GPU's architecture (or 0)",
+    why="validate_args asks the GPU for its architecture when TP or CP > 1, and a dry run or a "
+        "CPU run has none to ask",
+    when="around megatron's validate_args where no GPU answers (validate_arguments), undone "
+         "after",
+    fingerprint="076b134d5b1f")
+GLOBAL_TOKENIZER = Change(
+    "megatron.training.global_vars._GLOBAL_TOKENIZER", REPLACES, __name__,
+    does="the project's tokenizer, which loads local files offline",
+    why="megatron's GPT2BPETokenizer asks the HuggingFace hub for 'gpt2' even with local files",
+    when="at launch, after megatron's globals are set (set_megatron_globals), until megatron "
+         "clears its globals",
+    fingerprint="eb0327eb5368")
+MEGATRON_CHANGES = (DEVICE_ARCH_VERSION, GLOBAL_TOKENIZER)
 
 
 @contextlib.contextmanager

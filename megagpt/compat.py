@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from megagpt.errors import UserError
+from megagpt.megatron_change import REPLACES, WRAPS, Change
 
 
 class MissingDependencyError(UserError, RuntimeError):
@@ -88,6 +89,25 @@ class Installed:
         return line
 
 
+COMPILE_HELPERS = Change(
+    "megatron.core.datasets.utils.compile_helpers", REPLACES, __name__,
+    does="nothing: the dataset helpers are built",
+    why="initialize_megatron runs make on megatron/core/datasets, which the wheel ships without "
+        "a Makefile (its helpers_cpp is prebuilt): make fails and the run exits; skipped only "
+        "where helpers_cpp imports",
+    fingerprint="02c160f0fa9c")
+
+
+def dataset_helpers_built() -> bool:
+    """Whether megatron's dataset helpers (``helpers_cpp``) import: the wheel ships them
+    prebuilt."""
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def dataset_helpers_prebuilt() -> Iterator[None]:
     """``initialize_megatron``'s ``make -C megatron/core/datasets`` a no-op for the duration
@@ -101,9 +121,7 @@ def dataset_helpers_prebuilt() -> Iterator[None]:
 
     from megagpt import megatron_wrappers
 
-    try:
-        from megatron.core.datasets import helpers_cpp  # noqa: F401
-    except ImportError:
+    if not dataset_helpers_built():
         yield
         return
 
@@ -114,6 +132,34 @@ def dataset_helpers_prebuilt() -> Iterator[None]:
 
     with megatron_wrappers.wrapped(dataset_utils, [("compile_helpers", __name__, already_built)]):
         yield
+
+
+# What ``distributed_optimizer_resuming`` changes in megatron, in the order it installs it
+# (without TE or apex: with them, nothing).
+_DISTRIBUTED_OPTIMIZER = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer."
+SHARDED_STATE_DICT = Change(
+    _DISTRIBUTED_OPTIMIZER + "sharded_state_dict", WRAPS, __name__,
+    does="a fresh optimizer asked for a state dict to load into first takes megatron's own "
+         "dummy step (_init_optimizer_states_with_dummy_values)",
+    why="without TE/apex its state_dict() reads the step from torch's optimizer state, which "
+        "an optimizer built to resume has not made yet (assert len(steps) == 1): every resume "
+        "of a distributed-optimizer checkpoint stopped",
+    fingerprint="044b9c3b3b9a", needle="state_dict = self.state_dict()")
+SET_MAIN_PARAM_AND_OPTIMIZER_STATES = Change(
+    _DISTRIBUTED_OPTIMIZER + "_set_main_param_and_optimizer_states", WRAPS, __name__,
+    does="keeps the restored step and copies under no_grad",
+    why="loading, it copies the checkpoint's values into every tensor of a parameter's state, "
+        "which for torch's optimizer includes the step the checkpoint keeps in the parameter "
+        "groups (KeyError: 'step'), and into leaf tensors that require gradients outside "
+        "no_grad (RuntimeError)",
+    fingerprint="20b6b8ac2fd8", needle="dst_tensors[key].copy_(tensors[key])")
+DISTRIBUTED_LOAD_STATE_DICT = Change(
+    _DISTRIBUTED_OPTIMIZER + "load_state_dict", WRAPS, __name__,
+    does="gives each parameter's state its own step tensor",
+    why="without TE/apex it gives every parameter's state one shared step tensor, which "
+        "torch's AdamW then advances once per parameter per step: Adam's bias correction "
+        "after a resume ran ahead of the uninterrupted run's",
+    fingerprint="707490502424", needle='s["step"] = step')
 
 
 @contextlib.contextmanager
@@ -234,6 +280,29 @@ def _built_without_wgrad_fusion(init: Callable) -> Callable:
         finally:
             config.gradient_accumulation_fusion = fused
     return __init__
+
+
+# What ``megatron_linears_without_wgrad_fusion`` changes in megatron, in the order it installs
+# it.
+COLUMN_PARALLEL_LINEAR = Change(
+    "megatron.core.tensor_parallel.layers.ColumnParallelLinear.__init__", WRAPS, __name__,
+    does="builds the layer with gradient-accumulation fusion off: it accumulates through "
+         "autograd",
+    why="with --gradient-accumulation-fusion (megatron's default) it refuses to be built "
+        "unless apex's fused_weight_gradient_mlp_cuda imports, which TE does not provide: "
+        "under TE's layers without apex (whose own layers fuse it) the output layer stopped "
+        "every launch",
+    fingerprint="ef7f6993d7de",
+    needle="if config.gradient_accumulation_fusion and not _grad_accum_fusion_available")
+ROW_PARALLEL_LINEAR = Change(
+    "megatron.core.tensor_parallel.layers.RowParallelLinear.__init__", WRAPS, __name__,
+    does="builds the layer with gradient-accumulation fusion off",
+    why="as ColumnParallelLinear: its backward needs apex's fused_weight_gradient_mlp_cuda "
+        "when built with gradient-accumulation fusion",
+    fingerprint="a3ed8d3e583e",
+    needle="self.gradient_accumulation_fusion = config.gradient_accumulation_fusion")
+MEGATRON_CHANGES = (COMPILE_HELPERS, SHARDED_STATE_DICT, SET_MAIN_PARAM_AND_OPTIMIZER_STATES,
+                    DISTRIBUTED_LOAD_STATE_DICT, COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR)
 
 
 @contextlib.contextmanager

@@ -14,9 +14,10 @@ RNG state is read from the CUDA generator. Rather than patch each of those call 
 4. Where Transformer Engine (or apex) is installed, megatron's optimizer modules get its own
    torch fallbacks back in place of their CUDA-only kernels (``_torch_optimizer_kernels``).
 
-Every megatron-core site this covers or changes is listed in ``megagpt.megatron_ledger``
-(owner ``megagpt.cpu_mode``) with the text it depends on; ``tests/test_megatron_ledger.py``
-fails when an upgrade changes or removes one, so a stale workaround is noticed. Nothing here
+Every megatron-core site this changes is declared here (``MEGATRON_CHANGES``), and every one
+it covers is listed in ``megagpt.megatron_ledger`` (owner ``megagpt.cpu_mode``), with the text
+it depends on; ``tests/test_megatron_ledger.py`` fails when an upgrade changes or removes one,
+so a stale workaround is noticed. Nothing here
 is for speed: it exists so the same entry, hooks and ``pretrain`` run on a laptop, in tests
 and in CI.
 """
@@ -32,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 from megagpt import megatron_wrappers
 from megagpt.errors import UserError
+from megagpt.megatron_change import REPLACES, TRAINING, WRAPS, Change
 
 
 # The torch.cuda.memory_stats counters megatron's training_log writes to TensorBoard.
@@ -242,6 +244,30 @@ def _cuda_rng_state_stand_in(*args, **kwargs) -> torch.Tensor:
     return torch.zeros(16, dtype=torch.uint8)
 
 
+# What ``_cpu_rng_tracker`` changes in megatron, in the order it installs it.
+_RANDOM = "megatron.core.tensor_parallel.random."
+RNG_TRACKER = (
+    Change(_RANDOM + "_CUDA_RNG_STATE_TRACKER", REPLACES, __name__,
+           does="CpuRngTracker",
+           why="megatron's tracker forks CUDA generator states; CpuRngTracker forks the CPU "
+               "generator's, saved and loaded with checkpoints as megatron's are",
+           fingerprint="94e958de6074"),
+    Change(_RANDOM + "_CUDA_RNG_STATE_TRACKER_INITIALIZED", REPLACES, __name__,
+           does="True", why="set with the CPU tracker, so megatron does not build its own",
+           fingerprint="95ac81d57dc3"),
+    Change(_RANDOM + "_get_cuda_rng_state", REPLACES, __name__,
+           does="a stand-in state (the CPU generator's, which dropout draws from here, is "
+                "saved beside it)",
+           why="activation recompute saves a CUDA generator state",
+           fingerprint="0c2b8f05b864", needle="torch.cuda.random.get_rng_state(device=device)"),
+    Change(_RANDOM + "_set_cuda_rng_state", REPLACES, __name__,
+           does="nothing",
+           why="activation recompute restores the CUDA generator state it saved; in CPU mode "
+               "there is none to restore",
+           fingerprint="dea947ca0b7d"),
+)
+
+
 @contextlib.contextmanager
 def _cpu_rng_tracker():
     """megatron's CUDA RNG tracker, and the CUDA generator state activation recompute saves
@@ -294,6 +320,57 @@ def _loading_onto_the_cpu(load: Callable) -> Callable:
     def load_onto_the_cpu(f, map_location=None, *args, **kwargs):
         return load(f, _CPU if map_location is None else map_location, *args, **kwargs)
     return load_onto_the_cpu
+
+
+# What ``active`` changes in megatron besides the RNG tracker, in the order it installs it.
+INITIALIZE_MEGATRON = Change(
+    TRAINING + "initialize_megatron", WRAPS, __name__,
+    does="passes allow_no_cuda=True",
+    why="it asserts CUDA unless allow_no_cuda=True, which pretrain does not pass",
+    fingerprint="1894d53ca729",
+    needle='assert torch.cuda.is_available(), "Megatron requires CUDA."')
+SET_JIT_FUSION_OPTIONS = Change(
+    TRAINING + "set_jit_fusion_options", REPLACES, __name__,
+    does="nothing",
+    why="it warms up GPU fusion kernels; on a CPU it is skipped (torch.compile is off in CPU "
+        "mode)",
+    fingerprint="c1be95915ed4")
+GET_PROCESS = Change(
+    "megatron.core.dist_checkpointing.strategies.async_utils.PersistentAsyncCaller"
+    "._get_process", REPLACES, __name__,
+    does="forks the persistent checkpoint writer",
+    why="it starts the writer by fork server or spawn; CPU mode's stand-ins reach it only in a "
+        "forked process",
+    fingerprint="d3c7da2097b2")
+_FALLBACK = ("TE's multi-tensor kernel reads CUDA memory only (a CPU tensor is an illegal "
+             "memory access on the GPU)")
+# where megatron bound TE's or apex's kernels (``_torch_optimizer_kernels``), in its order
+TORCH_FALLBACKS = tuple(
+    Change(target, REPLACES, __name__, does=does, why=why, fingerprint=fingerprint)
+    for target, does, why, fingerprint in (
+        ("megatron.core.optimizer.Adam", "torch's AdamW, megatron's own fallback",
+         "TE's FusedAdam steps CUDA tensors only", "8a40ef85203f"),
+        ("megatron.core.optimizer.SGD", "torch's SGD", "TE's FusedSGD likewise", "dc17bf751abe"),
+        ("megatron.core.optimizer.USING_PYTORCH_OPTIMIZER", "True",
+         "with torch's optimizers, megatron then passes them their arguments", "e901a03a490f"),
+        ("megatron.core.optimizer.clip_grads.multi_tensor_applier",
+         "megatron's local fallback", _FALLBACK, "b93615652a38"),
+        ("megatron.core.optimizer.clip_grads.l2_norm_impl",
+         "megatron's local fallback", _FALLBACK, "27093e9af287"),
+        ("megatron.core.optimizer.clip_grads.multi_tensor_scale_impl",
+         "megatron's local fallback", _FALLBACK, "19c4e8618112"),
+        ("megatron.core.optimizer.clip_grads.multi_tensor_scale_tensor_impl",
+         "None, megatron's own without TE", _FALLBACK, "f2ef0c158231"),
+        ("megatron.core.optimizer.optimizer.multi_tensor_applier",
+         "megatron's local fallback", _FALLBACK, "2aff861f79ca"),
+        ("megatron.core.optimizer.optimizer.multi_tensor_scale_impl",
+         "megatron's local fallback", _FALLBACK, "19c4e8618112"),
+        ("megatron.training.utils.common_utils.multi_tensor_applier",
+         "megatron's local fallback", _FALLBACK, "5b95ab86582a"),
+        ("megatron.training.utils.common_utils.multi_tensor_l2norm",
+         "megatron's local fallback", _FALLBACK, "900df480fbd2")))
+MEGATRON_CHANGES = (*RNG_TRACKER, INITIALIZE_MEGATRON, SET_JIT_FUSION_OPTIONS, GET_PROCESS,
+                    *TORCH_FALLBACKS)
 
 
 def _torch_optimizer_kernels(restore: bool) -> list[tuple[object, list]]:

@@ -6,10 +6,9 @@ resume fidelity), ``setup_model_and_optimizer`` (the flat AdamW step, the asynch
 step), ``save_checkpoint`` (the configuration snapshot, the divergence guard). Each installs
 its wrapper here under its own module's name, and the function megatron calls is rebuilt as
 megatron's original with the installed wrappers applied in the order they were installed, the
-first innermost. Which order that is, is stated where a launch's changes are decided
-(``megagpt.launch.megatron_changes``), not in the ledger's listing. Removing one wrapper keeps
-the others in their order (restoring a saved attribute instead would also drop every wrapper
-installed after it).
+first innermost. Which order that is, is the launch's table of megatron changes
+(``megagpt.launch.megatron_changes``). Removing one wrapper keeps the others in their order
+(restoring a saved attribute instead would also drop every wrapper installed after it).
 
 A replacement (``replace``: a value, a class, a function that does not call megatron's) is a
 layer that ignores what is under it. Every change the project makes to a megatron attribute
@@ -17,18 +16,20 @@ goes through here, so each can be taken off again by its owner (``remove``, ``re
 ``wrapped`` and ``wrapped_all`` for the duration of a block) without a copy of megatron's
 value kept anywhere else.
 
-Only what the ledger lists can be installed (``wraps`` or ``replaces`` entries of that
-owner): a change to megatron that is not in the ledger is an error here.
+Only what its owner declares can be installed (a ``wraps`` or ``replaces`` record of that
+target in the owner module's ``MEGATRON_CHANGES``, ``megagpt.megatron_change``, which
+``megagpt.megatron_ledger`` gathers): any other change to megatron is an error here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import signal
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from megagpt.megatron_ledger import REPLACES, WRAPS, entries_for
+from megagpt.megatron_change import Change
 
 Wrapper = Callable[[Callable], Callable]
 
@@ -84,11 +85,21 @@ def _own(module, name: str) -> bool:
     return not isinstance(module, type) or name in vars(module)
 
 
+def declared_by(owner: str) -> tuple[Change, ...]:
+    """The records of what ``owner`` (a module's name) changes in megatron: its
+    ``MEGATRON_CHANGES``, beside its code (none where the module has none)."""
+    try:
+        module = importlib.import_module(owner)
+    except ImportError:
+        return ()
+    return tuple(getattr(module, "MEGATRON_CHANGES", ()))
+
+
 def _check_listed(target: str, owner: str) -> None:
-    owners = [c.owner for c in entries_for(target) if c.how in (WRAPS, REPLACES)]
-    if owner not in owners:
+    if not any(c.target == target and c.installed for c in declared_by(owner)):
         raise LookupError(f"{target} wrapped by {owner}: not in megagpt.megatron_ledger; "
-                          "list the change there (why, when, fingerprint) first")
+                          f"declare the change in {owner}.MEGATRON_CHANGES, beside its code "
+                          "(what it does, why, fingerprint), first")
 
 
 def _chain(module, name: str) -> _Chain | None:

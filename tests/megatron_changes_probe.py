@@ -55,16 +55,11 @@ def main() -> int:
     for change in LEDGER:  # every module the installers reach is loaded before the snapshot
         importlib.import_module(split_target(change.target)[0])
     import copy
-    import dataclasses
 
     from megagpt import arguments, launch, run_log
-    from megagpt.launch import fast_path as chosen
-    from megagpt.launch.cuda_graphs import CUDA_GRAPH, NAN_CHECK, CudaGraph, NanCheck
-    from megagpt.launch.installed import MEGATRON_LINEARS_WGRAD
     from megagpt.launch.megatron_changes import launched
-    from megagpt.launch.optimizer_kernels import ASYNC_STEP, OPTIMIZER, OptimizerKernels
-    from megagpt.launch.plan import Choice, Reason, Why
     from megagpt.preflight import schedule_check
+    from megatron_parts import with_every_change
 
     from megagpt import megatron_wrappers
 
@@ -79,16 +74,7 @@ def main() -> int:
          "--micro-batch-size", "2", "--lr", "1e-3", "--train-iters", "2", "--vocab-size", "512",
          "--save", "/nonexistent", "--save-interval", "1"])
     args = launch.write(resolved, environ={})
-    # every change a launch can make: the choices that turn each on
-    every = {CUDA_GRAPH: CudaGraph.FULL_ITERATION, chosen.GRAD_WRITE: True,
-             OPTIMIZER: OptimizerKernels.FLAT_ADAMW, ASYNC_STEP: True,
-             NAN_CHECK: NanCheck.GRADIENT_NORM}
-    choices = [dataclasses.replace(c, value=every.get(c.decision, c.value))
-               for c in resolved.choices]
-    # as under TE's layers without apex (no TE here: the choice is given)
-    choices.append(Choice("compat", MEGATRON_LINEARS_WGRAD, False,
-                          Reason(Why.INSTALLED, "probe")))
-    everything = dataclasses.replace(resolved, choices=tuple(choices))
+    everything = with_every_change(resolved)  # every change a launch can make
     on_a_gpu = copy.copy(args)
     on_a_gpu.cpu = False  # the capture deadline, which CPU mode leaves out
     for step, launch_args in (("launch", on_a_gpu), ("launch on the CPU", args)):

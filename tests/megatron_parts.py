@@ -175,3 +175,29 @@ def megatron_changes_in_place() -> list[str]:
 
     return sorted(target for target, chain in megatron_wrappers._CHAINS.items()
                   if not chain.megatron_sets)
+
+
+def with_every_change(launch, cpu_fallbacks: bool = False):
+    """``launch`` with every choice that turns a change of the launch's table on: the
+    full-iteration graph, gradients written, the flat AdamW step, the asynchronous step, the
+    gradient-norm guard, megatron's linears built without wgrad fusion (as under TE's layers
+    without apex: no TE here, the choice is given), and with ``cpu_fallbacks`` CPU mode's
+    torch fallbacks (as where megatron bound TE's kernels)."""
+    import dataclasses
+
+    from megagpt.launch import fast_path as chosen
+    from megagpt.launch.cpu import CPU_OPTIMIZER, CpuOptimizer
+    from megagpt.launch.cuda_graphs import CUDA_GRAPH, NAN_CHECK, CudaGraph, NanCheck
+    from megagpt.launch.installed import MEGATRON_LINEARS_WGRAD
+    from megagpt.launch.optimizer_kernels import ASYNC_STEP, OPTIMIZER, OptimizerKernels
+    from megagpt.launch.plan import Choice, Reason, Why
+
+    every = {CUDA_GRAPH: CudaGraph.FULL_ITERATION, chosen.GRAD_WRITE: True,
+             OPTIMIZER: OptimizerKernels.FLAT_ADAMW, ASYNC_STEP: True,
+             NAN_CHECK: NanCheck.GRADIENT_NORM}
+    if cpu_fallbacks:
+        every[CPU_OPTIMIZER] = CpuOptimizer.MEGATRONS_FALLBACKS
+    choices = [dataclasses.replace(c, value=every.get(c.decision, c.value))
+               for c in launch.choices]
+    choices.append(Choice("compat", MEGATRON_LINEARS_WGRAD, False, Reason(Why.INSTALLED, "test")))
+    return dataclasses.replace(launch, choices=tuple(choices))

@@ -39,6 +39,7 @@ from megagpt.diagnostics import (collective_failure, hangs, on_sigterm, out_of_m
                                  stragglers, timeouts)
 from megagpt.diagnostics.settings import DiagnosticsPlan, plan_diagnostics
 from megagpt.log import log
+from megagpt.megatron_change import TRAINING, WRAPS, Change
 
 __all__ = ["active", "plan_diagnostics"]
 
@@ -57,6 +58,15 @@ def _failure_reporter(args, plan: DiagnosticsPlan, launched_at: float
                                               int(os.environ.get("RANK", "0")),
                                               int(os.environ.get("WORLD_SIZE", "1")),
                                               args.distributed_backend, resume_hint=relaunch)
+
+
+POST_TRAINING_STEP_CALLBACKS = Change(
+    TRAINING + "post_training_step_callbacks", WRAPS, __name__,
+    does="after every iteration, the collective timeout's warm-up and, at the log interval, "
+         "the straggler report's all-gather",
+    why="megatron runs it after every iteration with its count, on every rank",
+    fingerprint="5cc914494319")
+MEGATRON_CHANGES = (POST_TRAINING_STEP_CALLBACKS,)
 
 
 def _after_each_iteration(callbacks, timeout: timeouts.CollectiveTimeout,
@@ -141,9 +151,10 @@ def active(args, plan: DiagnosticsPlan, memory_knobs=None):
         sigterm.install()
     clock = stragglers.StepClock(args.log_interval)
     report = _StragglerReportAtLogInterval(args, plan, clock)
-    # (megatron function, owner, wrapper); composed in the ledger's order, and built again
-    # whenever another owner's wrapper of the same function comes or goes: the state lives in
-    # clock, timeout and report, not in the wrappers
+    # (megatron function, owner, wrapper), installed in this order over what the launch's
+    # context installed before (megagpt.launch.megatron_changes); each is built again whenever
+    # another owner's wrapper of the same function comes or goes: the state lives in clock,
+    # timeout and report, not in the wrappers
     wrappers = [
         ("train_step", stragglers.__name__, clock.timing_train_step),
         ("finalize_model_grads", stragglers.__name__, clock.timing_gradient_collectives),

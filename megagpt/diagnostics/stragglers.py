@@ -33,6 +33,7 @@ from typing import Callable
 
 from megagpt.diagnostics.hangs import ranks_text
 from megagpt.diagnostics.settings import StragglerPolicy
+from megagpt.megatron_change import TRAINING, WRAPS, Change
 
 # A rank is not named for less than this much more compute per step than the median rank:
 # on steps of a few tens of milliseconds the scheduling of a shared host moves a rank's time
@@ -55,6 +56,24 @@ def _synchronize() -> None:
 
     if torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing():
         torch.cuda.synchronize()
+
+
+# What ``StepClock``'s wrappers change in megatron (diagnostics.active installs them).
+TRAIN_STEP = Change(
+    TRAINING + "train_step", WRAPS, __name__,
+    does="times the step that ends each log interval, the device synchronised at its start "
+         "and end",
+    why="the straggler report compares each rank's compute and waiting; outside the "
+        "divergence guard's wrapper, so its host read of the gradient norm counts in the step",
+    fingerprint="1823abf71532", outside=("megagpt.resilience.divergence",))
+FINALIZE_MODEL_GRADS = Change(
+    TRAINING + "finalize_model_grads", WRAPS, __name__,
+    does="on the timed step, marks the end of the forward and backward passes and the length "
+         "of the gradient collectives",
+    why="its start ends a rank's compute, and its length is where a rank waits for the "
+        "slowest",
+    fingerprint="3f44cc8723b8")
+MEGATRON_CHANGES = (TRAIN_STEP, FINALIZE_MODEL_GRADS)
 
 
 class StepClock:

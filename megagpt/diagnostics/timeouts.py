@@ -19,6 +19,7 @@ from datetime import timedelta
 from typing import Callable
 
 from megagpt.diagnostics.settings import TimeoutPolicy, duration_text
+from megagpt.megatron_change import TRAINING, WRAPS, Change
 
 
 def set_collective_timeout(seconds: float) -> None:
@@ -32,6 +33,19 @@ def set_collective_timeout(seconds: float) -> None:
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.simplefilter("ignore", UserWarning)
         parallel_state.update_pg_timeout(timedelta(seconds=seconds))
+
+
+# What ``CollectiveTimeout.relaxed`` changes in megatron (diagnostics.active installs it).
+SAVE_CHECKPOINT = Change(
+    TRAINING + "save_checkpoint", WRAPS, __name__,
+    does="runs the save under the launch timeout; the tightened one comes back after",
+    why="a save writes for as long as the file system needs between its collectives; "
+        "outermost, so that the checksums' gather and the divergence guard's check run under "
+        "it too",
+    fingerprint="42e813b3aa30",
+    outside=("megagpt.resilience.checkpoint_guard", "megagpt.resilience.config_snapshot",
+             "megagpt.resilience.checkpoint_integrity", "megagpt.resilience.divergence"))
+MEGATRON_CHANGES = (SAVE_CHECKPOINT,)
 
 
 class CollectiveTimeout:

@@ -18,6 +18,7 @@ import logging
 import types
 
 from megagpt.errors import UserError
+from megagpt.megatron_change import REPLACES, Change
 from megagpt.megatron_errors import failed_condition
 
 # The scheduler's fields, in the flags that set them.
@@ -35,6 +36,16 @@ SCHEDULE_TERMS = {
 
 class ScheduleError(UserError, ValueError):
     """The learning-rate or weight-decay schedule cannot run; the message names the flags."""
+
+
+GLOBAL_ARGS = Change(
+    "megatron.training.global_vars._GLOBAL_ARGS", REPLACES, __name__,
+    does="the launch's arguments (or a copy) as megatron's global arguments",
+    why="megatron's scheduler and sample counts read the run's arguments with get_args; the "
+        "preflight runs them before megatron's globals are set, or without disturbing them",
+    when="around the preflight's schedule and sample-count checks (global_args), undone after",
+    fingerprint="de64d38ea9a5")
+MEGATRON_CHANGES = (GLOBAL_ARGS,)
 
 
 @contextlib.contextmanager

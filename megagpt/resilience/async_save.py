@@ -32,6 +32,7 @@ import importlib.util
 from typing import Callable
 
 from megagpt.errors import UserError
+from megagpt.megatron_change import WRAPS, Change
 
 NVRX_MODULE = "nvidia_resiliency_ext.checkpointing.async_ckpt"
 
@@ -51,6 +52,19 @@ def resiliency_ext_installed() -> bool:
 _PENDING: list[Callable[[], None]] = []
 
 
+# What ``finalize_adds`` changes in megatron, around one save (not at the launch's entry).
+SCHEDULE_ASYNC_SAVE = Change(
+    "megatron.training.checkpointing.schedule_async_save", WRAPS, __name__,
+    why="an asynchronous save's request takes finalize functions only before it is scheduled "
+        "(megatron freezes it); the configuration snapshot is one, written once the writer has "
+        "finished",
+    when="inside each asynchronous persistent save (resilience.config_snapshot, "
+         "resilience.checkpoint_integrity), undone after",
+    does="adds the save wrappers' finalize functions to the request",
+    fingerprint="bdf6754425e0")
+MEGATRON_CHANGES = (SCHEDULE_ASYNC_SAVE,)
+
+
 @contextlib.contextmanager
 def finalize_adds(fn: Callable[[], None]):
     """Add ``fn`` to the finalize functions of the asynchronous save scheduled inside.
@@ -58,7 +72,7 @@ def finalize_adds(fn: Callable[[], None]):
     The request's finalize functions run in the trainer once the writer has finished
     (after ``metadata.json`` and the tracker); they cannot be added after scheduling
     (megatron freezes the request), so the scheduling call is wrapped. Save wrappers nest
-    (the configuration snapshot inside, the checksums outside, in the ledger's order):
+    (the configuration snapshot inside, the checksums outside, in the order they are installed):
     the innermost one's function runs first, as it would after a synchronous save.
     """
     import megatron.training.checkpointing as mckpt

@@ -48,6 +48,7 @@ from typing import Callable
 
 from megagpt import vocab_padding
 from megagpt.errors import UserError
+from megagpt.megatron_change import TRAINING, WRAPS, Change
 from megagpt.resilience import config_snapshot
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -617,6 +618,22 @@ def _root_cause(exc: BaseException) -> BaseException:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0][:300]
+
+
+LOAD_CHECKPOINT = Change(
+    TRAINING + "load_checkpoint", WRAPS, __name__,
+    does="a checkpoint that does not load is one line naming it",
+    why="megatron reports a bad checkpoint with a stack trace from torch.distributed or a bare "
+        "sys.exit()",
+    fingerprint="ee0f61114e6f")
+SAVE_CHECKPOINT = Change(
+    TRAINING + "save_checkpoint", WRAPS, __name__,
+    does="a save the file system refuses is one line naming the iteration, the folder and the "
+         "newest checkpoint that stays",
+    why="a save the file system refuses (folder gone, disk full) fails with a stack trace from "
+        "torch.distributed.checkpoint; innermost",
+    fingerprint="42e813b3aa30")
+MEGATRON_CHANGES = (SAVE_CHECKPOINT, LOAD_CHECKPOINT)
 
 
 def one_line_load_errors(load_checkpoint, args):

@@ -27,6 +27,7 @@ import functools
 import os
 from typing import Callable
 
+from megagpt.megatron_change import TRAINING, WRAPS, Change
 from megagpt.resilience import checkpoint_guard, checksums
 from megagpt.resilience.checkpoint_guard import CheckpointError
 
@@ -47,6 +48,23 @@ def enabled(args) -> bool:
 # ---------------------------------------------------------------------------
 # At save
 # ---------------------------------------------------------------------------
+
+SAVE_CHECKPOINT = Change(
+    TRAINING + "save_checkpoint", WRAPS, __name__,
+    does="records the files' checksums after each persistent save",
+    why="a shard overwritten in place keeps its length and loads as raw tensor bytes; the "
+        "checksums let a load tell a damaged checkpoint; outside the snapshot's wrapper, so "
+        "that the configuration snapshot is among the files hashed",
+    fingerprint="42e813b3aa30", outside=("megagpt.resilience.config_snapshot",))
+LOAD_CHECKPOINT = Change(
+    TRAINING + "load_checkpoint", WRAPS, __name__,
+    does="checks the files against their checksums first (a damaged checkpoint is set aside "
+         "for the previous intact one), and the loaded weights for NaN and Inf after",
+    why="megatron loads a damaged shard of the right length without noticing; outside the "
+        "one-line errors' wrapper, which then names the checkpoint chosen here",
+    fingerprint="ee0f61114e6f", outside=("megagpt.resilience.checkpoint_guard",))
+MEGATRON_CHANGES = (SAVE_CHECKPOINT, LOAD_CHECKPOINT)
+
 
 def recording_checksums(save_checkpoint, args, log: Callable[[str], None]):
     """Wrap megatron's ``save_checkpoint``: the manifest beside each persistent save."""

@@ -20,6 +20,7 @@ import os
 import yaml
 
 from megagpt.errors import UserError
+from megagpt.megatron_change import TRAINING, WRAPS, Change
 
 FILENAME = "megagpt_config.yaml"
 
@@ -144,6 +145,15 @@ def read(checkpoint_dir: str) -> dict | None:
         raise SnapshotError(f"{path} has no 'entry' mapping: the checkpoint's configuration is "
                             "damaged or was edited")
     return entry
+
+
+SAVE_CHECKPOINT = Change(
+    TRAINING + "save_checkpoint", WRAPS, __name__,
+    does="writes the resolved configuration beside each persistent save",
+    why="checkpoint_guard compares it with the run's before loading (the model's shape, the "
+        "tokenizer and vocabulary, the optimizer, the parallel layout)",
+    fingerprint="42e813b3aa30", outside=("megagpt.resilience.checkpoint_guard",))
+MEGATRON_CHANGES = (SAVE_CHECKPOINT,)
 
 
 def writing_snapshot(save_checkpoint, args, container=None):

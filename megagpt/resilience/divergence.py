@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from megagpt.errors import UserError
+from megagpt.megatron_change import TRAINING, WRAPS, Change
 
 # megatron/core/rerun_state_machine.py, validate_result() with reruns disabled:
 #   f"Rank {rank}, node {node}, device {device}, iteration {n}: Unexpected result {result} "
@@ -113,6 +114,22 @@ class NormInFlight:
         if self.event is not None:
             self.event.synchronize()
         return float(self.host)
+
+
+# What ``GradNormGuard``'s wrappers change in megatron, in the order they are installed.
+TRAIN_STEP = Change(
+    TRAINING + "train_step", WRAPS, __name__,
+    does="a NaN or Inf gradient norm stops the run, read one iteration late",
+    why="megatron's in-step NaN checks are off (the CUDA graphs); read late, the check never "
+        "idles the GPU",
+    fingerprint="1823abf71532")
+SAVE_CHECKPOINT = Change(
+    TRAINING + "save_checkpoint", WRAPS, __name__,
+    does="checks every gradient norm still on its way from the GPU before a save",
+    why="a diverged model is never saved; outside the snapshot's wrapper (no snapshot of a "
+        "save that is refused)",
+    fingerprint="42e813b3aa30", outside=("megagpt.resilience.config_snapshot",))
+MEGATRON_CHANGES = (TRAIN_STEP, SAVE_CHECKPOINT)
 
 
 class GradNormGuard:

@@ -31,9 +31,21 @@ import random
 import numpy as np
 import torch
 
+from megagpt.megatron_change import TRAINING, WRAPS, Change
+
 # Text of megatron's training_log that adaptation 1 exists for (checked by the tests, so an
 # upgrade that fixes it upstream is noticed and this wrapper can go).
 TRAINING_LOG_NEEDLE = "should_reset = not is_first_iteration"
+
+TRAINING_LOG = Change(
+    TRAINING + "training_log", WRAPS, __name__,
+    does="a first iteration after a (re)start that falls on a log boundary resets the loss "
+         "accumulators",
+    why="megatron does not reset them there, so the next logged loss is the mean of two "
+        "iterations (upstream Megatron-LM#6237); outside the asynchronous step's wrapper, so "
+        "that it rebinds the arguments megatron's function receives",
+    fingerprint="7e7ebec01bcf", needle=TRAINING_LOG_NEEDLE,
+    outside=("megagpt.train_step.async_step",))
 
 
 def first_log_boundary_resets(training_log):
@@ -64,6 +76,15 @@ def set_random_state(state: tuple) -> None:
     random.setstate(python_state)
     np.random.set_state(numpy_state)
     torch.set_rng_state(torch_state)
+
+
+DATA_ITERATORS = Change(
+    TRAINING + "build_train_valid_test_data_iterators", WRAPS, __name__,
+    does="leaves the host generators (Python, NumPy, torch's CPU) as it found them",
+    why="DataLoader draws its worker seed from torch's CPU generator after the checkpoint is "
+        "loaded, so a resumed CPU run's dropout masks differ",
+    fingerprint="bd84366cbf26")
+MEGATRON_CHANGES = (TRAINING_LOG, DATA_ITERATORS)
 
 
 def without_drawing_random_numbers(build_iterators):

@@ -33,6 +33,27 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
+from megagpt.megatron_change import WRAPS, Change
+
+# What ``keeping_the_running_settings`` changes in megatron: each of ``loader_classes()``'s
+# ``load_state_dict``, in that order.
+LOAD_STATE_DICTS = tuple(
+    Change(f"{loader}.load_state_dict", WRAPS, __name__,
+           does="a group's setting the checkpoint lacks takes the running optimizer's value",
+           why="it loads the checkpoint's parameter groups with the checkpoint's keys only; "
+               "saved by another install's inner optimizer (torch's AdamW), a group lacks a "
+               "setting the running one reads in every step (apex's FusedAdam: KeyError "
+               "'bias_correction' at the first step after the resume)",
+           fingerprint=fingerprint, needle=needle)
+    for loader, fingerprint, needle in (
+        ("megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params",
+         "23d536b83658", "self.optimizer.load_state_dict(state_dict[optimizer_key])"),
+        ("megatron.core.optimizer.optimizer.FP32Optimizer", "4e445929e714", ""),
+        ("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer", "707490502424",
+         '{**param_groups_map[needed_groups], "params": inner_param_group[\'params\']}')))
+MEGATRON_CHANGES = LOAD_STATE_DICTS
+
+
 def keeping_the_running_settings(load: Callable) -> Callable:
     """megatron's ``load_state_dict``, then the running optimizer's settings in each group
     where the checkpoint's group has none (groups matched by position: megatron loads them in

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from megagpt.megatron_change import WRAPS, Change
+
 
 def saved_by_mixed_precision_optimizer(state_dict) -> bool:
     """Whether ``state_dict``, as megatron's checkpoint loading hands it to the fp32
@@ -52,6 +54,16 @@ def fp32_layout(state_dict: dict) -> dict:
     if "common_step" in saved_state and "common_step" not in state:
         state["common_step"] = saved_state["common_step"]
     return {"state": state, "param_groups": groups}
+
+
+FP32_LOAD_STATE_DICT = Change(
+    "megatron.core.optimizer.optimizer.FP32Optimizer.load_state_dict", WRAPS, __name__,
+    does="a bf16/fp16 optimizer's checkpoint is put in the fp32 layout before it loads",
+    why="megatron's mixed-precision optimizer keeps its parameter groups' settings one level "
+        "down, where the fp32 optimizer (CPU mode, a launch without --bf16) does not look, and "
+        "megatron stops on 'Could not find parameter group'",
+    fingerprint="4e445929e714")
+MEGATRON_CHANGES = (FP32_LOAD_STATE_DICT,)
 
 
 def reading_mixed_precision_checkpoints(load_state_dict: Callable) -> Callable:

@@ -23,6 +23,8 @@ import functools
 import signal
 import threading
 
+from megagpt.megatron_change import TRAINING, WRAPS, Change
+
 TORCHS_HANDLER_MODULE = "torch.utils.data._utils.signal_handling"
 
 
@@ -53,6 +55,15 @@ def raise_worker_deaths_once() -> bool:
         return False  # no iterator with workers, or already ours
     signal.signal(signal.SIGCHLD, RaisingOnce(handler))
     return True
+
+
+DATA_ITERATORS = Change(
+    TRAINING + "build_train_valid_test_data_iterators", WRAPS, __name__,
+    does="torch's SIGCHLD handler, installed by the iterators it makes, raises once",
+    why="that handler raises a dead data-loader worker's error once for each loader, on "
+        "SIGCHLDs after the first",
+    fingerprint="bd84366cbf26")
+MEGATRON_CHANGES = (DATA_ITERATORS,)
 
 
 def after_building_iterators(build):

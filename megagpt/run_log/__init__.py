@@ -19,10 +19,28 @@ import contextlib
 import functools
 from typing import Callable
 
+from megagpt.megatron_change import REPLACES, TRAINING, WRAPS, Change
 from megagpt.run_log import iteration_line, quiet, run_folder
 from megagpt.run_log.run_folder import argument_table_kept
 
 __all__ = ["active", "argument_table_kept", "quiet"]
+
+
+# What ``active`` changes in megatron, in the order it installs it.
+PRINT_RANK_LAST = Change(
+    TRAINING + "print_rank_last", WRAPS, __name__,
+    does="prints this entry's iteration line in place of megatron's, with tokens/s, MFU and "
+         "the time left, and records its figures for the run's plot; any other text passes",
+    why="training_log prints its 300-character iteration line through it; the entry's line "
+        "is made from the same figures",
+    fingerprint="888f2c02a721")
+REPORT_MEMORY = Change(
+    TRAINING + "report_memory", REPLACES, __name__,
+    does="nothing, on the CPU",
+    why="on the CPU torch.cuda's memory counters are all 0, and megatron reports them after "
+        "the first iterations and around every save",
+    fingerprint="471d75cba957")
+MEGATRON_CHANGES = (PRINT_RANK_LAST, REPORT_MEMORY)
 
 
 def _printing_entry_line(print_rank_last, line: iteration_line.IterationLine, megatrons: bool):

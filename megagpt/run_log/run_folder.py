@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from megagpt.megatron_change import WRAPS, Change
+
 ARGUMENTS = "megatron_arguments.txt"
 PLOT = "training.png"
 
@@ -46,6 +48,17 @@ def add_arguments(group) -> None:
 def run_folder(args) -> Path | None:
     folder = getattr(args, "save", None) or getattr(args, "tensorboard_dir", None)
     return Path(folder) if folder else None
+
+
+PRINT_ARGS = Change(
+    "megatron.training.arguments._print_args", WRAPS, __name__,
+    does="keeps megatron's argument table for the run folder instead of printing it "
+         "(--print-arguments: printed too)",
+    why="validate_args prints every argument (about 830 lines, most of a short run's log)",
+    when="around megatron's validate_args in pretrain_gpt.main (argument_table_kept), undone "
+         "after",
+    fingerprint="c69a5f5d3f0c")
+MEGATRON_CHANGES = (PRINT_ARGS,)
 
 
 def _kept_dump(print_args):

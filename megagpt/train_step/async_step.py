@@ -47,6 +47,8 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megagpt.megatron_change import TRAINING, WRAPS, Change
+
 
 def _group_size(group) -> int:
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
@@ -169,6 +171,40 @@ def host_loss_scale_of_one(setup: Callable) -> Callable:
         return result
 
     return setup_model_and_optimizer
+
+
+# What ``without_host_waits`` changes in megatron, in the order it installs it.
+REDUCE_MAX_STAT = Change(
+    TRAINING + "reduce_max_stat_across_model_parallel_group", WRAPS, __name__,
+    does="returns the value itself over a model-parallel group of one rank",
+    why="an all-reduce followed by .item() each iteration; over a model-parallel group of one "
+        "rank it is the identity, and the gradient norm stays on the GPU",
+    fingerprint="7189f9a94723")
+LOGICAL_AND = Change(
+    TRAINING + "logical_and_across_model_parallel_group", WRAPS, __name__,
+    does="returns the flag itself over a model-parallel group of one rank",
+    why="an all-reduce followed by .item() after every step; the identity over one rank",
+    fingerprint="aaa17a1cbd04")
+ALL_GATHER_ITEM = Change(
+    "megatron.training.dist_signal_handler.all_gather_item", WRAPS, __name__,
+    does="returns the local flag over one process",
+    why="with --exit-signal-handler it all-gathers a flag every iteration; over one process "
+        "that is the local flag",
+    fingerprint="6554fa85bd11")
+TRAINING_LOG = Change(
+    TRAINING + "training_log", WRAPS, __name__,
+    does="builds its scalar CUDA tensors in pinned memory and copies them without blocking",
+    why="it builds torch.tensor([0.0], device='cuda') per loss key each iteration, a copy "
+        "from pageable memory that waits for the GPU; built in pinned memory it does not",
+    fingerprint="7e7ebec01bcf", needle="torch.tensor([0.0], dtype=torch.float, device='cuda')")
+SETUP_MODEL_AND_OPTIMIZER = Change(
+    TRAINING + "setup_model_and_optimizer", WRAPS, __name__,
+    does="keeps a bf16 optimizer's constant loss scale of one on the host",
+    why="the loop's optimizer.get_loss_scale().item() then does not wait for the GPU; outside "
+        "the flat step's wrapper (it reads the optimizer that one has finished)",
+    fingerprint="e564c0eccd76", outside=("megagpt.train_step.flat_adam",))
+MEGATRON_CHANGES = (REDUCE_MAX_STAT, LOGICAL_AND, ALL_GATHER_ITEM, TRAINING_LOG,
+                    SETUP_MODEL_AND_OPTIMIZER)
 
 
 @contextlib.contextmanager

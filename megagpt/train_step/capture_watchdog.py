@@ -17,6 +17,8 @@ import sys
 import threading
 from typing import Callable, Iterator, Optional, TextIO
 
+from megagpt.megatron_change import WRAPS, Change
+
 EXIT_STATUS = 3
 
 
@@ -64,6 +66,17 @@ def _under_deadline(timeout_s: float):
                                      f"the full-iteration CUDA graph capture ({stage})", _rank())
         return __call__
     return wrap
+
+
+# What ``deadline`` changes in megatron.
+FULL_CUDA_GRAPH_CALL = Change(
+    "megatron.core.full_cuda_graph.FullCudaGraphWrapper.__call__", WRAPS, __name__,
+    does="runs the capturing iteration under a deadline that stops the run with one line "
+         "naming the rank",
+    why="a capture whose collectives wait for a peer that never joins blocks its process for "
+        "good",
+    fingerprint="53c96c89e211", needle="curr_iteration == self.cuda_graph_warmup_steps")
+MEGATRON_CHANGES = (FULL_CUDA_GRAPH_CALL,)
 
 
 @contextlib.contextmanager

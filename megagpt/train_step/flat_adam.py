@@ -52,6 +52,8 @@ from typing import Callable, Iterator, List, Optional
 
 import torch
 
+from megagpt.megatron_change import TRAINING, WRAPS, Change
+
 logger = logging.getLogger(__name__)
 
 # chunk size for the eager (uncompiled) update, which materialises temporaries
@@ -535,6 +537,16 @@ def attach_after_setup(setup: Callable, log: Callable[[str], None], compiled: bo
         return result
 
     return setup_model_and_optimizer
+
+
+# What ``flat_steps`` changes in megatron.
+SETUP_MODEL_AND_OPTIMIZER = Change(
+    TRAINING + "setup_model_and_optimizer", WRAPS, __name__,
+    does="gives the optimizer it returns the flat AdamW step where it applies",
+    why="one pass over flat buffers (clip, AdamW and the bf16 weight copy) instead of "
+        "megatron's five",
+    fingerprint="e564c0eccd76")
+MEGATRON_CHANGES = (SETUP_MODEL_AND_OPTIMIZER,)
 
 
 @contextlib.contextmanager

@@ -43,6 +43,7 @@ import contextlib
 from typing import Callable, Iterator, Optional
 
 from megagpt import megatron_wrappers
+from megagpt.megatron_change import WRAPS, Change
 
 
 def grad_write_enabled() -> bool:
@@ -132,6 +133,31 @@ def _second_gradient(param) -> RuntimeError:
         "arrived in one step (more than one micro-batch, or a parameter's gradient "
         "accumulated outside megagpt's fused layer); gradients must be added there: "
         "relaunch with --fast-disable grad-write")
+
+
+# What ``writing`` changes in megatron, in the order it installs it.
+_DDP = "megatron.core.distributed.distributed_data_parallel.DistributedDataParallel."
+BACKWARD_POST_HOOK = Change(
+    _DDP + "_make_backward_post_hook", WRAPS, __name__,
+    does="makes hooks that copy each gradient into the buffer where the step writes",
+    why="its hook adds each gradient into the buffer megatron zeroed; with one micro-batch "
+        "per step and one data-parallel rank the hook copies instead",
+    fingerprint="01aa652d523b")
+ZERO_GRAD_BUFFER = Change(
+    _DDP + "zero_grad_buffer", WRAPS, __name__,
+    does="decides whether the step writes; where it does, resets megatron's bookkeeping only",
+    why="it fills the whole gradient buffer with zeros every step (2.6 GB at 1.3B); gradients "
+        "are written while these wrappers are installed, process-wide as megatron's DDP "
+        "methods are",
+    fingerprint="3e76d9a34a92")
+FINISH_GRAD_SYNC = Change(
+    _DDP + "finish_grad_sync", WRAPS, __name__,
+    does="zeroes the parameters that got no gradient this step and copies the small "
+         "gradients held back, before any reduction",
+    why="where the step writes, nothing zeroed the buffer: what the optimizer reads must be "
+        "exactly this step's gradients",
+    fingerprint="2081a02efcfb")
+MEGATRON_CHANGES = (BACKWARD_POST_HOOK, ZERO_GRAD_BUFFER, FINISH_GRAD_SYNC)
 
 
 @contextlib.contextmanager

@@ -28,6 +28,7 @@ from typing import Callable, Iterator, List, Optional
 import torch
 
 from megagpt import megatron_wrappers
+from megagpt.megatron_change import REPLACES, Change
 
 
 # ---------------------------------------------------------------------------------------
@@ -243,6 +244,58 @@ def megatron_uses_local_fallbacks() -> bool:
         return bool(megatron_wrappers.original(mopt, "USING_PYTORCH_OPTIMIZER"))
     except AttributeError:
         return False
+
+
+# What ``fast_kernels`` changes in megatron, in the order it installs it (``_replacements``
+# says which apply).
+_CLIP = "megatron.core.optimizer.clip_grads."
+_OPTIMIZER = "megatron.core.optimizer.optimizer."
+ADAM = Change(
+    "megatron.core.optimizer.Adam", REPLACES, __name__,
+    does="torch's fused=True AdamW, one kernel",
+    why="without TE/apex megatron takes torch's AdamW in its multi-pass foreach form; the "
+        "flat AdamW step builds on torch's fused one",
+    fingerprint="8a40ef85203f")
+USING_PYTORCH_OPTIMIZER = Change(
+    "megatron.core.optimizer.USING_PYTORCH_OPTIMIZER", REPLACES, __name__,
+    does="False, with fused AdamW",
+    why="megatron then passes it the fused optimizer's arguments",
+    fingerprint="e901a03a490f")
+L2_NORM = Change(
+    _CLIP + "l2_norm_impl", REPLACES, __name__,
+    does="the gradient norm by torch._foreach_norm, one host wait",
+    why="megatron's local fallback reads one norm per tensor back to the host (hundreds of "
+        "waits a step)",
+    fingerprint="27093e9af287")
+CLIP_SCALE = Change(
+    _CLIP + "multi_tensor_scale_impl", REPLACES, __name__,
+    does="the clipping scale by torch._foreach_mul_, a few kernels",
+    why="the local fallback scales tensor by tensor",
+    fingerprint="19c4e8618112")
+OPTIMIZER_SCALE = Change(
+    _OPTIMIZER + "multi_tensor_scale_impl", REPLACES, __name__,
+    does="as clip_grads' (the optimizer module's own binding)",
+    why="the local fallback scales tensor by tensor",
+    fingerprint="19c4e8618112")
+COPY_THIS_TO_THAT = Change(
+    _OPTIMIZER + "_multi_tensor_copy_this_to_that", REPLACES, __name__,
+    does="the master weights copied into the model weights by torch._foreach_copy_",
+    why="for bf16 megatron runs a Python loop of per-tensor copies",
+    fingerprint="1c15b8061ac0")
+COPY_MODEL_GRADS = Change(
+    _OPTIMIZER + "Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads",
+    REPLACES, __name__,
+    does="one fp32 cast per gradient buffer",
+    why="megatron casts each parameter tensor on its own (~300 kernels)",
+    fingerprint="fe8017bd890f")
+CLIP_SCALE_TENSOR = Change(
+    _CLIP + "multi_tensor_scale_tensor_impl", REPLACES, __name__,
+    does="TE's tensor-scale kernel in torch._foreach form: the norm and the clipping stay on "
+         "the GPU",
+    why="None without TE, so megatron brings the norm to the host to clip",
+    fingerprint="f2ef0c158231")
+MEGATRON_CHANGES = (ADAM, USING_PYTORCH_OPTIMIZER, L2_NORM, CLIP_SCALE, OPTIMIZER_SCALE,
+                    COPY_THIS_TO_THAT, COPY_MODEL_GRADS, CLIP_SCALE_TENSOR)
 
 
 def _replacements(fused_adam: bool, multi_tensor: bool, tensor_clip: bool,
