@@ -49,8 +49,9 @@ def anchor(title: str) -> str:
 def anchors_of(page: str) -> set[str]:
     """The anchors GitHub makes for ``page``'s headings (a repeated one gets -1, -2, ...)."""
     seen: dict[str, int] = {}
-    out = set()
-    for line in FENCE.sub("", text_of(page)).splitlines():
+    text = FENCE.sub("", text_of(page))
+    out = set(re.findall(r'<a (?:id|name)="([^"]+)"', text))  # explicit anchors GitHub keeps
+    for line in text.splitlines():
         m = re.match(r"^#{1,6} +(.*?)\s*#*\s*$", line)
         if not m:
             continue

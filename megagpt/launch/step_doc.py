@@ -25,7 +25,7 @@ from megagpt.compat import Installed
 from megagpt.megatron_change import REPLACES, Change
 
 from . import megatron_changes
-from .planner import Launch
+from .plan import Launch
 from .resolution import resolve
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,6 +96,13 @@ def _launcher_environment(environ: Mapping[str, str]) -> Iterator[None]:
 
 INTRO = """\
 # What one iteration runs, in order
+
+What a launch of yours decides (its layers, graphs, optimizer, FP8 and each reason) the dry run
+prints; this page is what one iteration then runs inside megatron, for three launches:
+
+```bash
+python pretrain_gpt.py --config configs/gpt2_345m.yaml --mock-data --dry-run
+```
 
 <!-- Written by `make step-doc` (python -m megagpt.launch.step_doc) from the launch's table,
 megagpt/launch/megatron_changes.py, and the records beside each change: edit those, not this
