@@ -6,7 +6,8 @@ FP8 tensor cores, or ``--cpu``) and ``fp8_shape_reason(args)`` which GEMM dimens
 TE's layers as for the fast spec. ``megagpt.compat``
 refuses with them where nothing else could run the launch, ``megagpt.layer_impl`` picks the
 layers with them where Transformer Engine is installed, and the fast path's plan turns the
-launch into the fast spec's ``Fp8Recipe`` (``recipe_from_args``).
+launch into the fast spec's ``Fp8Recipe`` (``recipe_from_args``), whose weights the flat
+AdamW step writes in FP8 unless ``weight_writes_unsupported_reason(args)`` says why not.
 """
 
 from __future__ import annotations
@@ -179,4 +180,46 @@ def fp8_hardware_reason(args) -> Optional[str]:
         name = torch.cuda.get_device_name()
         return (f"this GPU ({name}, compute capability {capability[0]}.{capability[1]}) has "
                 "no FP8 tensor cores (8.9 or later: H100, H200, L40S); train it in bf16")
+    return None
+
+
+def weight_writes_unsupported_reason(args) -> Optional[str]:
+    """Why the flat AdamW step cannot write the FP8 linears' weights for their forwards
+    (None: it writes them; ``Fp8Recipe.weights_written``); where it cannot, each forward
+    casts them. A pure function of the arguments as the plan has decided them so far."""
+    from megagpt.launch.fast_path_reasons import _planned_data_parallel_size
+
+    if not getattr(args, "fast_fp8_weight_writes", True):
+        return "--fast-disable fp8-weight-writes"
+    recipe = getattr(args, "fp8_recipe", None) or "delayed"
+    if recipe != "delayed":
+        return (f"--fp8-recipe {recipe}: a current scale is the weight's own amax, known only "
+                "once the weight is written")
+    if not getattr(args, "fast_optimizer", True):
+        return "--fast-disable optimizer (the flat AdamW step writes them)"
+    if not getattr(args, "fast_flat_adam", True):
+        return "--fast-disable flat-adam (the flat AdamW step writes them)"
+    if not getattr(args, "bf16", False):
+        return "the flat AdamW step serves megatron's bf16 optimizer only (add --bf16)"
+    optimizer = getattr(args, "optimizer", "adam") or "adam"
+    if optimizer != "adam":
+        return f"--optimizer {optimizer} (the flat step is AdamW's)"
+    for flag, attr in (("--use-distributed-optimizer", "use_distributed_optimizer"),
+                       ("--use-megatron-fsdp", "use_megatron_fsdp"),
+                       ("--use-torch-fsdp2", "use_torch_fsdp2")):
+        if getattr(args, attr, False):
+            return f"{flag} (each rank steps a shard of every weight)"
+    for flag, attr in (("--use-precision-aware-optimizer", "use_precision_aware_optimizer"),
+                       ("--optimizer-cpu-offload", "optimizer_cpu_offload"),
+                       ("--log-num-zeros-in-grad", "log_num_zeros_in_grad")):
+        if getattr(args, attr, False):
+            return f"{flag} (the flat AdamW step does not run)"
+    if _size(args, "tensor_model_parallel_size") > 1:
+        return "tensor parallelism (each rank's shards are cast in its forward)"
+    micro = _size(args, "micro_batch_size")
+    per_step = _size(args, "global_batch_size") // (micro * _planned_data_parallel_size(args))
+    if per_step > 1 or getattr(args, "rampup_batch_size", None):
+        # each forward after the first scales by the history the one before it recorded
+        return ("more than one micro-batch per step (the optimizer's copies serve the "
+                "step's first forward only)")
     return None

@@ -126,7 +126,8 @@ def _fp8(p: Planner) -> None:
         raise UserError(f"--fp8-format {fmt}: FP8 runs in the fast spec's fused layer, which "
                         "this launch turns off (--overlap-param-gather or --fast-disable "
                         "fused-layer)")
-    from megagpt.fast_spec.fp8_support import linears_in_fp8, recipe_from_args
+    from megagpt.fast_spec.fp8_support import (linears_in_fp8, recipe_from_args,
+                                               weight_writes_unsupported_reason)
 
     floor = p.get("fast_fp8_min_width", None)
     if floor is not None and floor < 0:
@@ -157,12 +158,16 @@ def _fp8(p: Planner) -> None:
             recipe = dataclasses.replace(recipe, first_scales="amax")
             p.log(f"fast spec: delayed scaling's first scales of 1 are for training's first "
                   f"step; resuming {resumed}, the first forward scales by its own amaxes")
+    cast = weight_writes_unsupported_reason(p.v)
+    recipe = dataclasses.replace(recipe, weights_written=cast is None)
     p.set("fast_fp8", fmt)
     p.set("fp8", None)
     narrow = f"; in bf16, too narrow to gain: {', '.join(bf16)}" if bf16 else ""
+    weights = ("their FP8 weights written by the flat AdamW step with the bf16 ones"
+               if cast is None else f"their weights cast to FP8 in each forward ({cast})")
     p.log(f"fast spec: FP8 linears ({recipe.describe()}): {', '.join(g for _, g in fp8)} "
-          f"through torch._scaled_mm{narrow}; embeddings, attention, the output layer and "
-          "the loss in bf16; weights, gradients and checkpoints as in bf16")
+          f"through torch._scaled_mm{narrow}, {weights}; embeddings, attention, the output "
+          "layer and the loss in bf16; weights, gradients and checkpoints as in bf16")
     p.choose(FP8, recipe, why)
 
 
