@@ -28,6 +28,8 @@ class WhatRuns:
     cuda_graph: bool  # a full-iteration or per-layer CUDA graph
     fp8: bool  # the layers' linears in FP8
     fp8_linears: tuple = ALL_LINEARS  # which of them (the fast spec's recipe; TE: all four)
+    # the fast spec's FP8 weights written by the optimizer (persistent copies, none per layer)
+    fp8_weights_written: bool = False
 
     @classmethod
     def of(cls, launch) -> "WhatRuns":
@@ -41,7 +43,8 @@ class WhatRuns:
             optimizer=launch.value(chosen.OPTIMIZER),
             cuda_graph=launch.value(chosen.CUDA_GRAPH) not in ("none", None),
             fp8=fp8 != "off" and path != LOCAL,
-            fp8_linears=getattr(fp8, "linears", ALL_LINEARS))
+            fp8_linears=getattr(fp8, "linears", ALL_LINEARS),
+            fp8_weights_written=bool(getattr(fp8, "weights_written", False)))
 
     @property
     def fused_adamw(self) -> bool:
