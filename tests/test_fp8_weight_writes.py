@@ -66,7 +66,8 @@ def _spec_args():
                               context_parallel_size=1)
 
 
-def _build(recipe: Fp8Recipe, device="cpu", compile_layer=False, compiled_step=False):
+def _build(recipe: Fp8Recipe, device="cpu", compile_layer=False, compiled_step=False,
+           attach=True):
     """The tiny GPT of fused FP8 layers, megatron's bf16 optimizer and the flat step."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -82,6 +83,8 @@ def _build(recipe: Fp8Recipe, device="cpu", compile_layer=False, compiled_step=F
         OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, adam_beta1=0.9,
                         adam_beta2=0.95, bf16=True, params_dtype=torch.bfloat16, clip_grad=1.0),
         [model])
+    if not attach:
+        return model, opt, None
     (sub,) = flat_adam.megatron_optimizers(opt)
     params = flat_adam.buffer_params([model])
     assert flat_adam.unsupported_reason(sub, params) is None
@@ -333,6 +336,29 @@ def test_the_compiled_layer_reads_every_layers_copies_without_recompiling():
     cast = train(read=False)
     assert all(torch.equal(a, b) for a, b in zip(read[0], cast[0]))
     assert all(torch.equal(a, b) for a, b in zip(read[1], cast[1]))
+
+
+def test_the_optimizers_log_line_says_whether_it_writes_the_fp8_weights(cpu_megatron,
+                                                                         monkeypatch):
+    from megatron.core.optimizer import ChainedOptimizer
+
+    from megagpt.train_step import flat_adam
+
+    lines = []
+    model, opt, _ = _build(_written(Fp8Recipe(emulate=True)), attach=False)
+    flat_adam.attach_after_setup(lambda: ([model], opt, None), lines.append, False)()
+    assert "the bf16 weight copy and the FP8 copies of 8 linear weights in one pass" \
+        in lines[-1]
+    model, opt, _ = _build(_written(Fp8Recipe(emulate=True)), attach=False)
+    two = ChainedOptimizer([opt.chained_optimizers[0], opt.chained_optimizers[0]])
+    flat_adam.attach_after_setup(lambda: ([model], two, None), lines.append, False)()
+    assert lines[-1].endswith("not used: 2 chained optimizers (the norm spans all of them); "
+                              "the FP8 linears' weights are cast in each forward instead")
+    # and they are: the layers' copies are never bound
+    casts = _WeightCasts(monkeypatch, model)
+    for tokens in _batches(2):
+        _train_step(model, two, tokens)
+    assert casts.take() == 16
 
 
 def test_without_the_recipes_writes_nothing_is_marked_or_written(cpu_megatron):

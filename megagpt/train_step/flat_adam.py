@@ -538,7 +538,11 @@ def attach_after_setup(setup: Callable, log: Callable[[str], None], compiled: bo
         else:
             reason = unsupported_reason(subs[0], params)
         if reason:
-            log(f"fast optimizer: flat AdamW step not used: {reason}")
+            from megagpt.fast_spec.fp8_weights import marked
+
+            cast = ("; the FP8 linears' weights are cast in each forward instead"
+                    if any(marked(p) for p in params) else "")
+            log(f"fast optimizer: flat AdamW step not used: {reason}{cast}")
         else:
             state = attach(subs[0], params, compiled=compiled)
             fp8 = "" if state.fp8_weights is None else (
