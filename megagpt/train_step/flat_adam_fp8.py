@@ -277,7 +277,7 @@ def writes_for(entries, size: int, device) -> Optional[Fp8WeightWrites]:
     marked = []
     for model_param, _, _, offset in entries:
         mark = fp8_weights.marked(model_param)
-        if mark is not None:
+        if mark is not None and model_param.dtype == torch.bfloat16:  # the kernel's weights
             rows, cols = model_param.shape
             marked.append(_Marked(offset, rows, cols, *mark))
     # a layer whose FP8 weights this step does not all hold keeps casting them
