@@ -553,8 +553,9 @@ def test_the_kernel_equals_the_compiled_update_and_the_cast_bit_for_bit(decouple
                                             tiles, blocks, *kw.values())
     for name, a, b in zip(("main", "exp_avg", "exp_avg_sq", "model"), got, compiled):
         assert torch.equal(a, b), f"{name}: {(a.float() - b.float()).abs().max()}"
-    for a, b in zip(got, eager):
-        torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-7)
+    for a, b in zip(got[:3], eager[:3]):  # eager: IEEE division and pow, no fused multiply-add
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert torch.equal(got[3], got[0].bfloat16())
     assert torch.equal(scales, next_scales)
     for offset, r, c, f, slot in rows:
         w = got[3][offset:offset + r * c].view(r, c)
