@@ -7,7 +7,8 @@
 Each BENCH.json is bench/bench_throughput.py's ``bench_<shape>.json`` of one invocation of
 ``bench/gpu_fp8.sh OUT train`` (``OUT/train_<shape>/``), all of one shape, run back to back:
 the fast path's rows without Transformer Engine importable, TE's rows with it, in separate
-invocations (``TRAIN_PATHS=fast,fp8,referencefp8``, then ``tefp8,tefp8cs``, then ``fp8own``).
+invocations (step ``te``: ``fast,fp8,referencefp8``, then ``tefp8,tefp8cs``, then ``fp8own``;
+step ``weights``: ``fast,fp8,fp8cast``, then ``tefp8``).
 One record per path, keyed by the shape, the table's ``call`` (the first invocation's date,
 naming the runs compared) and the path: ms/iter, TFLOP/s, and against the fast path's bf16
 (``vs_fast_bf16``) and TE's FP8 with delayed scaling (``vs_te_fp8``) of the same run, each

@@ -6,7 +6,7 @@
 #
 # (`source bench/gpu_site.sh` sets MCORE_SITE, and TE_SITE where Transformer Engine was
 # built.) Steps, each inside one 10-minute call:
-#   tests   the FP8 GPU tests (tests/test_fp8.py -m gpu)
+#   tests   the FP8 GPU tests (tests/test_fp8.py and tests/test_fp8_weight_writes.py, -m gpu)
 #   layer   the fused layer's forward + backward under a CUDA graph, bf16 against FP8 with
 #           current and delayed scaling (bench/bench_layer.py), wide and 1.3B (LAYER_SHAPES),
 #           with each setting's time by kind of kernel and the slowest kernels
@@ -20,6 +20,13 @@
 #   te      per shape (FP8_SHAPES), one call each: train's fast,fp8,referencefp8 without TE,
 #           then tefp8,tefp8cs with TE (TE_SITE), then fp8own (each skipped where the
 #           call's time is short); about 480 s for the wide shape
+#   weights per shape (FP8_SHAPES), one call each: the FP8 weights written by the optimizer
+#           (fp8, the default under delayed scaling) against the forward's own cast of them
+#           (fp8cast: --fast-disable fp8-weight-writes) and bf16 (fast), without TE, and
+#           whether fp8's and fp8cast's logged losses are the same (the copies are the
+#           forward's own cast; flash attention's backward adds its query gradient in no
+#           fixed order, so the last digits may part as between two runs of one path);
+#           then TE's FP8 with delayed scaling under the full-iteration graph (tefp8)
 #   first   tests, train at the wide shape, layer
 #   all     tests, layer (LAYER_SHAPES), train (FP8_SHAPES)
 set -uo pipefail
@@ -50,8 +57,8 @@ cat "$OUT/versions.txt"
 
 tests() {
     echo "== tests ($(left)s left)"
-    timeout $(( $(left) < 240 ? $(left) : 240 )) $PY -m pytest -q -p no:cacheprovider -m gpu \
-        tests/test_fp8.py 2>&1 | tail -15 | tee "$OUT/tests.txt"
+    timeout $(( $(left) < 300 ? $(left) : 300 )) $PY -m pytest -q -p no:cacheprovider -m gpu \
+        tests/test_fp8.py tests/test_fp8_weight_writes.py 2>&1 | tail -15 | tee "$OUT/tests.txt"
 }
 
 train() {  # SHAPE [PATHS [TAG]]: PATHS with TE's rows (tefp8, tefp8cs) only, run with TE
@@ -65,6 +72,7 @@ train() {  # SHAPE [PATHS [TAG]]: PATHS with TE's rows (tefp8, tefp8cs) only, ru
     PYTHONPATH=$path timeout $(( $(left) - 10 )) $PY bench/bench_throughput.py --shape "$shape" \
         --paths "$paths" --variant "fp8=--fp8-format hybrid" \
         --variant "fp8cs=--fp8-format hybrid --fp8-recipe tensorwise" \
+        --variant "fp8cast=--fp8-format hybrid --fast-disable fp8-weight-writes" \
         --variant "fp8own=--fp8-format hybrid --fast-fp8-first-scales amax --fast-fp8-grad-scaling current" \
         --variant "tefp8=$TE --fp8-format hybrid" \
         --variant "tefp8cs=$TE --fp8-format hybrid --fp8-recipe tensorwise" \
@@ -72,7 +80,19 @@ train() {  # SHAPE [PATHS [TAG]]: PATHS with TE's rows (tefp8, tefp8cs) only, ru
         --entry-args "$NODROP" --reference-dropout 0 --train-iters ${TRAIN_ITERS:-40} \
         --warmup-iters 10 --log-interval 5 --out "$OUT/$name" > "$OUT/$name.txt" 2>&1
     grep -E "^(path|fast|fp8|te|ref)|TFLOP|failed|error" "$OUT/$name.txt" | cut -c1-200 | head -14
-    grep -h "FP8 linears\|layers:" "$OUT/$name"/entry_*.log 2>/dev/null | sort -u | cut -c1-200 | head -4
+    grep -h "FP8 linears\|layers:\|flat AdamW step over" "$OUT/$name"/entry_*.log \
+        2>/dev/null | sort -u | cut -c1-240 | head -6
+}
+
+same_losses() {  # SHAPE: fp8's logged losses (weights written) against fp8cast's (cast)
+    $PY - "$OUT/train_$1/bench_$1.json" <<'PY' 2>/dev/null | tee -a "$OUT/train_$1.txt"
+import json, sys
+runs = json.load(open(sys.argv[1]))["results"]
+written, cast = (runs.get(p, {}).get("losses") for p in ("fp8", "fp8cast"))
+apart = list(zip(written or [], cast or []))
+print("   fp8 (weights written) against fp8cast (cast in the forward), the logged losses:",
+      "the same" if written and written == cast else f"apart: {apart}")
+PY
 }
 
 layer() {
@@ -104,6 +124,9 @@ a) tests; LAYER_SHAPES=wide LAYER_SETTINGS="default,fp8 delayed" layer
 te) for shape in ${FP8_SHAPES:-wide 1.3B}; do
         train "$shape" fast,fp8,referencefp8; train "$shape" tefp8,tefp8cs _te
         train "$shape" fp8own _own; done ;;
+weights) for shape in ${FP8_SHAPES:-wide 1.3B}; do
+        train "$shape" fast,fp8,fp8cast; same_losses "$shape"; train "$shape" tefp8 _te
+    done ;;
 first) tests; train wide; layer ;;
 all) tests; layer; for shape in ${FP8_SHAPES:-wide 1.3B}; do train "$shape"; done ;;
 *) echo "unknown step $STEP"; exit 2 ;;

@@ -96,6 +96,7 @@ FP8_PATHS = {"te": "TE's layers, bf16", "tefp8": "TE's layers, FP8, delayed scal
              "tefp8cs": "TE's layers, FP8, current scaling", "fast": "fast path, bf16"}
 FAST_FP8_PATHS = {"fast": "fast path, bf16", "fp8": "fast path, FP8, delayed scaling",
                   "fp8cs": "fast path, FP8, current scaling",
+                  "fp8cast": "fast path, FP8, delayed scaling, weights cast in the forward",
                   "fp8own": "fast path, FP8, delayed scaling on its own amaxes",
                   "tefp8": "TE's layers, FP8, delayed scaling",
                   "tefp8cs": "TE's layers, FP8, current scaling",

@@ -37,6 +37,7 @@ PIECES = {
     "bf16-grad-buffer": ("fast_bf16_grad_buffer", False),
     "grad-write": ("fast_grad_write", False),
     "deferred-nan-checks": ("fast_step_nan_checks", True),
+    "fp8-weight-writes": ("fast_fp8_weight_writes", False),
 }
 
 # every namespace attribute the options set, with its value when none is given (None: the
@@ -53,6 +54,7 @@ SWITCH_DEFAULTS = (
     ("fast_fp8_min_width", None),
     ("fast_fp8_first_scales", None),
     ("fast_fp8_grad_scaling", None),
+    ("fast_fp8_weight_writes", True),
     ("fast_step_nan_checks", False),
     ("fast_optimizer", True),
     ("fast_lm_loss", True),

@@ -674,6 +674,27 @@ def _fp8_call_output(shape, date, ms):
                                     for p, v in ms.items()})
 
 
+def test_fp8_records_of_the_weights_step_name_the_forwards_own_cast():
+    """bench/gpu_fp8.sh's ``weights`` step: the fast path's bf16, FP8 with its weights
+    written by the optimizer and FP8 with the forward's own cast, then TE's FP8; one record
+    per path, its table row named."""
+    import fp8_records
+    import tables
+    from table_specs import TABLES
+
+    outputs = [_fp8_call_output("wide", "2026-12-08 10:00 UTC",
+                                {"fast": 96.2, "fp8": 74.0, "fp8cast": 77.1}),
+               _fp8_call_output("wide", "2026-12-08 10:04 UTC", {"tefp8": 86.8})]
+    made = {r["row"]["path"]: r for r in fp8_records.make_records(outputs)}
+    assert list(made) == ["fast", "fp8", "fp8cast", "tefp8"]
+    assert made["fp8cast"]["figures"]["vs_fast_bf16"] == round(96.2 / 77.1, 3)
+    assert made["fp8"]["figures"]["vs_te_fp8"] == round(86.8 / 74.0, 3)
+    spec = next(t for t in TABLES if t.name == "fp8-fast")
+    text = "\n".join(tables.render_table(spec, list(made.values()), list(made.values())))
+    assert ("| wide | 2026-12-08 10:00 UTC | fast path, FP8, delayed scaling, weights cast in "
+            "the forward | 77.1 |") in text
+
+
 def test_fp8_records_of_one_call_set_each_row_against_fast_bf16_and_tes_fp8(tmp_path):
     """bench/gpu_fp8.sh's three invocations of one call (the fast path's rows, TE's rows, the
     earlier recipe with a second bf16 run) become one record per path, each against the

@@ -482,3 +482,48 @@ def test_fp8_first_scales_and_grad_scaling_reach_the_recipe_under_delayed_scalin
 def test_fp8_where_the_fused_layer_cannot_run_is_refused(attrs, needle):
     with pytest.raises(UserError, match=needle):
         plan_of(fp8="hybrid", **attrs)
+
+
+# --fp8-format's weights: written by the flat AdamW step where it owns them whole, else cast
+# in each forward, the plan's FP8 line saying why
+WRITTEN_OR_CAST = {
+    "one GPU, delayed scaling": ([], {}, None),
+    "switched off": (["--fast-disable", "fp8-weight-writes"], {},
+                     "--fast-disable fp8-weight-writes"),
+    "current scaling": ([], dict(fp8_recipe="tensorwise"), "--fp8-recipe tensorwise: a "
+                        "current scale is the weight's own amax"),
+    "no flat step": (["--fast-disable", "flat-adam"], {}, "--fast-disable flat-adam"),
+    # (the namespace's attributes are laid over the parsed flags: the same, given again)
+    "no fast optimizer": (["--fast-disable", "optimizer"], dict(fast_optimizer=False),
+                          "--fast-disable optimizer"),
+    "fp16": ([], dict(bf16=False, fp16=True), "the flat AdamW step serves megatron's bf16 "
+             "optimizer only"),
+    "the distributed optimizer": ([], dict(world_size=8, global_batch_size=64,
+                                           use_distributed_optimizer=True),
+                                  "--use-distributed-optimizer (each rank steps a shard"),
+    "TP 2": ([], dict(world_size=2, tensor_model_parallel_size=2), "tensor parallelism"),
+    "two micro-batches": ([], dict(global_batch_size=16), "more than one micro-batch per step"),
+    "DP 8, one micro-batch each": ([], dict(world_size=8, global_batch_size=64), None),
+}
+
+
+@pytest.mark.parametrize("case", list(WRITTEN_OR_CAST))
+def test_fp8_weights_are_written_by_the_optimizer_where_its_flat_step_owns_them(case):
+    from megagpt.launch.fp8 import weight_writes_unsupported_reason
+    from megagpt.gpt_model import fused_layer_options
+
+    argv, attrs, reason = WRITTEN_OR_CAST[case]
+    attrs = dict(dict(fp8_recipe="delayed", fast_optimizer=True, **SHAPE_345M), **attrs)
+    args = launch(argv, fp8="hybrid", **attrs)
+    plan = plan_fast_path(args, NO_TE, {})
+    recipe = plan[FP8]
+    assert recipe.weights_written == (reason is None)
+    assert fused_layer_options(plan).fp8 == recipe  # what every fused layer is given
+    (line,) = [x for x in plan.log if "FP8 linears" in x]
+    if reason is None:
+        assert "their FP8 weights written by the flat AdamW step with the bf16 ones" in line
+        assert "hybrid, delayed scaling, fast spec, weights written by the optimizer" \
+            in "\n".join(plan.describe())
+    else:
+        assert f"their weights cast to FP8 in each forward ({reason}" in line, line
+        assert reason in weight_writes_unsupported_reason(args)

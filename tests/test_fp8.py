@@ -227,6 +227,43 @@ def test_an_amax_history_longer_than_one_step_takes_its_maximum():
     assert history[1:, 0].tolist() == [2.0, 8.0]
 
 
+@pytest.mark.parametrize("wgrad", [True, False], ids=["fp8-wgrad", "bf16-wgrad"])
+def test_a_forward_reading_the_optimizers_copies_equals_its_own_cast(wgrad):
+    """The weight's copies as the optimizer writes them (its cast by the scale the history
+    gives, both layouts, the amax): the forward that reads them computes, records and
+    differentiates exactly as the one that casts the weight itself."""
+    from megagpt.fast_spec.fp8_cast import _cast_reference
+
+    recipe = fp8.Fp8Recipe(scaling="delayed", history_len=2, amax_algo="max", wgrad=wgrad,
+                           emulate=True)
+    x, w, b, grad_out = _operands(seed=3)
+    runs = []
+    for written in (False, True):
+        history = fp8.new_history(recipe, "cpu")
+        fp8.fp8_linear(x, w, b, None, fp8.start_step(recipe, history, warm=False), fp8.FC1)
+        weights = None
+        if written:
+            scales = fp8.next_weight_scales(history, recipe)
+            q, q_t, amax = _cast_reference(w.detach(), scales[fp8.FC1:fp8.FC1 + 1], E4M3, True)
+            w8, w8_t = [None] * fp8.LINEARS, [None] * fp8.LINEARS
+            w8[fp8.FC1], w8_t[fp8.FC1] = q, q_t
+            amaxes = torch.zeros(fp8.LINEARS)
+            amaxes[fp8.FC1] = amax[0]
+            weights = (tuple(w8), tuple(w8_t), scales, amaxes)
+        for t in (x, w, b):
+            t.grad = None
+        step = fp8.start_step(recipe, history, warm=True, weights=weights)
+        assert (step.weight_copy(fp8.FC1) is None) != written
+        assert step.weight_copy(fp8.QKV) is None
+        y = fp8.fp8_linear(x, w, b, None, step, fp8.FC1)
+        y.backward(grad_out)
+        runs.append((y.detach(), x.grad, w.grad, b.grad, history.clone()))
+    for cast, read in zip(*runs):
+        assert torch.equal(cast, read)
+    with pytest.raises(ValueError, match="for a forward after the first"):
+        fp8.start_step(recipe, fp8.new_history(recipe, "cpu"), warm=False, weights=weights)
+
+
 def test_the_recipe_refuses_what_it_does_not_know():
     with pytest.raises(ValueError, match="format"):
         fp8.Fp8Recipe(format="e5m2")
@@ -291,12 +328,15 @@ def test_linears_left_out_of_the_recipe_run_in_bf16(cpu_buffers):
         fp8.Fp8Recipe(linears=())
 
 
-@pytest.mark.parametrize("scaling", ["tensorwise", "delayed", "delayed-grads"])
+@pytest.mark.parametrize("scaling", ["tensorwise", "delayed", "delayed-grads", "delayed-written"])
 def test_the_fp8_layer_traces_as_one_graph_without_breaks(cpu_buffers, scaling):
     """fullgraph, through AOTAutograd (backend 'aot_eager': the forward and backward graphs
     inductor would get), with the weight gradients written into main_grad by the custom op;
     under delayed scaling two steps, the second scaled by the first's amaxes (its gradients
-    too, by what backward recorded, with ``grad_scaling="delayed"``)."""
+    too, by what backward recorded, with ``grad_scaling="delayed"``; with ``written``, its
+    weights read from copies cast by the scales the first left, as the optimizer's)."""
+    from megagpt.fast_spec.fp8_cast import _cast_reference
+
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -315,32 +355,50 @@ def test_the_fp8_layer_traces_as_one_graph_without_breaks(cpu_buffers, scaling):
                    fc1_w=p(4 * h, h), fc1_b=p(4 * h), fc2_w=p(h, 4 * h), fc2_b=p(h))
     main_grads = {f"{n}_main_grad": torch.zeros_like(weights[f"{n}_w"])
                   for n in ("qkv", "proj", "fc1", "fc2")}
-    scaling, _, grads = scaling.partition("-")
-    recipe = fp8.Fp8Recipe(scaling=scaling, grad_scaling="delayed" if grads else "current")
+    scaling, _, variant = scaling.partition("-")
+    written = variant == "written"
+    recipe = fp8.Fp8Recipe(scaling=scaling, grad_scaling="delayed" if variant else "current",
+                           weights_written=written)
     kw = dict(rope=None, eps=1e-5, rms=False, groups=4, q_per_group=1, head_dim=h // 4,
               scale=(h // 4) ** -0.5, attn_p=0.0, hidden_p=0.0, act="gelu_tanh",
               rotary_interleaved=False, rope_mscale=1.0, training=True, fp8=recipe)
     x = torch.randn(s, b, h, generator=g, requires_grad=True)
 
-    def run(fn, grads_into):
+    def copies(next_scales):
+        w8, w8_t = [], []
+        amaxes = torch.zeros(fp8.LINEARS)
+        for i, name in enumerate(("qkv_w", "proj_w", "fc1_w", "fc2_w")):
+            q, q_t, amax = _cast_reference(weights[name].detach(), next_scales[i:i + 1], E4M3,
+                                           True)
+            w8.append(q)
+            w8_t.append(q_t)
+            amaxes[i] = amax[0]
+        return tuple(w8), tuple(w8_t), next_scales.clone(), amaxes
+
+    def run(fn, grads_into, read_copies=written):
         call = dict(kw)
         history = fp8.new_history(recipe, "cpu")
+        next_scales = torch.zeros(fp8.LINEARS)
         # a first forward (scaled by its own amaxes, which it records), then one scaled by
         # what the first recorded
         for warm in ((False, True) if recipe.delayed else (False,)):
             if recipe.delayed:
                 call.update(fp8_history=history, fp8_warm=warm)
+            if written:
+                call["fp8_next_scales"] = next_scales
+                if warm and read_copies:
+                    call["fp8_weights"] = copies(next_scales)
             for t in (x, *weights.values()):
                 t.grad = None
             out = fn(x, **weights, **call, **grads_into)
             out.sum().backward()
-        return out.detach(), call.get("fp8_history")
+        return out.detach(), call.get("fp8_history"), next_scales
 
     compiled = torch.compile(fused_layer_forward, backend="aot_eager", fullgraph=True)
-    out, history = run(compiled, main_grads)
+    out, history, next_scales = run(compiled, main_grads)
     assert not counters["graph_break"], dict(counters["graph_break"])
     eager_grads = {k: torch.zeros_like(v) for k, v in main_grads.items()}
-    eager, eager_history = run(fused_layer_forward, eager_grads)
+    eager, eager_history, eager_next = run(fused_layer_forward, eager_grads)
     torch.testing.assert_close(out, eager)
     for name in main_grads:
         assert main_grads[name].abs().sum() > 0
@@ -350,6 +408,14 @@ def test_the_fp8_layer_traces_as_one_graph_without_breaks(cpu_buffers, scaling):
         assert (recorded > 0).all()
         assert recipe.delayed_grads or not history[0, fp8.GRAD_COLUMNS:].any()
         torch.testing.assert_close(history, eager_history)
+    if written:  # the scales left for the optimizer, as the next forward reads them
+        assert torch.equal(next_scales, fp8.delayed_scales(history, recipe)[1:8:2])
+        assert torch.equal(next_scales, eager_next)
+        # reading the copies is the forward's own cast, bit for bit
+        cast_grads = {k: torch.zeros_like(v) for k, v in main_grads.items()}
+        cast, cast_history, _ = run(fused_layer_forward, cast_grads, read_copies=False)
+        assert torch.equal(eager, cast) and torch.equal(eager_history, cast_history)
+        assert all(torch.equal(eager_grads[k], cast_grads[k]) for k in cast_grads)
 
 
 def test_a_layer_that_cannot_take_the_fused_path_refuses_fp8(cpu_buffers):

@@ -6,7 +6,10 @@
 - ``attention`` and ``sdpa_kernels``: torch's scaled_dot_product_attention in megatron's place;
 - ``norm``: torch's norms, usable under sequence parallelism;
 - ``lm_loss``: the chunked LM-head cross entropy (GPTModel's output processor);
-- ``hash_dropout``: residual dropout masks hashed from each element's index.
+- ``hash_dropout``: residual dropout masks hashed from each element's index;
+- ``fp8``, ``fp8_cast``: the FP8 linears and their casts (where they run is the launch's:
+  ``megagpt.launch.fp8``); ``fp8_weights``: the weights' FP8 copies the optimizer writes for
+  them.
 
 The model is built from what a launch decided (``megagpt.launch``); nothing here decides a
 launch's choices.

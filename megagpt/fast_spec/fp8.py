@@ -28,7 +28,13 @@ amax comes from:
 
 The backward GEMMs read the FP8 operands transposed (cuBLAS's FP8 GEMM takes its first
 operand row-major and its second column-major): each cast writes both layouts in one pass
-(``fp8_cast``).
+(``fp8_cast``). Under delayed scaling the weights need not be cast by the forward at all:
+a weight's scale comes from the history before the forward starts, so the flat AdamW step,
+which writes the bf16 weight, can write its FP8 copies (both layouts) and amax in the same
+pass (``weights_written``; ``fp8_weights`` holds the copies, ``train_step.flat_adam_fp8``
+writes them), and the forward after it reads them instead (``Fp8Step.weights``). Each
+forward leaves the weights' scales the next one will read (``next_weight_scales``) for the
+optimizer to cast by.
 Weights, biases, main gradients and the optimizer are untouched, so a checkpoint is the
 bf16 model's. ``emulate`` runs the same quantisation with the products in float32
 (dequantise, then matmul): for tests where ``_scaled_mm`` cannot run; a GPU test holds it
@@ -84,6 +90,9 @@ class Fp8Recipe:
     emulate: bool = False  # float32 products of the dequantised operands (tests)
     # the linears that run in FP8; the others in bf16 (too narrow to gain: megagpt.launch.fp8)
     linears: tuple = ALL_LINEARS
+    # delayed scaling: the flat AdamW step writes the weights' FP8 copies for the forward
+    # (megagpt.launch.fp8.weight_writes_unsupported_reason decides; False: each forward casts)
+    weights_written: bool = False
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -100,6 +109,9 @@ class Fp8Recipe:
             raise ValueError(f"gradient scaling {self.grad_scaling!r}: one of {GRAD_SCALINGS}")
         if not self.linears or not set(self.linears) <= set(ALL_LINEARS):
             raise ValueError(f"FP8 linears {self.linears!r}: some of {ALL_LINEARS}")
+        if self.weights_written and self.scaling != "delayed":
+            raise ValueError("FP8 weights written by the optimizer need delayed scaling (a "
+                             "current scale is the weight's own amax, known once written)")
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -114,7 +126,8 @@ class Fp8Recipe:
         return self.delayed and self.grad_scaling == "delayed"
 
     def __str__(self) -> str:  # the launch's FP8 choice, as --dry-run prints it
-        return f"{self.format}, {self.scaling} scaling, fast spec{self._bf16_part()}"
+        written = ", weights written by the optimizer" if self.weights_written else ""
+        return f"{self.format}, {self.scaling} scaling, fast spec{written}{self._bf16_part()}"
 
     def _bf16_part(self) -> str:
         kept = [LINEAR_NAMES[i] for i in range(LINEARS) if i not in self.linears]
@@ -157,6 +170,18 @@ def delayed_scales(history: Tensor, recipe: Fp8Recipe) -> Tensor:
                       scale_from_amax(amax[GRAD_COLUMNS:], recipe.grad_dtype, recipe.margin)])
 
 
+# the weights' history columns (2 i + 1), in the order of the linears
+WEIGHT_COLUMNS = slice(1, GRAD_COLUMNS, 2)
+
+
+def next_weight_scales(history: Tensor, recipe: Fp8Recipe) -> Tensor:
+    """[LINEARS]: each weight's scale the next forward will read from ``history`` as it is
+    after this forward's records (a backward records gradients' amaxes only). The same
+    arithmetic as the next forward's ``delayed_scales``, so the same bits in a compiled
+    layer as in an eager one."""
+    return delayed_scales(history, recipe)[WEIGHT_COLUMNS]
+
+
 def advance_history(history: Tensor) -> None:
     """Make room for this step's amaxes in row 0 (the oldest row drops out)."""
     if history.shape[0] > 1:
@@ -176,6 +201,17 @@ class Fp8Step:
     history: Optional[Tensor] = None
     scales: Optional[Tensor] = None
     first_unit: bool = False
+    # the optimizer's FP8 copies of the weights, to read instead of casting them:
+    # (w8 by linear, w8_t by linear, scales [LINEARS], amaxes [LINEARS]); None: cast
+    weights: Optional[tuple] = None
+
+    def weight_copy(self, linear: int) -> Optional[tuple]:
+        """(w8, w8_t, scale, amax) of ``linear``'s weight as the optimizer wrote them (None:
+        the forward casts it)."""
+        if self.weights is None or self.weights[0][linear] is None:
+            return None
+        w8, w8_t, scales, amaxes = self.weights
+        return w8[linear], w8_t[linear], scales[linear], amaxes[linear:linear + 1]
 
     def grad_scale(self, linear: int) -> Optional[Tensor]:
         """The scale of ``linear``'s output gradient, read before backward (None: the
@@ -189,18 +225,23 @@ class Fp8Step:
         return self.history if self.recipe.delayed_grads else None
 
 
-def start_step(recipe: Fp8Recipe, history: Optional[Tensor], warm: bool) -> Fp8Step:
+def start_step(recipe: Fp8Recipe, history: Optional[Tensor], warm: bool,
+               weights: Optional[tuple] = None) -> Fp8Step:
     """The FP8 state of a layer forward: under delayed scaling the scales from the
-    history (``warm``: a forward has recorded it) and the history advanced to this step."""
+    history (``warm``: a forward has recorded it) and the history advanced to this step;
+    ``weights``: the optimizer's copies of the weights (``Fp8Step.weights``), written with
+    the scales this history gives (a warm forward's only)."""
     if not recipe.delayed or history is None:
         return Fp8Step(recipe)
+    if weights is not None and not warm:
+        raise ValueError("the optimizer's FP8 weights are for a forward after the first")
     unit = not warm and recipe.first_scales == "unit"
     if warm:
         scales = delayed_scales(history, recipe)
     else:
         scales = torch.ones(HISTORY_COLUMNS, device=history.device) if unit else None
     advance_history(history)
-    return Fp8Step(recipe, history, scales, first_unit=unit)
+    return Fp8Step(recipe, history, scales, first_unit=unit, weights=weights)
 
 
 def for_linear(step: Optional[Fp8Step], linear: int) -> Optional[Fp8Step]:
@@ -291,7 +332,7 @@ class _Fp8Linear(torch.autograd.Function):
         # step's, saved before the history moves on
         ctx.has_g_scale = g_scale is not None
         ctx.save_for_backward(kept, w8_t, x_inv, w_inv,
-                              g_scale if g_scale is not None else x_inv.new_empty(0))
+                              g_scale if g_scale is not None else x_inv.new_empty((0,)))
         # not a saved tensor: every view of the gradient buffer shares one version counter
         ctx.main_grad = main_grad
         ctx.recipe = recipe
@@ -348,7 +389,14 @@ def fp8_linear(x: Tensor, w: Tensor, b: Optional[Tensor], main_grad: Optional[Te
     (QKV, PROJ, FC1, FC2); ``main_grad``: the weight's gradient buffer to write into."""
     x2 = x.reshape(-1, x.shape[-1])
     x8, x8_t, x_scale = cast(x2, 2 * linear, step, transpose=step.recipe.wgrad)
-    w8, w8_t, w_scale = cast(w, 2 * linear + 1, step, transpose=True)
+    written = step.weight_copy(linear)
+    if written is None:
+        w8, w8_t, w_scale = cast(w, 2 * linear + 1, step, transpose=True)
+    else:
+        # the optimizer's cast of this weight, by the scale this step read: its amax is
+        # recorded as the forward's own cast records it
+        w8, w8_t, w_scale, w_amax = written
+        record_amax(step, 2 * linear + 1, w_amax)
     return _Fp8Linear.apply(x, w, b, main_grad, x8, x8_t, x_scale, w8, w8_t, w_scale,
                             step.recipe, step.grad_scale(linear), step.grad_history(),
                             GRAD_COLUMNS + linear)

@@ -61,6 +61,7 @@ from megagpt.torch_compile import is_compile_error
 from megagpt.train_step import grad_write
 
 from . import fp8 as fp8_linears
+from . import fp8_weights
 from . import hash_dropout
 from .attention import SDPADotProductAttention, sdpa_kernels_only
 
@@ -238,6 +239,8 @@ def fused_layer_forward(
     fp8: Optional[fp8_linears.Fp8Recipe] = None,
     fp8_history: Optional[Tensor] = None,
     fp8_warm: bool = False,
+    fp8_weights: Optional[tuple] = None,
+    fp8_next_scales: Optional[Tensor] = None,
 ) -> Tensor:
     """One dense pre-norm GPT layer on ``x`` of shape [s, b, h]; megatron's layouts.
 
@@ -253,8 +256,12 @@ def fused_layer_forward(
     ``F.dropout``). ``attention_kernels``: the SDPA kernels attention may use
     (``--attention-backend``; None: torch picks). ``fp8``: the four linears in FP8
     (``fp8.py``), ``fp8_history`` the layer's amax history under delayed scaling (updated in
-    place) and ``fp8_warm`` whether an earlier forward has recorded it."""
-    step = None if fp8 is None else fp8_linears.start_step(fp8, fp8_history, fp8_warm)
+    place) and ``fp8_warm`` whether an earlier forward has recorded it; ``fp8_weights`` the
+    optimizer's FP8 copies of the weights to read instead of casting them
+    (``fp8_weights.LayerCopies``), and ``fp8_next_scales`` where to leave the weights'
+    scales the next forward will read, for the optimizer to cast them by."""
+    step = None if fp8 is None else fp8_linears.start_step(fp8, fp8_history, fp8_warm,
+                                                           fp8_weights)
     y = model_math.norm(x, ln1_w, ln1_b, eps, rms)
     qkv = _column_linear(y, qkv_w, qkv_b, qkv_main_grad, tp_group, sequence_parallel,
                          step, fp8_linears.QKV)
@@ -280,6 +287,8 @@ def fused_layer_forward(
                                              sequence_parallel, step, fp8_linears.FC1), act)
     m = _row_parallel_output(_linear(f, fc2_w, None, fc2_main_grad, step, fp8_linears.FC2),
                              tp_group, sequence_parallel)
+    if fp8_next_scales is not None and step is not None and step.history is not None:
+        fp8_next_scales.copy_(fp8_linears.next_weight_scales(step.history, fp8))
     return _bias_dropout_add(m, fc2_b, x, hidden_p, training, dropout_seeds, 1)
 
 
@@ -316,6 +325,11 @@ def _bias_dropout_add(out: Tensor, bias: Optional[Tensor], residual: Tensor, p: 
     # the same sum in fp32, rounded once (more memory traffic than the fused kernel)
     y = out.float() if bias is None else out.float() + bias.float()
     return (residual.float() + F.dropout(y, p, training)).to(residual.dtype)
+
+
+def _refresh_fp8_copies(layer: "FastTransformerLayer", incompatible_keys) -> None:
+    """A state dict loaded into ``layer`` changed its weights: their FP8 copies follow."""
+    layer._fp8_copies.refresh(layer._fp8_weight_tensors())
 
 
 def layer_function(options: FusedLayerOptions) -> Callable:
@@ -385,6 +399,15 @@ class FastTransformerLayer(TransformerLayer):
         self._fp8_history: Optional[Tensor] = None
         self._fp8_warm = False
         self._fp8_fallback_logged = False
+        # the weights' FP8 copies the optimizer writes (fp8_weights), where the recipe asks
+        self._fp8_copies: Optional[fp8_weights.LayerCopies] = None
+        recipe = self.fused_options.fp8
+        if self.fused_unsupported_reason is None and recipe is not None \
+                and recipe.weights_written:
+            self._fp8_copies = fp8_weights.LayerCopies(recipe.linears)
+            for linear, weight in self._fp8_weight_tensors().items():
+                fp8_weights.mark(weight, self._fp8_copies, linear)
+            self.register_load_state_dict_post_hook(_refresh_fp8_copies)
 
     # ---- when the fused path applies -------------------------------------------------
     def _static_fused_check(self) -> Optional[str]:
@@ -482,6 +505,24 @@ class FastTransformerLayer(TransformerLayer):
             and rotary_pos_emb.size(-1) > 0
         )
 
+    # ---- the weights' FP8 copies ---------------------------------------------------------
+    def _fp8_weight_tensors(self) -> dict:
+        """The weights whose FP8 copies the optimizer writes, by linear (``fp8.QKV``, ...)."""
+        att, mlp = self.self_attention, self.mlp
+        weights = (att.linear_qkv.weight, att.linear_proj.weight, mlp.linear_fc1.weight,
+                   mlp.linear_fc2.weight)  # in the order of fp8.ALL_LINEARS
+        return {i: weights[i] for i in self._fp8_copies.linears}
+
+    def train(self, mode: bool = True):
+        """Evaluation's forwards moved the amax history on: back in training the copies are
+        cast afresh by the scales the next forward will read (a replayed training graph
+        reads them without asking)."""
+        evaluating = not self.training
+        result = super().train(mode)
+        if mode and evaluating and getattr(self, "_fp8_copies", None) is not None:
+            self._fp8_copies.refresh(self._fp8_weight_tensors())
+        return result
+
     # ---- megatron's per-layer CUDA graphs -----------------------------------------------
     def _should_call_local_cudagraph(self, *args, **kwargs):
         """Training calls go through megatron's per-layer graphs; evaluation and other
@@ -574,6 +615,12 @@ class FastTransformerLayer(TransformerLayer):
                     self._fp8_history = fp8_linears.new_history(recipe, att.linear_qkv.weight.device)
                 consts["fp8_history"] = self._fp8_history
                 consts["fp8_warm"] = self._fp8_warm
+                copies = self._fp8_copies
+                if copies is not None and copies.bound:
+                    consts["fp8_next_scales"] = copies.next_scales
+                    training = self.training and torch.is_grad_enabled()
+                    if copies.readable(self._fp8_warm, training):
+                        consts["fp8_weights"] = copies.forward_inputs()
         return tensors, consts
 
     def wgrad_mode(self, weights) -> Optional[str]:
@@ -627,4 +674,6 @@ class FastTransformerLayer(TransformerLayer):
         if consts.get("fp8_history") is not None and consts["training"] \
                 and torch.is_grad_enabled():
             self._fp8_warm = True  # this forward recorded the amaxes the next one scales by
+        if consts.get("fp8_next_scales") is not None:
+            self._fp8_copies.forward_done()
         return make_viewless_tensor(inp=out, requires_grad=out.requires_grad, keep_graph=True)

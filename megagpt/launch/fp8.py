@@ -14,7 +14,8 @@ In order of the resolution:
 3. **The recipe and its linears** (``choose_fp8``, a fast-path step): on TE's layers TE's
    (``TeFp8``); on the fast spec an ``Fp8Recipe`` (``recipe_from_args``) on the linears wide
    enough to gain (``linears_in_fp8``, ``--fast-fp8-min-width``), or none where every linear is
-   too narrow. megatron's own ``--fp8-format`` is TE's: for the fast spec's linears the
+   too narrow; its weights written in FP8 by the flat AdamW step, or cast in each forward
+   where that step does not own them whole (``weight_writes_unsupported_reason``). megatron's own ``--fp8-format`` is TE's: for the fast spec's linears the
    launch writes ``fp8`` off for megatron, and what runs reads the ``FP8`` decision.
 4. **What the graphs may hold** (``refuse_a_graph_before_any_amax``): a CUDA graph captured
    before delayed scaling has recorded an amax would replay its first scales.
@@ -31,6 +32,7 @@ from megagpt.errors import UserError
 from megagpt.fast_spec.fp8 import (ALL_LINEARS, AMAX_ALGOS, FC1, FC2, FORMATS, LINEAR_NAMES, PROJ,
                                    QKV, Fp8Recipe)
 
+from .layout import planned_data_parallel_size
 from .plan import Decision, Reason, Why
 
 
@@ -291,6 +293,46 @@ def recipe_from_args(args, emulate: bool = False) -> Fp8Recipe:
         emulate=emulate)
 
 
+def weight_writes_unsupported_reason(args) -> Optional[str]:
+    """Why the flat AdamW step cannot write the FP8 linears' weights for their forwards
+    (None: it writes them; ``Fp8Recipe.weights_written``); where it cannot, each forward
+    casts them. From the arguments as the plan has decided them so far."""
+    if not getattr(args, "fast_fp8_weight_writes", True):
+        return "--fast-disable fp8-weight-writes"
+    recipe = getattr(args, "fp8_recipe", None) or "delayed"
+    if recipe != "delayed":
+        return (f"--fp8-recipe {recipe}: a current scale is the weight's own amax, known only "
+                "once the weight is written")
+    if not getattr(args, "fast_optimizer", True):
+        return "--fast-disable optimizer (the flat AdamW step writes them)"
+    if not getattr(args, "fast_flat_adam", True):
+        return "--fast-disable flat-adam (the flat AdamW step writes them)"
+    if not getattr(args, "bf16", False):
+        return "the flat AdamW step serves megatron's bf16 optimizer only (add --bf16)"
+    optimizer = getattr(args, "optimizer", "adam") or "adam"
+    if optimizer != "adam":
+        return f"--optimizer {optimizer} (the flat step is AdamW's)"
+    for flag, attr in (("--use-distributed-optimizer", "use_distributed_optimizer"),
+                       ("--use-megatron-fsdp", "use_megatron_fsdp"),
+                       ("--use-torch-fsdp2", "use_torch_fsdp2")):
+        if getattr(args, attr, False):
+            return f"{flag} (each rank steps a shard of every weight)"
+    for flag, attr in (("--use-precision-aware-optimizer", "use_precision_aware_optimizer"),
+                       ("--optimizer-cpu-offload", "optimizer_cpu_offload"),
+                       ("--log-num-zeros-in-grad", "log_num_zeros_in_grad")):
+        if getattr(args, attr, False):
+            return f"{flag} (the flat AdamW step does not run)"
+    if _size(args, "tensor_model_parallel_size") > 1:
+        return "tensor parallelism (each rank's shards are cast in its forward)"
+    micro = _size(args, "micro_batch_size")
+    per_step = _size(args, "global_batch_size") // (micro * planned_data_parallel_size(args))
+    if per_step > 1 or getattr(args, "rampup_batch_size", None):
+        # each forward after the first scales by the history the one before it recorded
+        return ("more than one micro-batch per step (the optimizer's copies serve the "
+                "step's first forward only)")
+    return None
+
+
 def _refuse_unusable_fast_options(p, fmt: str) -> None:
     floor = p.get("fast_fp8_min_width", None)
     if floor is not None and floor < 0:
@@ -352,10 +394,14 @@ def choose_fp8(p) -> None:
             recipe = dataclasses.replace(recipe, first_scales="amax")
             p.log(f"fast spec: delayed scaling's first scales of 1 are for training's first "
                   f"step; resuming {resumed}, the first forward scales by its own amaxes")
+    cast = weight_writes_unsupported_reason(p.v)
+    recipe = dataclasses.replace(recipe, weights_written=cast is None)
     narrow = f"; in bf16, too narrow to gain: {', '.join(bf16)}" if bf16 else ""
+    weights = ("their FP8 weights written by the flat AdamW step with the bf16 ones"
+               if cast is None else f"their weights cast to FP8 in each forward ({cast})")
     p.log(f"fast spec: FP8 linears ({recipe.describe()}): {', '.join(g for _, g in fp8)} "
-          f"through torch._scaled_mm{narrow}; embeddings, attention, the output layer and "
-          "the loss in bf16; weights, gradients and checkpoints as in bf16")
+          f"through torch._scaled_mm{narrow}, {weights}; embeddings, attention, the output "
+          "layer and the loss in bf16; weights, gradients and checkpoints as in bf16")
     p.choose(FP8, recipe, why)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+from megagpt.fast_spec.fp8 import FC1, FC2, PROJ, QKV
 from megagpt.preflight.launch_path import LOCAL, TE, WhatRuns, fused_softmax, softmax_in_fp32
 
 GIB = 2**30
@@ -135,7 +136,7 @@ RUNTIME_RESERVE_GIB = 2.0
 class MemoryEstimate:
     """Bytes per GPU on the most loaded rank."""
 
-    weights: float
+    weights: float  # with the FP8 copies the optimizer writes (fp8_weight_store_bytes)
     gradients: float
     optimizer: float
     activations: float
@@ -239,7 +240,9 @@ def layer_activation_bytes(args, recompute: str, runs: WhatRuns) -> float:
         # also attention's output, which attention's backward keeps in 16-bit beside it
         replicated -= 2
         split += 1 - args.ffn_hidden_size / h
-    weights = _fp8_weight_copy_bytes(args) if runs.fp8 else 0.0
+    # the copies the optimizer writes are held between steps instead (fp8_weight_store_bytes)
+    weights = _fp8_weight_copy_bytes(args) if runs.fp8 and not runs.fp8_weights_written \
+        else 0.0
     if sp:
         return sbh * (replicated + split + scores) / tp + weights
     return sbh * (replicated + (split + scores) / tp) + weights
@@ -248,13 +251,29 @@ def layer_activation_bytes(args, recompute: str, runs: WhatRuns) -> float:
 def _fp8_weight_copy_bytes(args) -> float:
     """Under FP8, the transposed FP8 copy of each linear weight that a layer's forward keeps
     for its input-gradient GEMM: 1 byte per weight of the layer on this TP rank."""
+    return float(sum(_linear_weights(args).values())) / args.tensor_model_parallel_size
+
+
+def _linear_weights(args) -> dict[int, int]:
+    """The elements of each fused-layer linear's weight (``fast_spec.fp8``'s QKV, PROJ, FC1,
+    FC2), all TP ranks together."""
     h, heads = args.hidden_size, args.num_attention_heads
     head_dim = args.kv_channels or h // heads
     groups = args.num_query_groups if args.group_query_attention else heads
     fc1_out = args.ffn_hidden_size * (2 if args.swiglu else 1)
-    weights = (h * (heads + 2 * groups) * head_dim + heads * head_dim * h + h * fc1_out
-               + args.ffn_hidden_size * h)
-    return float(weights) / args.tensor_model_parallel_size
+    return {QKV: h * (heads + 2 * groups) * head_dim, PROJ: heads * head_dim * h,
+            FC1: h * fc1_out, FC2: args.ffn_hidden_size * h}
+
+
+def fp8_weight_store_bytes(args, runs: WhatRuns) -> float:
+    """The FP8 weights the optimizer writes for the fast spec's FP8 linears (delayed
+    scaling): both layouts, 2 bytes per weight of the FP8 linears of the most loaded
+    stage's layers, held between steps."""
+    if not (runs.fp8 and runs.fp8_weights_written):
+        return 0.0
+    per_layer = sum(n for linear, n in _linear_weights(args).items()
+                    if linear in runs.fp8_linears)
+    return 2.0 * per_layer * layers_per_stage(args)[0] / args.tensor_model_parallel_size
 
 
 def in_flight_microbatches(args, num_microbatches: int) -> float:
@@ -325,7 +344,8 @@ def estimate_memory(args, params: ParameterCount, num_microbatches: int,
     weight, grad, optimizer = bytes_per_parameter(args)
     n = params.most_per_gpu
     activations, formula = activation_bytes(args, num_microbatches, runs)
-    return MemoryEstimate(n * weight, n * grad, n * optimizer, activations, formula,
+    return MemoryEstimate(n * weight + fp8_weight_store_bytes(args, runs), n * grad,
+                          n * optimizer, activations, formula,
                           gradient_copies=n * gradient_copy_bytes(args, runs),
                           optimizer_temporaries=n * adam_temporary_bytes(args, runs))
 

@@ -31,6 +31,8 @@ class WhatRuns:
     cuda_graph: bool  # a CUDA graph: of the iteration, per layer, or megatron's TE graphs
     fp8: bool  # the layers' linears in FP8
     fp8_linears: tuple = ALL_LINEARS  # which of them (the fast spec's recipe; TE: all four)
+    # the fast spec's FP8 weights written by the optimizer (persistent copies, none per layer)
+    fp8_weights_written: bool = False
 
     @classmethod
     def of(cls, launch) -> "WhatRuns":
@@ -44,7 +46,8 @@ class WhatRuns:
             optimizer=launch[OPTIMIZER],
             cuda_graph=launch[CUDA_GRAPH] is not CudaGraph.NONE,
             fp8=fp8 is not None and path != LOCAL,
-            fp8_linears=fp8.linears if isinstance(fp8, Fp8Recipe) else ALL_LINEARS)
+            fp8_linears=fp8.linears if isinstance(fp8, Fp8Recipe) else ALL_LINEARS,
+            fp8_weights_written=isinstance(fp8, Fp8Recipe) and fp8.weights_written)
 
     @property
     def fused_adamw(self) -> bool:

@@ -33,6 +33,9 @@ the gradients megatron would have produced (the fp32 main gradient of a bf16 gra
 exact widening; the clip multiplies it by the same factor); results can differ from
 torch's kernel in the last bit where the compiler contracts a multiply-add.
 
+Where the model's fused FP8 layers mark their weights (delayed scaling), the same pass also
+writes each of those weights' FP8 copies for the next forward (``flat_adam_fp8``).
+
 Where it applies (``unsupported_reason``): megatron's ``Float16OptimizerWithFloat16Params``
 (bf16, no loss scaler) alone or alone in a ``ChainedOptimizer``, around torch's Adam/AdamW
 without amsgrad/maximize, every parameter a view of one contiguous megatron gradient
@@ -178,6 +181,11 @@ class FlatAdamState:
         self.steps: List[torch.Tensor] = []
         # runs of the buffer the gradient norm is taken over (``attach`` sets them)
         self.norm_spans: Optional[List[tuple]] = None
+        # the FP8 linears' weights written in the same pass (flat_adam_fp8), where the
+        # model's fused layers mark them
+        from . import flat_adam_fp8
+
+        self.fp8_weights = flat_adam_fp8.writes_for(entries, n, dev)
         self.adopt()
 
     def _views(self, offset: int, shape):
@@ -270,6 +278,11 @@ class FlatAdamState:
         args = (self.grad, self.main, self.exp_avg, self.exp_avg_sq, self.model,
                 self.group_index, self.hyperparameters(), self.steps[0], clip_coeff)
         kw = dict(beta1=self.beta1, beta2=self.beta2, eps=self.eps, decoupled=self.decoupled)
+        if self.fp8_weights is not None:
+            # the same step with the FP8 weights written in its pass: a Triton kernel of
+            # the compiled update's arithmetic on a GPU, torch operations elsewhere
+            self.fp8_weights.update(*args, **kw)
+            return
         if self.compiled:
             try:
                 run_update(*args, **kw, compiled=True)
@@ -527,13 +540,19 @@ def attach_after_setup(setup: Callable, log: Callable[[str], None], compiled: bo
         else:
             reason = unsupported_reason(subs[0], params)
         if reason:
-            log(f"fast optimizer: flat AdamW step not used: {reason}")
+            from megagpt.fast_spec.fp8_weights import marked
+
+            cast = ("; the FP8 linears' weights are cast in each forward instead"
+                    if any(marked(p) for p in params) else "")
+            log(f"fast optimizer: flat AdamW step not used: {reason}{cast}")
         else:
             state = attach(subs[0], params, compiled=compiled)
+            fp8 = "" if state.fp8_weights is None else (
+                f" and the FP8 copies of {state.fp8_weights.count} linear weights")
             log(f"fast optimizer: flat AdamW step over {state.grad.numel():,} gradient-buffer "
                 f"elements ({state.grad.dtype}), {'compiled' if compiled else 'eager'}: "
-                "clip, AdamW and the bf16 weight copy in one pass (--fast-disable flat-adam: "
-                "megatron's step)")
+                f"clip, AdamW and the bf16 weight copy{fp8} in one pass (--fast-disable "
+                "flat-adam: megatron's step)")
         return result
 
     return setup_model_and_optimizer
