@@ -26,7 +26,10 @@
 #           whether fp8's and fp8cast's logged losses are the same (the copies are the
 #           forward's own cast; flash attention's backward adds its query gradient in no
 #           fixed order, so the last digits may part as between two runs of one path);
-#           then TE's FP8 with delayed scaling under the full-iteration graph (tefp8)
+#           then TE's FP8 with delayed scaling under the full-iteration graph (tefp8);
+#           WEIGHT_PATHS replaces fast,fp8,fp8cast, and with BASE (another commit's files,
+#           that commit named in BASE/COMMIT, as bench/gpu_record.sh's step 10 takes them)
+#           its rows base (bf16) and basefp8 run that commit's entry in the same invocation
 #   first   tests, train at the wide shape, layer
 #   all     tests, layer (LAYER_SHAPES), train (FP8_SHAPES)
 set -uo pipefail
@@ -67,10 +70,14 @@ train() {  # SHAPE [PATHS [TAG]]: PATHS with TE's rows (tefp8, tefp8cs) only, ru
     [ "$(left)" -gt 120 ] || { echo "== $name: skipped ($(left)s left)"; return; }
     echo "== $name: $paths ($(left)s left)"
     # TE importable for TE's rows and hidden from the fast path's, in one call
-    local path=$MCORE_SITE
+    local path=$MCORE_SITE base=()
     case ",$paths," in *,te*) path="$MCORE_SITE:${TE_SITE:?TE rows need TE_SITE}" ;; esac
+    if [ -n "${BASE:-}" ]; then  # another commit's entry, in the same invocation
+        base=(--variant "base=" --entry-of "base=$BASE/pretrain_gpt.py"
+              --variant "basefp8=--fp8-format hybrid" --entry-of "basefp8=$BASE/pretrain_gpt.py")
+    fi
     PYTHONPATH=$path timeout $(( $(left) - 10 )) $PY bench/bench_throughput.py --shape "$shape" \
-        --paths "$paths" --variant "fp8=--fp8-format hybrid" \
+        --paths "$paths" "${base[@]}" --variant "fp8=--fp8-format hybrid" \
         --variant "fp8cs=--fp8-format hybrid --fp8-recipe tensorwise" \
         --variant "fp8cast=--fp8-format hybrid --fast-disable fp8-weight-writes" \
         --variant "fp8own=--fp8-format hybrid --fast-fp8-first-scales amax --fast-fp8-grad-scaling current" \
@@ -79,7 +86,7 @@ train() {  # SHAPE [PATHS [TAG]]: PATHS with TE's rows (tefp8, tefp8cs) only, ru
         --variant "te=$TE" --baseline "${paths%%,*}" \
         --entry-args "$NODROP" --reference-dropout 0 --train-iters ${TRAIN_ITERS:-40} \
         --warmup-iters 10 --log-interval 5 --out "$OUT/$name" > "$OUT/$name.txt" 2>&1
-    grep -E "^(path|fast|fp8|te|ref)|TFLOP|failed|error" "$OUT/$name.txt" | cut -c1-200 | head -14
+    grep -E "^(path|fast|fp8|te|ref|base)|TFLOP|failed|error" "$OUT/$name.txt" | cut -c1-200 | head -14
     grep -h "FP8 linears\|layers:\|flat AdamW step over" "$OUT/$name"/entry_*.log \
         2>/dev/null | sort -u | cut -c1-240 | head -6
 }
@@ -125,7 +132,8 @@ te) for shape in ${FP8_SHAPES:-wide 1.3B}; do
         train "$shape" fast,fp8,referencefp8; train "$shape" tefp8,tefp8cs _te
         train "$shape" fp8own _own; done ;;
 weights) for shape in ${FP8_SHAPES:-wide 1.3B}; do
-        train "$shape" fast,fp8,fp8cast; same_losses "$shape"; train "$shape" tefp8 _te
+        train "$shape" "${WEIGHT_PATHS:-fast,fp8,fp8cast}"; same_losses "$shape"
+        train "$shape" tefp8 _te
     done ;;
 first) tests; train wide; layer ;;
 all) tests; layer; for shape in ${FP8_SHAPES:-wide 1.3B}; do train "$shape"; done ;;
