@@ -319,11 +319,11 @@ def _update_inputs(n=1024, groups=3, block=1):
 
 
 def _run(grad, bufs, index, table, compiled=False):
-    from megagpt.train_step import flat_adam
+    from megagpt.train_step.adamw_update import run_update
 
     b = [x.clone() for x in bufs]
-    flat_adam.run_update(grad, *b, index, table, torch.tensor(3.0), torch.tensor(0.5),
-                         beta1=0.9, beta2=0.95, eps=1e-8, decoupled=True, compiled=compiled)
+    run_update(grad, *b, index, table, torch.tensor(3.0), torch.tensor(0.5),
+               beta1=0.9, beta2=0.95, eps=1e-8, decoupled=True, compiled=compiled)
     return b
 
 

@@ -510,7 +510,7 @@ def test_the_kernel_equals_the_compiled_update_and_the_cast_bit_for_bit(decouple
     """The Triton kernel's AdamW against the flat step's compiled update (what a step
     without the writes computes), bit for bit; its copies against fp8_cast's cast of the
     weights it wrote, bit for bit; and against the eager reference to fp32 rounding."""
-    from megagpt.train_step import flat_adam
+    from megagpt.train_step import adamw_update
     from megagpt.train_step import flat_adam_fp8 as writes
 
     dev = "cuda"
@@ -539,11 +539,11 @@ def test_the_kernel_equals_the_compiled_update_and_the_cast_bit_for_bit(decouple
         return [main.clone(), m.clone(), v.clone(), main.bfloat16()]
 
     compiled = fresh()
-    flat_adam.run_update(grad, *compiled, group_index, lr_and_wd, step, clip, **kw,
-                         compiled=True)
+    adamw_update.run_update(grad, *compiled, group_index, lr_and_wd, step, clip, **kw,
+                            compiled=True)
     eager = fresh()
-    flat_adam.run_update(grad, *eager, group_index, lr_and_wd, step, clip, **kw,
-                         compiled=False)
+    adamw_update.run_update(grad, *eager, group_index, lr_and_wd, step, clip, **kw,
+                            compiled=False)
     got = fresh()
     scales, amax = torch.zeros(len(shapes), device=dev), torch.full((len(shapes),), 7.0,
                                                                     device=dev)

@@ -16,7 +16,7 @@ registers, the amax folded in with an atomic max, as ``fp8_cast``'s kernel does)
 blocks of the rest of the buffer. The cast costs the pass 2 bytes per weight written
 instead of the forward's read of the bf16 weight and its 2 bytes of writes. The AdamW
 arithmetic is the compiled update's, operation by operation in the order inductor emits it
-(the fp32 operations of ``flat_adam.adamw_flat_update_``, Triton's division and
+(the fp32 operations of ``adamw_update.adamw_flat_update_``, Triton's division and
 ``sqrt_rn``, libdevice's ``pow``), so that a step with the writes computes the weights a
 step without them does. Elsewhere (the CPU, tests) the operator runs in torch operations:
 the eager update, then ``fp8_cast``'s reference cast of each weight; a GPU test holds the
@@ -35,7 +35,7 @@ from torch import Tensor
 from megagpt.fast_spec import fp8_cast, fp8_weights
 from megagpt.fast_spec.fp8 import LINEARS
 
-from . import flat_adam
+from .adamw_update import run_update
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +60,9 @@ def _reference(grad: Tensor, main: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, 
                next_scales: Tensor, scales: Tensor, amax: Tensor, w8: Tensor, w8_t: Tensor,
                weights: Tensor, beta1: float, beta2: float, eps: float,
                decoupled: bool) -> None:
-    flat_adam.run_update(grad, main, exp_avg, exp_avg_sq, model, group_index, lr_and_wd,
-                         step, clip_coeff, beta1=beta1, beta2=beta2, eps=eps,
-                         decoupled=decoupled, compiled=False)
+    run_update(grad, main, exp_avg, exp_avg_sq, model, group_index, lr_and_wd, step,
+               clip_coeff, beta1=beta1, beta2=beta2, eps=eps, decoupled=decoupled,
+               compiled=False)
     for offset, rows, cols, fp8_offset, slot in weights.tolist():
         n = rows * cols
         q, q_t, a = fp8_cast._cast_reference(model[offset:offset + n].view(rows, cols),
@@ -81,7 +81,7 @@ def flat_adamw_fp8_update(grad: Tensor, main: Tensor, exp_avg: Tensor, exp_avg_s
                     clip_coeff: Tensor, next_scales: Tensor, scales: Tensor, amax: Tensor,
                     w8: Tensor, w8_t: Tensor, weights: Tensor, tiles: Tensor, blocks: Tensor,
                     beta1: float, beta2: float, eps: float, decoupled: bool) -> None:
-    """``flat_adam.adamw_flat_update_`` over the flat buffers, and each weight of
+    """``adamw_update.adamw_flat_update_`` over the flat buffers, and each weight of
     ``weights`` (rows of (offset in the buffers, rows, columns, offset in the FP8 buffers,
     slot)) cast from its new bf16 value by ``next_scales[slot]`` into ``w8`` (row-major) and
     ``w8_t`` (transposed), its amax into ``amax[slot]``; ``scales`` becomes ``next_scales``.
