@@ -21,6 +21,8 @@ from megatron_parts import TINY_SEQ as SEQ
 from megatron_parts import TINY_VOCAB as VOCAB
 from megatron_parts import fast_path_namespace, tiny_ddp_gpt
 
+from megagpt.fast_spec import grad_marks
+
 BATCH = 2
 FUSED_WEIGHTS = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight",
                  "linear_fc2.weight")
@@ -96,7 +98,7 @@ def test_written_gradients_equal_zeroed_and_added_ones(writing, grad_dtype):
                                                    "self_attention.linear_qkv.weight"])
     # in a bf16 buffer the fused layer's GEMMs wrote the four weights; in an fp32 one
     # (other dtype than the weights) autograd delivered them and the hook copied
-    assert qkv._megagpt_main_grad_written is (grad_dtype == torch.bfloat16)
+    assert grad_marks.written_by_gemm(qkv) is (grad_dtype == torch.bfloat16)
 
 
 def test_small_gradients_reach_the_buffer_together_at_the_end(writing):

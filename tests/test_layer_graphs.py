@@ -11,6 +11,8 @@ import torch
 
 from megatron_parts import fast_path_namespace
 
+from megagpt.fast_spec import grad_marks
+
 
 def _resolved(argv=(), **attrs):
     from megagpt.launch.fast_path import apply_fast_path_defaults
@@ -179,7 +181,7 @@ def test_fused_layer_accepts_per_layer_graphs_and_leaves_gradients_to_autograd(f
               layer.mlp.linear_fc1.weight, layer.mlp.linear_fc2.weight):
         w.main_grad = torch.zeros_like(w)
         w.grad_added_to_main_grad = False
-        w._megagpt_grad_write = True  # its DDP writes this step (grad_write)
+        grad_marks.open_step(w, writing=True)  # its DDP writes this step (grad_write)
     weights = [layer.self_attention.linear_qkv.weight, layer.mlp.linear_fc1.weight]
     try:
         assert layer.wgrad_mode(weights) == "write"

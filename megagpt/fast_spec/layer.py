@@ -21,7 +21,7 @@ of the fast spec.
 
 Gradients reach the parameters through ordinary autograd, and megatron's DDP hooks add them
 into ``main_grad`` — except for the four weight matrices where megatron's DDP writes this
-step's gradients instead of zeroing its buffer and adding (``grad_write.py``: one
+step's gradients instead of zeroing its buffer and adding (``train_step.grad_write``: one
 micro-batch per step) and the buffer has the weights' dtype: there each weight GEMM writes its
 product straight into the buffer, and autograd receives a placeholder gradient. Without
 megatron's DDP (no ``main_grad``) this does not apply.
@@ -58,10 +58,9 @@ from megatron.core.utils import make_viewless_tensor
 
 from megagpt import model_math
 from megagpt.torch_compile import is_compile_error
-from megagpt.train_step import grad_write
 
 from . import fp8 as fp8_linears
-from . import fp8_weights
+from . import fp8_weights, grad_marks
 from . import hash_dropout
 from .attention import SDPADotProductAttention, sdpa_kernels_only
 
@@ -606,7 +605,7 @@ class FastTransformerLayer(TransformerLayer):
         if self.wgrad_mode(weights.values()) == "write":
             for name, w in weights.items():
                 consts[name] = w.main_grad
-                grad_write.mark_written_by_gemm(w)
+                grad_marks.mark_written_by_gemm(w)
         recipe = self.fused_options.fp8
         if recipe is not None:
             consts["fp8"] = recipe
@@ -639,7 +638,7 @@ class FastTransformerLayer(TransformerLayer):
                         and not getattr(w, "zero_out_wgrad", False)
                         and w.main_grad.shape == w.shape for w in weights)):
             return None
-        if all(grad_write.gemm_may_write(w) and w.main_grad.dtype == w.dtype
+        if all(grad_marks.gemm_may_write(w) and w.main_grad.dtype == w.dtype
                for w in weights):
             return "write"
         return None

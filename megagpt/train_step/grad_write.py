@@ -43,6 +43,7 @@ import contextlib
 from typing import Callable, Iterator, Optional
 
 from megagpt import megatron_wrappers
+from megagpt.fast_spec.grad_marks import open_step, written_by_gemm
 from megagpt.megatron_change import WRAPS, Change
 
 
@@ -112,21 +113,6 @@ def _copy_pending(ddp) -> None:
     pending.clear()
 
 
-def gemm_may_write(param) -> bool:
-    """Whether a GEMM may write this step's gradient of ``param`` straight into its
-    ``main_grad``: its DDP is writing this step, and no gradient of ``param`` is there yet."""
-    return (getattr(param, "_megagpt_grad_write", False)
-            and not getattr(param, "_megagpt_main_grad_written", False))
-
-
-def mark_written_by_gemm(param) -> None:
-    """``param.main_grad`` receives this step's gradient from a GEMM that writes it (the
-    fused layer); megatron's hook must neither add the placeholder nor take it for an
-    accumulation."""
-    param.grad_added_to_main_grad = True
-    param._megagpt_main_grad_written = True
-
-
 def _second_gradient(param) -> RuntimeError:
     return RuntimeError(
         f"gradients written: a second gradient of a parameter of shape {tuple(param.shape)} "
@@ -189,7 +175,7 @@ def _writing_hooks(make_hook):
                     raise _second_gradient(param)
                 written.add(param)
                 if param.grad_added_to_main_grad:
-                    if not getattr(param, "_megagpt_main_grad_written", False):
+                    if not written_by_gemm(param):
                         # added into main_grad by something else: onto last step's values
                         raise _second_gradient(param)
                     return megatron_hook(*unused)
@@ -221,8 +207,7 @@ def _zeroing_when_not_writing(zero_grad_buffer):
         _written(self).clear()
         _pending_copies(self).clear()
         for param in self.params_with_grad:
-            param._megagpt_grad_write = active
-            param._megagpt_main_grad_written = False
+            open_step(param, active)
             if active:
                 param.grad_added_to_main_grad = False
         if not active:
