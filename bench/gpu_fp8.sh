@@ -21,13 +21,13 @@
 #           then tefp8,tefp8cs with TE (TE_SITE), then fp8own (each skipped where the
 #           call's time is short); about 480 s for the wide shape
 #   weights per shape (FP8_SHAPES), one call each: the FP8 weights written by the optimizer
-#           (fp8, the default under delayed scaling) against the forward's own cast of them
-#           (fp8cast: --fast-disable fp8-weight-writes) and bf16 (fast), without TE, and
-#           whether fp8's and fp8cast's logged losses are the same (the copies are the
+#           (fp8write: --fast-fp8-weight-writes) against the forward's own cast of them (fp8,
+#           the default) and bf16 (fast), without TE, and whether fp8write's and fp8's
+#           logged losses are the same (the copies are the
 #           forward's own cast; flash attention's backward adds its query gradient in no
 #           fixed order, so the last digits may part as between two runs of one path);
 #           then TE's FP8 with delayed scaling under the full-iteration graph (tefp8);
-#           WEIGHT_PATHS replaces fast,fp8,fp8cast, and with BASE (another commit's files,
+#           WEIGHT_PATHS replaces fast,fp8,fp8write, and with BASE (another commit's files,
 #           that commit named in BASE/COMMIT, as bench/gpu_record.sh's step 10 takes them)
 #           its rows base (bf16) and basefp8 run that commit's entry in the same invocation
 #   first   tests, train at the wide shape, layer
@@ -79,7 +79,7 @@ train() {  # SHAPE [PATHS [TAG]]: PATHS with TE's rows (tefp8, tefp8cs) only, ru
     PYTHONPATH=$path timeout $(( $(left) - 10 )) $PY bench/bench_throughput.py --shape "$shape" \
         --paths "$paths" "${base[@]}" --variant "fp8=--fp8-format hybrid" \
         --variant "fp8cs=--fp8-format hybrid --fp8-recipe tensorwise" \
-        --variant "fp8cast=--fp8-format hybrid --fast-disable fp8-weight-writes" \
+        --variant "fp8write=--fp8-format hybrid --fast-fp8-weight-writes" \
         --variant "fp8own=--fp8-format hybrid --fast-fp8-first-scales amax --fast-fp8-grad-scaling current" \
         --variant "tefp8=$TE --fp8-format hybrid" \
         --variant "tefp8cs=$TE --fp8-format hybrid --fp8-recipe tensorwise" \
@@ -91,13 +91,13 @@ train() {  # SHAPE [PATHS [TAG]]: PATHS with TE's rows (tefp8, tefp8cs) only, ru
         2>/dev/null | sort -u | cut -c1-240 | head -6
 }
 
-same_losses() {  # SHAPE: fp8's logged losses (weights written) against fp8cast's (cast)
+same_losses() {  # SHAPE: fp8write's logged losses (weights written) against fp8's (cast)
     $PY - "$OUT/train_$1/bench_$1.json" <<'PY' 2>/dev/null | tee -a "$OUT/train_$1.txt"
 import json, sys
 runs = json.load(open(sys.argv[1]))["results"]
-written, cast = (runs.get(p, {}).get("losses") for p in ("fp8", "fp8cast"))
+written, cast = (runs.get(p, {}).get("losses") for p in ("fp8write", "fp8"))
 apart = list(zip(written or [], cast or []))
-print("   fp8 (weights written) against fp8cast (cast in the forward), the logged losses:",
+print("   fp8write (weights written) against fp8 (cast in the forward), the logged losses:",
       "the same" if written and written == cast else f"apart: {apart}")
 PY
 }
@@ -132,7 +132,7 @@ te) for shape in ${FP8_SHAPES:-wide 1.3B}; do
         train "$shape" fast,fp8,referencefp8; train "$shape" tefp8,tefp8cs _te
         train "$shape" fp8own _own; done ;;
 weights) for shape in ${FP8_SHAPES:-wide 1.3B}; do
-        train "$shape" "${WEIGHT_PATHS:-fast,fp8,fp8cast}"; same_losses "$shape"
+        train "$shape" "${WEIGHT_PATHS:-fast,fp8,fp8write}"; same_losses "$shape"
         train "$shape" tefp8 _te
     done ;;
 first) tests; train wide; layer ;;

@@ -97,6 +97,7 @@ FP8_PATHS = {"te": "TE's layers, bf16", "tefp8": "TE's layers, FP8, delayed scal
 FAST_FP8_PATHS = {"fast": "fast path, bf16", "fp8": "fast path, FP8, delayed scaling",
                   "fp8cs": "fast path, FP8, current scaling",
                   "fp8cast": "fast path, FP8, delayed scaling, weights cast in the forward",
+                  "fp8write": "fast path, FP8, delayed scaling, weights written by the optimizer",
                   "fp8own": "fast path, FP8, delayed scaling on its own amaxes",
                   "tefp8": "TE's layers, FP8, delayed scaling",
                   "tefp8cs": "TE's layers, FP8, current scaling",

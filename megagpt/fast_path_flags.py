@@ -1,4 +1,4 @@
-"""The fast path's command line: nine options added to megatron's parser.
+"""The fast path's command line: ten options added to megatron's parser.
 
   --no-fast-spec                  megatron's layers instead of the fast spec
   --fast-cuda-graphs {auto,none,iteration,layers}
@@ -11,6 +11,7 @@
                                   delayed scaling's first forward: TE's 1, or own amax
   --fast-fp8-grad-scaling {current,delayed}
                                   delayed scaling's gradients: TE's history, or own amax
+  --fast-fp8-weight-writes        delayed scaling's FP8 weights written by the optimizer
   --fast-multi-gpu-path           on one GPU, the path of a launch on several GPUs
 
 They set the namespace attributes the launch's resolution reads (``fast_cuda_graph``,
@@ -37,7 +38,6 @@ PIECES = {
     "bf16-grad-buffer": ("fast_bf16_grad_buffer", False),
     "grad-write": ("fast_grad_write", False),
     "deferred-nan-checks": ("fast_step_nan_checks", True),
-    "fp8-weight-writes": ("fast_fp8_weight_writes", False),
 }
 
 # every namespace attribute the options set, with its value when none is given (None: the
@@ -54,7 +54,7 @@ SWITCH_DEFAULTS = (
     ("fast_fp8_min_width", None),
     ("fast_fp8_first_scales", None),
     ("fast_fp8_grad_scaling", None),
-    ("fast_fp8_weight_writes", True),
+    ("fast_fp8_weight_writes", False),
     ("fast_step_nan_checks", False),
     ("fast_optimizer", True),
     ("fast_lm_loss", True),
@@ -180,6 +180,11 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
         help="With --fp8-format under delayed scaling, what output gradients scale by: the "
         "amax the backwards before recorded, as Transformer Engine's delayed scaling "
         "(delayed, the default) or their own amax (current).")
+    group.add_argument(
+        "--fast-fp8-weight-writes", action="store_true",
+        help="With --fp8-format under delayed scaling, the flat AdamW step writes the FP8 "
+        "linears' weights (both layouts, with their amax) instead of each forward casting "
+        "them. Not the default: measured slower on an H100 (bench/notes/fp8.md).")
     group.add_argument(
         "--fast-multi-gpu-path", action="store_true",
         help="On one GPU, take the path of a launch on several data-parallel GPUs, to "

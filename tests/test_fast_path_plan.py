@@ -484,12 +484,12 @@ def test_fp8_where_the_fused_layer_cannot_run_is_refused(attrs, needle):
         plan_of(fp8="hybrid", **attrs)
 
 
-# --fp8-format's weights: written by the flat AdamW step where it owns them whole, else cast
-# in each forward, the plan's FP8 line saying why
+# --fp8-format's weights: cast in each forward by default; with --fast-fp8-weight-writes
+# written by the flat AdamW step where it owns them whole, else cast, the plan's FP8 line
+# saying why (every case but the default's asks for the writes)
 WRITTEN_OR_CAST = {
     "one GPU, delayed scaling": ([], {}, None),
-    "switched off": (["--fast-disable", "fp8-weight-writes"], {},
-                     "--fast-disable fp8-weight-writes"),
+    "the default": ([], {}, "the default; --fast-fp8-weight-writes has the optimizer write"),
     "current scaling": ([], dict(fp8_recipe="tensorwise"), "--fp8-recipe tensorwise: a "
                         "current scale is the weight's own amax"),
     "no flat step": (["--fast-disable", "flat-adam"], {}, "--fast-disable flat-adam"),
@@ -513,6 +513,8 @@ def test_fp8_weights_are_written_by_the_optimizer_where_its_flat_step_owns_them(
     from megagpt.gpt_model import fused_layer_options
 
     argv, attrs, reason = WRITTEN_OR_CAST[case]
+    if case != "the default":
+        argv = ["--fast-fp8-weight-writes", *argv]
     attrs = dict(dict(fp8_recipe="delayed", fast_optimizer=True, **SHAPE_345M), **attrs)
     args = launch(argv, fp8="hybrid", **attrs)
     plan = plan_fast_path(args, NO_TE, {})

@@ -297,8 +297,10 @@ def weight_writes_unsupported_reason(args) -> Optional[str]:
     """Why the flat AdamW step cannot write the FP8 linears' weights for their forwards
     (None: it writes them; ``Fp8Recipe.weights_written``); where it cannot, each forward
     casts them. From the arguments as the plan has decided them so far."""
-    if not getattr(args, "fast_fp8_weight_writes", True):
-        return "--fast-disable fp8-weight-writes"
+    if not getattr(args, "fast_fp8_weight_writes", False):
+        # the optimizer's writes ran slower than the forward's cast: 103.5 against 79.0 ms
+        # per iteration at the wide shape, one H100, 2026-12-08 (bench/notes/fp8.md)
+        return "the default; --fast-fp8-weight-writes has the optimizer write them"
     recipe = getattr(args, "fp8_recipe", None) or "delayed"
     if recipe != "delayed":
         return (f"--fp8-recipe {recipe}: a current scale is the weight's own amax, known only "
