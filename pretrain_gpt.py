@@ -23,7 +23,7 @@ if __name__ == "__main__":
     from megagpt.project_env import use_project_environment
 
     use_project_environment(__file__)  # .venv's Python where this one lacks megatron
-    from megagpt.option_errors import check_early
+    from megagpt.command_line.option_errors import check_early
 
     check_early(sys.argv[1:])  # a misspelled option is named in a fraction of a second
 
@@ -45,11 +45,12 @@ from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
 
 import gpt_builders
-from megagpt import arguments as entry_arguments
+from megagpt.command_line import arguments as entry_arguments
 from megagpt.gpt_model import describe as describe_model
 from megagpt.launch import after_validation, resolve, write
 from megagpt.launch.megatron_changes import launched
-from megagpt import apex_parts, run_log
+from megagpt import run_log
+from megagpt.launch import apex_kernels
 from megagpt.log import log
 from megagpt.megatron_errors import INPUT_ERRORS
 from megagpt.preflight.launch_path import WhatRuns
@@ -348,7 +349,7 @@ def run(args, launch, store=None) -> None:
     # the out-of-memory line's estimate, of what this launch runs
     knobs = partial(memory_knobs, runs=WhatRuns.of(launch))
     with launched(launch, args, container, log, memory_knobs=knobs):
-        apex_parts.log_launch_line(launch, args, log)  # what the launch's changes left to apex
+        apex_kernels.log_launch_line(launch, args, log)  # what the launch's changes left to apex
         pretrain(container, datasets_provider, ModelType.encoder_or_decoder, step,
                  get_embedding_ranks=get_embedding_ranks, store=store)
 

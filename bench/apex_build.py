@@ -7,7 +7,7 @@ architecture: bench/gpu_apex_build.sh runs it on the GPU machine.
 apex's own ``setup.py --cuda_ext`` cannot pick extensions: it builds eleven (syncbn, mlp_cuda,
 fused_dense_cuda, the rotary and generic softmax kernels, ... which megatron never imports),
 and at 25.09 it asks nvcc for sm_70 code in two of them, which CUDA 13 no longer compiles.
-Here each extension megatron takes (``megagpt.apex_parts``) is compiled from apex's sources
+Here each extension megatron takes (``megagpt.launch.apex_kernels``) is compiled from apex's sources
 with the flags apex's setup.py gives it, for ``TORCH_CUDA_ARCH_LIST`` alone, through
 ``torch.utils.cpp_extension.load`` (ninja; the same compiler flags and libraries as a
 setuptools build of a ``CUDAExtension``). Each extension is its own process with its own
@@ -57,7 +57,8 @@ class Extension:
     cxx: tuple[str, ...] = ("-O3", *VERSION_MACROS)
     includes: tuple[str, ...] = ()  # relative to apex's source root
     setup_flag: str = "--cuda_ext"  # the apex setup.py option that builds it
-    niced: bool = False  # built at lower CPU priority: it matters less (megagpt.apex_parts)
+    # built at lower CPU priority: it matters less (megagpt.launch.apex_kernels)
+    niced: bool = False
 
 
 def _megatron_kernel(name: str, *sources: str, fast_math: bool = False,

@@ -4,7 +4,7 @@ uses it, agrees with torch's own computation.
 
     PYTHONPATH=/tmp/apex-site python bench/apex_check.py [--json OUT.json]
 
-One line per part (``megagpt.apex_parts.PARTS``): "ok" with the largest relative
+One line per part (``megagpt.launch.apex_kernels.PARTS``): "ok" with the largest relative
 difference from torch, or why it failed. Without CUDA only the imports are checked. Exit 1
 when a part is missing or disagrees.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megagpt import apex_parts  # noqa: E402
+from megagpt.launch import apex_kernels  # noqa: E402
 
 # bf16 kernels against torch's: both round to bf16 (8 bits of mantissa), in other orders
 BF16_TOLERANCE = 2e-2
@@ -151,8 +151,8 @@ CHECKS = {"wgrad": check_wgrad, "optimizer": check_optimizer,
           "persistent_layer_norm": check_persistent_layer_norm, "softmax": check_softmax}
 
 
-def check_part(part: apex_parts.Part, cuda: bool) -> dict:
-    missing = [m for m in part.modules if not apex_parts.imports(m)]
+def check_part(part: apex_kernels.Part, cuda: bool) -> dict:
+    missing = [m for m in part.modules if not apex_kernels.imports(m)]
     if missing:
         return dict(ok=False, why=f"does not import: {', '.join(missing)}")
     if not cuda:
@@ -177,7 +177,7 @@ def main(argv=None) -> int:
 
     cuda = torch.cuda.is_available()
     results = {}
-    for part in apex_parts.PARTS:
+    for part in apex_kernels.PARTS:
         results[part.key] = check_part(part, cuda)
         r = results[part.key]
         print(f"apex check: {part.label}: {'ok' if r['ok'] else 'FAILED'}: {r['why']}",

@@ -50,7 +50,7 @@ def parameters(shape: str) -> int:
     import contextlib
     import io
 
-    from megagpt.arguments import validate_arguments
+    from megagpt.command_line.arguments import validate_arguments
     from megagpt.launch import parse_arguments
     from megagpt.preflight import estimate
 

@@ -434,7 +434,7 @@ def main(argv=None) -> int:
         for i in range(1, a.iters + 1):
             f.write(f"{i}," + ",".join(str(run.get(i, "")) for run in every.values()) + "\n")
     try:
-        from megagpt.plots import load_run, plot_runs
+        from megagpt.run_log.plots import load_run, plot_runs
 
         logs = {x: out / f"{x}.log" for x in losses if losses[x]}
         for name, log in earlier_logs.items():  # --also's first seeds

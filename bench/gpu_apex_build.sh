@@ -8,7 +8,7 @@
 #   /tmp/apex-site already there (the machine stayed warm): only checked;
 #   .apex-built/ (the apex-built.tar.gz, or its .partN files, that an earlier build left in its
 #       OUT_DIR, copied here): unpacked into /tmp/apex-site, seconds;
-#   .apex/ (bash bench/gpu_apex_carry.sh): the extensions megatron takes (megagpt.apex_parts)
+#   .apex/ (bash bench/gpu_apex_carry.sh): the extensions megatron takes (megagpt.launch.apex_kernels)
 #       built for this GPU's architecture only (bench/apex_build.py: all at once on every
 #       core; what is not built within BUDGET_S, default 420, is left out), then packed into
 #       OUT_DIR/apex-built.tar.gz, or parts of it under 16 MiB each (at most 6), for later

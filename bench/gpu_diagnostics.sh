@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU half of the diagnostics (megagpt/diagnostics, megagpt/cluster_check.py) on one GPU, in
+# The GPU half of the diagnostics (megagpt/diagnostics, megagpt/preflight/cluster_check.py) on one GPU, in
 # about four minutes:
 #   1. the GPU tests (pytest -m gpu): a launch too big for the GPU stops with the out-of-memory
 #      line, with and without --record-memory-history (its snapshot file); megagpt-check's GEMM
@@ -30,7 +30,7 @@ MEGAGPT_FAILURE_LOG="$OUT/gpu_test_failures.txt" timeout 240 $PY -m pytest -q -s
 tail -3 "$OUT/gpu_tests.txt"; grep -h "GEMM\|^error: CUDA out of memory" "$OUT/gpu_tests.txt" | cut -c1-400
 
 echo "== 2. megagpt-check on this GPU"
-timeout 60 $PY -m megagpt.cluster_check --nproc-per-node 1 --json "$OUT/cluster_check.json" \
+timeout 60 $PY -m megagpt.preflight.cluster_check --nproc-per-node 1 --json "$OUT/cluster_check.json" \
     > "$OUT/cluster_check.txt" 2>&1
 grep -v "^W[0-9]" "$OUT/cluster_check.txt" | tail -5
 

@@ -21,7 +21,7 @@ Three launches of ``pretrain_gpt.py`` with the flags after ``--``:
 would not change the losses but costs time) and ``--deterministic-mode`` (leave it out with
 ``--no-deterministic``) are added. Writes into ``--out``: the three logs,
 ``losses.csv`` (iteration, uninterrupted, resumed-or-first), ``resume_fidelity.json``
-(the comparison) and ``resume_fidelity.png`` (the curves, via ``megagpt.plots``).
+(the comparison) and ``resume_fidelity.png`` (the curves, via ``megagpt.run_log.plots``).
 Exit status 0 when every iteration's logged loss agrees within ``--tolerance`` (default 0:
 bit-exact, as deterministic mode gives), 1 otherwise.
 
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "resume_fidelity.json").write_text(json.dumps(result, indent=2) + "\n")
 
     try:
-        from megagpt.plots import load_run, plot_runs
+        from megagpt.run_log.plots import load_run, plot_runs
 
         runs = [load_run(str(out / "uninterrupted.log"), "uninterrupted"),
                 load_run(str(out / "first.log"), f"stopped at {half}"),

@@ -393,7 +393,8 @@ TABLES = (
     ),
     Table(
         "cluster-check", "megagpt-check against the dry run's figures",
-        "`python -m megagpt.cluster_check` (the launch check before a big run) and its GPU "
+        "`python -m megagpt.preflight.cluster_check` (the launch check before a big run) and its "
+        "GPU "
         "test: the bf16 GEMM rate of each GPU (8192³ products for 0.2 s) against the dry "
         "run's constant for the GPU type (`megagpt/gpus.py`), which the check names a GPU "
         "below by more than its margin.",

@@ -36,7 +36,7 @@ cd "$REPO"
 "$PYTHON" -m torch.distributed.run \
     --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK" \
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
-    -m megagpt.cluster_check --gpu-type "${GPU_TYPE:-A100-80GB}" --margin "${MARGIN:-15}" \
+    -m megagpt.preflight.cluster_check --gpu-type "${GPU_TYPE:-A100-80GB}" --margin "${MARGIN:-15}" \
     --status-file "$STATUS" ${CHECK_ARGS:-}
 if [[ $NODE_RANK == 0 && $(cat "$STATUS") != ok ]]; then
     echo "cluster check failed: not starting the run (CLUSTER_CHECK=0 skips the check)" >&2

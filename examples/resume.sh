@@ -60,6 +60,6 @@ grep -E "iteration +$((STOP_AT + 1))/|iteration +$TRAIN_ITERS/" "$RUN_DIR/resume
     | sed 's/^ *\[[^]]*\]//'
 
 echo "== 3. plot"
-"$PYTHON" -m megagpt.plots "$RUN_DIR/first.log" "$RUN_DIR/resumed.log" \
+"$PYTHON" -m megagpt.run_log.plots "$RUN_DIR/first.log" "$RUN_DIR/resumed.log" \
     --labels "first run (stopped at $STOP_AT)" "resumed from checkpoint" \
     --title "resume at iteration $STOP_AT" --out "$RUN_DIR/resume.png"

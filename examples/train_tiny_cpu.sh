@@ -52,7 +52,7 @@ echo
 echo "== a sample from the trained model (tools/generate.py), prompt: $PROMPT"
 "$PY" tools/generate.py --load "$OUT/checkpoints" --cpu --prompt "$PROMPT" \
     --max-new-tokens 48 --temperature 0.8 --top-k 40 | tee "$OUT/sample.txt"
-"$PY" -m megagpt.plots "$OUT/train.log" --labels tiny_cpu --out "$OUT/loss.png" \
+"$PY" -m megagpt.run_log.plots "$OUT/train.log" --labels tiny_cpu --out "$OUT/loss.png" \
     --title "tiny GPT on the CPU (make demo)" > /dev/null
 echo
 echo "demo: sample in $OUT/sample.txt, loss curve in $OUT/loss.png"

@@ -34,7 +34,7 @@ installed megatron (and the fingerprint to record after re-checking a record).
 
 from __future__ import annotations
 
-from megagpt import arguments
+from megagpt.command_line import arguments
 from megagpt.launch import megatron_changes
 from megagpt.megatron_change import (CHECKED_AGAINST, COVERS, RELIES_ON, REPLACES, STANDS_IN,
                                      TRAINING, WRAPS, Change)

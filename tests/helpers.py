@@ -191,7 +191,7 @@ def first_training_samples(argv: list[str], count: int) -> list[dict]:
 
     import pretrain_gpt
     from gloo_ranks import single_gloo_rank
-    from megagpt import arguments as entry_arguments
+    from megagpt.command_line import arguments as entry_arguments
     from megagpt import launch
     from megagpt.data.tokenizers import build_tokenizer
 

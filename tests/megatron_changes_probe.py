@@ -56,7 +56,8 @@ def main() -> int:
         importlib.import_module(split_target(change.target)[0])
     import copy
 
-    from megagpt import arguments, launch, run_log
+    from megagpt import launch, run_log
+    from megagpt.command_line import arguments
     from megagpt.launch.megatron_changes import launched
     from megagpt.preflight import schedule_check
     from megatron_parts import with_every_change

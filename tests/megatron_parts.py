@@ -56,7 +56,7 @@ def fast_path_namespace(argv=(), **attrs) -> argparse.Namespace:
     """The fast-path switches parsed from ``argv``, on a namespace of the megatron arguments
     their defaults look at (one GPU, bf16, one micro-batch of 8, the local spec's settings),
     ``attrs`` overriding them: what ``apply_fast_path_defaults`` sees after parsing."""
-    from megagpt.fast_path_flags import add_fast_path_arguments
+    from megagpt.command_line.fast_path_options import add_fast_path_arguments
 
     p = argparse.ArgumentParser()
     add_fast_path_arguments(p)

@@ -1,4 +1,4 @@
-"""megagpt.apex_parts: what megatron takes from NVIDIA apex, found through real imports.
+"""megagpt.launch.apex_kernels: what megatron takes from NVIDIA apex, found through real imports.
 
 apex is not installed here: the absent case is this environment as it is. The present case is
 a stand-in apex written to a temporary folder and put on the import path, module for module as
@@ -22,7 +22,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from megagpt import apex_parts, compat
+from megagpt import compat
+from megagpt.launch import apex_kernels
 from megagpt.launch.layers import Modules
 
 FAST, LOCAL, TE = Modules.FAST, Modules.LOCAL, Modules.TE
@@ -48,9 +49,9 @@ STAND_IN = {
                                              "class FastLayerNormFN:\n    pass\n",
     "amp_C.py": "def multi_tensor_l2norm(*args):\n    pass\n\n\n"
                 "def multi_tensor_scale(*args):\n    pass\n",
-    **{f"{name}.py": "" for name in apex_parts.EXTENSIONS if name != "amp_C"},
+    **{f"{name}.py": "" for name in apex_kernels.EXTENSIONS if name != "amp_C"},
 }
-STAND_IN_MODULES = ("apex", "amp_C", *apex_parts.EXTENSIONS)
+STAND_IN_MODULES = ("apex", "amp_C", *apex_kernels.EXTENSIONS)
 
 
 def write_stand_in(folder: Path, leave_out=(), broken=()) -> Path:
@@ -82,15 +83,15 @@ def on_path(monkeypatch, tmp_path):
 
 
 def test_nothing_is_found_where_apex_is_not_installed():
-    assert apex_parts.found_parts() == frozenset()
+    assert apex_kernels.found_parts() == frozenset()
     said = []
-    assert apex_parts.log_launch_line(None, SimpleNamespace(), said.append) is None
+    assert apex_kernels.log_launch_line(None, SimpleNamespace(), said.append) is None
     assert said == []
 
 
 def test_every_part_is_found_from_an_importable_apex(on_path, tmp_path):
     on_path(write_stand_in(tmp_path))
-    assert apex_parts.found_parts() == {part.key for part in apex_parts.PARTS}
+    assert apex_kernels.found_parts() == {part.key for part in apex_kernels.PARTS}
 
 
 def test_a_library_that_does_not_load_leaves_its_part_out(on_path, tmp_path):
@@ -99,7 +100,7 @@ def test_a_library_that_does_not_load_leaves_its_part_out(on_path, tmp_path):
     on_path(write_stand_in(tmp_path, leave_out=("scaled_softmax_cuda.py",),
                            broken=("fast_layer_norm",)))
     assert importlib.util.find_spec("fast_layer_norm") is not None
-    found = apex_parts.found_parts()
+    found = apex_kernels.found_parts()
     assert "persistent_layer_norm" not in found and "softmax" not in found
     assert {"layer_norm", "optimizer", "multi_tensor", "wgrad"} <= found
 
@@ -109,7 +110,7 @@ def test_megatron_takes_an_importable_apex(tmp_path):
     """megatron's own imports, run against the stand-in in a fresh process: its optimizer
     binds FusedAdam and amp_C's norm, its linears find the weight-gradient kernel, its local
     spec builds FusedLayerNorm with the persistent kernel. Without it (this process): none."""
-    code = ("import json; from megagpt.apex_parts import megatron_bindings; "
+    code = ("import json; from megagpt.launch.apex_kernels import megatron_bindings; "
             "print(json.dumps(megatron_bindings()))")
     path = [str(write_stand_in(tmp_path)), str(REPO), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
@@ -120,13 +121,13 @@ def test_megatron_takes_an_importable_apex(tmp_path):
     assert with_apex == {"adam": "apex", "adam_bound": "apex", "sgd": "apex",
                          "grad_norm": "apex", "wgrad_kernel": True, "fused_layer_norm": True,
                          "persistent_kernel": True}
-    without = apex_parts.megatron_bindings()
+    without = apex_kernels.megatron_bindings()
     assert without["adam"] == "torch" and without["grad_norm"] == "megatron"
     assert not (without["wgrad_kernel"] or without["fused_layer_norm"]
                 or without["persistent_kernel"])
 
 
-ALL = frozenset(part.key for part in apex_parts.PARTS)
+ALL = frozenset(part.key for part in apex_kernels.PARTS)
 # megatron with apex and no TE, the fast optimizer's AdamW over megatron's Adam
 APEX_BOUND = {"adam": "megagpt", "adam_bound": "apex", "sgd": "apex", "grad_norm": "apex",
               "wgrad_kernel": True, "fused_layer_norm": True, "persistent_kernel": True}
@@ -147,7 +148,7 @@ def launch(**settings) -> SimpleNamespace:
 
 
 def line(modules, args, found=ALL, bound=None, te=False) -> str:
-    return apex_parts.launch_line(apex_parts.launch_uses(
+    return apex_kernels.launch_line(apex_kernels.launch_uses(
         modules, args, found, APEX_BOUND if bound is None else bound, te,
         chunked_loss=args.fast_lm_loss))
 
@@ -244,7 +245,7 @@ def test_megatron_local_spec_takes_the_norms_and_the_softmax():
             taken(line(LOCAL, launch(no_persist_layer_norm=True))))
     assert ("they take fp16/bf16 scores" in line(LOCAL, launch(bf16=False)))
     # turned off by the launch itself (megagpt.launch.apex_kernels): its reason
-    left = apex_parts.launch_line(apex_parts.launch_uses(
+    left = apex_kernels.launch_line(apex_kernels.launch_uses(
         LOCAL, launch(no_persist_layer_norm=True), ALL, APEX_BOUND, False,
         persistent_left=apex_kernels.PERSISTENT_LAYER_NORM_SLOWER))
     assert (f"FusedLayerNorm (fused_layer_norm_cuda) (megatron's local spec's LayerNorms; "
@@ -296,9 +297,9 @@ def test_every_apex_import_of_megatron_is_known():
     pattern = re.compile(r"^\s*(?:from|import)\s+(apex[\w.]*|amp_C|\w+_cuda|fast_layer_norm)\b",
                          re.MULTILINE)
     imported = {m for path in MEGATRON.rglob("*.py") for m in pattern.findall(path.read_text())}
-    known = {m for part in apex_parts.PARTS for m in part.modules} | set(apex_parts.NOT_TAKEN)
+    known = {m for part in apex_kernels.PARTS for m in part.modules} | set(apex_kernels.NOT_TAKEN)
     assert imported - known == set()
-    for part in apex_parts.PARTS:
+    for part in apex_kernels.PARTS:
         texts = [(MEGATRON / site).read_text() for site in part.sites]
         assert any(m in text for text in texts for m in part.modules), part.key
 
@@ -313,7 +314,7 @@ def test_the_persistent_hidden_sizes_are_megatrons():
 
 
 def test_the_build_makes_exactly_the_extensions_megatron_takes():
-    assert sorted(e.name for e in apex_build.EXTENSIONS) == sorted(apex_parts.EXTENSIONS)
+    assert sorted(e.name for e in apex_build.EXTENSIONS) == sorted(apex_kernels.EXTENSIONS)
     # the most important first: the weight-gradient kernel, the optimizer's, the norm's
     assert [e.name for e in apex_build.EXTENSIONS[:3]] == [
         "fused_weight_gradient_mlp_cuda", "amp_C", "fused_layer_norm_cuda"]

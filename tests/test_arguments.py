@@ -1,8 +1,9 @@
-"""megagpt.arguments: what the command line must say, and --help."""
+"""megagpt.command_line.arguments: what the command line must say, and --help."""
 
 import pytest
 
-from megagpt import arguments, launch
+from megagpt import launch
+from megagpt.command_line import arguments
 from megagpt.errors import UserError
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",

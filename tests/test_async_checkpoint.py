@@ -73,7 +73,8 @@ def test_nothing_changes_without_async_save_or_for_the_legacy_format():
 
 
 def test_the_entry_makes_the_choice_while_parsing():
-    from megagpt import arguments, launch
+    from megagpt import launch
+    from megagpt.command_line import arguments
 
     args = launch.parse_arguments([
         "--cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "64",

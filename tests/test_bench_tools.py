@@ -413,7 +413,7 @@ def test_fp8_losses_holds_te_started_delayed_scaling_to_tes():
     """fp8unit (the fast spec's delayed scaling started with scales of 1, as TE's) is held to
     TE's delayed scaling, and its flags reach the entry's parser."""
     import fp8_losses
-    from megagpt.fast_path_flags import add_fast_path_arguments
+    from megagpt.command_line.fast_path_options import add_fast_path_arguments
 
     bf16 = {i: 5.0 for i in range(1, 301)}
     figures = fp8_losses.tracking_figures(

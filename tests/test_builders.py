@@ -7,7 +7,8 @@ import torch
 import gpt_builders
 import model_provider
 from gloo_ranks import single_gloo_rank
-from megagpt import arguments, cpu_mode, launch
+from megagpt import cpu_mode, launch
+from megagpt.command_line import arguments
 
 TINY = ["--cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "64",
         "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",

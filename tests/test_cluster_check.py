@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from helpers import REPO, _free_port, entry_env
-from megagpt.cluster_check import Place, Reference, reference_for, report_lines
+from megagpt.preflight.cluster_check import Place, Reference, reference_for, report_lines
 from process_faults import DutyCycle, rank_process
 
 H200 = reference_for("H200", cpu=False)
@@ -57,7 +57,7 @@ STOPPED_S = 0.04375  # of every 50 ms (DutyCycle)
 
 def _check(tmp_path, *flags):
     """megagpt-check --cpu on 2 gloo processes (it starts torchrun itself)."""
-    return subprocess.Popen([sys.executable, "-m", "megagpt.cluster_check", "--cpu",
+    return subprocess.Popen([sys.executable, "-m", "megagpt.preflight.cluster_check", "--cpu",
                              "--nproc-per-node", "2", "--margin", CPU_MARGIN,
                              "--json", str(tmp_path / "check.json"), *flags], cwd=REPO,
                             env=entry_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -112,7 +112,8 @@ def test_one_gpu_meets_the_dry_runs_gemm_figure(tmp_path):
     import torch
 
     name = torch.cuda.get_device_name(0)
-    check = subprocess.run([sys.executable, "-m", "megagpt.cluster_check", "--nproc-per-node",
+    check = subprocess.run([sys.executable, "-m", "megagpt.preflight.cluster_check",
+                            "--nproc-per-node",
                             "1", "--json", str(tmp_path / "check.json")], cwd=REPO,
                            env=entry_env(), capture_output=True, text=True, timeout=300)
     measured = json.loads((tmp_path / "check.json").read_text())

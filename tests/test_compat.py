@@ -19,7 +19,7 @@ EVERYTHING = compat.Installed(transformer_engine=True, apex=True, fused_layer_no
 def stepped(step, args, flags=(), installed=NOTHING, lines=None):
     """``args`` as one step of the launch's resolution decides them (the planner's view),
     its log lines appended to ``lines``."""
-    from megagpt.flags import explicit_flags
+    from megagpt.command_line.flags import explicit_flags
     from megagpt.launch.planner import Planner
 
     p = Planner(args, frozenset(explicit_flags(flags)), installed)
@@ -133,7 +133,7 @@ LAYER_CHOICES = [
 @pytest.mark.parametrize("flags,installed,impl,why", LAYER_CHOICES,
                          ids=[" ".join(f) or "defaults" for f, *_ in LAYER_CHOICES])
 def test_layers_are_chosen_by_what_is_installed_and_the_layout(flags, installed, impl, why):
-    from megagpt.fast_path_flags import add_fast_path_arguments
+    from megagpt.command_line.fast_path_options import add_fast_path_arguments
 
     from megatron.training.arguments import add_megatron_arguments
 
@@ -148,7 +148,7 @@ def test_layers_are_chosen_by_what_is_installed_and_the_layout(flags, installed,
 
 
 def test_no_fast_spec_with_te_installed_keeps_megatrons_default_layers():
-    from megagpt.fast_path_flags import add_fast_path_arguments
+    from megagpt.command_line.fast_path_options import add_fast_path_arguments
 
     parser = argparse.ArgumentParser(allow_abbrev=False)
     from megatron.training.arguments import add_megatron_arguments
@@ -213,7 +213,7 @@ def test_megatrons_linears_build_without_the_missing_wgrad_kernel():
 
 
 def test_the_launch_builds_megatrons_linears_without_wgrad_fusion_only_under_te_without_apex():
-    from megagpt.flags import explicit_flags
+    from megagpt.command_line.flags import explicit_flags
     from megagpt.launch.planner import Planner
 
     def chosen(flags, installed):

@@ -2,7 +2,8 @@
 
 import pytest
 
-from megagpt import config_file, launch
+from megagpt import launch
+from megagpt.command_line import config_file
 
 TINY = ["--cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "64",
         "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings", "64",

@@ -216,7 +216,8 @@ MODEL = ["--cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "64",
 
 
 def validated(*extra):
-    from megagpt import arguments, launch
+    from megagpt import launch
+    from megagpt.command_line import arguments
 
     args = launch.parse_arguments([*MODEL, *extra])
     arguments.validate_arguments(args, device_arch=0)
@@ -239,7 +240,8 @@ def test_schedule_checked_by_megatrons_scheduler():
 
 
 def test_megatron_assertion_without_a_message_says_which_condition_failed():
-    from megagpt import arguments, launch
+    from megagpt import launch
+    from megagpt.command_line import arguments
 
     args = launch.parse_arguments([*MODEL, "--save", "ckpt"])
     with pytest.raises(arguments.ArgumentError) as err:

@@ -638,7 +638,7 @@ def test_torch_fused_adam_takes_megatrons_arguments_and_matches_foreach_adamw():
 # switches and when the fast path applies
 # ---------------------------------------------------------------------------------------
 def _parse(argv):
-    from megagpt.fast_path_flags import add_fast_path_arguments
+    from megagpt.command_line.fast_path_options import add_fast_path_arguments
 
     p = argparse.ArgumentParser()
     add_fast_path_arguments(p)
@@ -673,7 +673,7 @@ def restore_optimizer():
 
 
 def test_flags_parse_on_a_parser_and_on_a_group():
-    from megagpt.fast_path_flags import add_fast_path_arguments
+    from megagpt.command_line.fast_path_options import add_fast_path_arguments
 
     a = _parse([])
     assert a.fast_spec and a.fast_spec_fused_layer and a.fast_optimizer and a.fast_lm_loss

@@ -261,7 +261,7 @@ def test_a_global_megatron_sets_itself_supersedes_the_replacement():
     neither an error nor put back, and the next one starts from megatron's value."""
     from megatron.training import global_vars
 
-    owner, name = "megagpt.arguments", "_GLOBAL_TOKENIZER"
+    owner, name = "megagpt.command_line.arguments", "_GLOBAL_TOKENIZER"
     before = global_vars._GLOBAL_TOKENIZER
     first, second = object(), object()
     try:

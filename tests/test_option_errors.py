@@ -9,8 +9,10 @@ import sys
 import pytest
 
 from helpers import ENTRY, entry_env
-from megagpt import arguments, launch, option_errors
-from megagpt.option_errors import OptionCache, OptionError
+from megagpt import launch
+from megagpt.command_line import arguments
+from megagpt.command_line import option_errors
+from megagpt.command_line.option_errors import OptionCache, OptionError
 
 TINY = ["--cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "64",
         "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings", "64",

@@ -1,4 +1,5 @@
-"""megagpt.plots: reading megatron's log text and TensorBoard scalars, and the PNG command."""
+"""megagpt.run_log.plots: reading megatron's log text and TensorBoard scalars, and the PNG
+command."""
 
 import subprocess
 import sys
@@ -6,7 +7,7 @@ import sys
 import pytest
 
 from helpers import REPO, TINY_MODEL, entry_env, parse_losses, run_entry
-from megagpt import plots
+from megagpt.run_log import plots
 
 LOG = """\
  [2026-11-29 09:04:21] iteration        1/      20 | consumed samples:            4 | elapsed time per iteration (ms): 985.4 | learning rate: 5.000000E-04 | global batch size:     4 | lm loss: 6.238687E+00 | loss scale: 1.0 |

@@ -11,7 +11,7 @@ import yaml
 import pretrain_gpt
 from gloo_ranks import single_gloo_rank
 from helpers import REPO
-from megagpt.arguments import ArgumentError
+from megagpt.command_line.arguments import ArgumentError
 from megagpt.launch import resolve
 from megagpt.errors import UserError
 from megagpt.preflight import LayoutError, MemoryBudgetError, make_plan

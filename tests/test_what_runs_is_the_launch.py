@@ -42,7 +42,7 @@ def _resolved(row, monkeypatch):
     makes them; the data placeholders stay names (nothing here reads data)."""
     from megatron.training.vocab_utils import calculate_padded_vocab_size
 
-    from megagpt import arguments
+    from megagpt.command_line import arguments
     from megagpt.launch import resolve, write
 
     monkeypatch.setenv("WORLD_SIZE", str(row.nproc))

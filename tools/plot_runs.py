@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Plot loss, learning rate and throughput of training runs: see megagpt.plots.
+"""Plot loss, learning rate and throughput of training runs: see megagpt.run_log.plots.
 
     python tools/plot_runs.py runs/a/train.log runs/b/tensorboard --labels a b --out runs.png
 """
@@ -13,7 +13,7 @@ from megagpt.project_env import use_project_environment  # noqa: E402
 
 use_project_environment(__file__)  # .venv's Python where this one lacks megatron
 
-from megagpt.plots import main  # noqa: E402
+from megagpt.run_log.plots import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

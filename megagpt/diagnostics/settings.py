@@ -56,7 +56,8 @@ class DiagnosticsArgumentError(UserError, ValueError):
 
 
 def add_arguments(group) -> None:
-    """The entry's options for hangs and slow ranks (``megagpt.arguments`` adds them)."""
+    """The entry's options for hangs and slow ranks (``megagpt.command_line.arguments`` adds
+    them)."""
     group.add_argument("--no-flight-recorder", action="store_true",
                        help="Do not record collectives with torch's flight recorder (on by "
                             "default; its dumps go to --save's flight_recorder/ on a hang).")

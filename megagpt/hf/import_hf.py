@@ -126,7 +126,7 @@ def check_layout(flags: dict, tensor_parallel: int, where: str) -> None:
 
 
 def argv_of(flags: dict) -> list[str]:
-    from megagpt.config_file import mapping_to_argv
+    from megagpt.command_line.config_file import mapping_to_argv
 
     return mapping_to_argv(flags, source=YAML_NAME)
 

@@ -28,7 +28,7 @@ import io
 
 from megagpt import vocab_padding
 from megagpt.errors import UserError
-from megagpt.fast_path_flags import REPLACED_FLAGS
+from megagpt.command_line.fast_path_options import REPLACED_FLAGS
 from megagpt.inference.checkpoint import SavedConfig
 
 # Argument destinations (megatron's names) that describe how a run was launched, not the
@@ -71,7 +71,7 @@ class ModelFlagsError(UserError, ValueError):
 def _parser() -> argparse.ArgumentParser:
     from megatron.training.arguments import add_megatron_arguments
 
-    from megagpt.arguments import add_entry_arguments
+    from megagpt.command_line.arguments import add_entry_arguments
 
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     add_megatron_arguments(parser)
@@ -169,8 +169,8 @@ def parse_model_args(argv: list[str], cpu: bool):
     """(megatron's validated arguments, the launch) for ``argv``, resolved as the entry
     resolves a launch (``megagpt.launch``); filled in where a model-only command line leaves
     megatron's training settings unset."""
-    from megagpt import arguments as entry_arguments
-    from megagpt.option_errors import OptionError
+    from megagpt.command_line import arguments as entry_arguments
+    from megagpt.command_line.option_errors import OptionError
     from megagpt.launch import resolve
     from megagpt.launch.writer import written_for_the_block
 

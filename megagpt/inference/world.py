@@ -41,7 +41,7 @@ def run_tool(build_parser, run, argv=None) -> int:
 
     from megagpt.errors import UserError
 
-    from megagpt import option_errors
+    from megagpt.command_line import option_errors
 
     quiet_megatron()
     parser = build_parser()
@@ -57,7 +57,7 @@ def run_tool(build_parser, run, argv=None) -> int:
 
 def unknown_overrides(overrides: list[str], parser) -> None:
     """An option neither the tool nor megatron knows, as one line with the closest ones."""
-    from megagpt import option_errors
+    from megagpt.command_line import option_errors
     from megagpt.inference import model_flags
 
     unknown = model_flags.unknown_flags(overrides)

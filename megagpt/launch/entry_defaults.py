@@ -3,7 +3,7 @@ planner ``p``: ``planner.Planner``)."""
 
 from __future__ import annotations
 
-from megagpt.arguments import ArgumentError, check_entry_limits
+from megagpt.command_line.arguments import ArgumentError, check_entry_limits
 
 from .plan import Decision, Reason, Why
 

@@ -20,7 +20,7 @@ import os
 from typing import Callable, Mapping, Optional
 
 from megagpt.errors import UserError
-from megagpt.fast_path_flags import SWITCH_DEFAULTS
+from megagpt.command_line.fast_path_options import SWITCH_DEFAULTS
 
 from . import cuda_graphs, fp8, layers, optimizer_kernels
 from . import fast_path_reasons as s

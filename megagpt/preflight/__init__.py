@@ -9,8 +9,9 @@ On every launch, before any model is built, in this order:
                                       validation, with the tokenizer's vocabulary).
 ``run_dry_run(launch, args)`` is ``--dry-run``: the same checks at the intended GPU count,
 then the plan: layout, batch, parameters, memory per GPU and FLOPs of what the launch runs (its
-choices, ``launch_path.WhatRuns``; the resolved configuration only to ``--dry-run-yaml``). Its options are the entry's (``megagpt.arguments``): the preflight sits
-above the arguments and imports them, never the other way round.
+choices, ``launch_path.WhatRuns``; the resolved configuration only to ``--dry-run-yaml``). Its
+options are the entry's (``megagpt.command_line.arguments``): the preflight sits above the
+arguments and imports them, never the other way round.
 """
 
 from megagpt.preflight.checks import LayoutError, check_layout

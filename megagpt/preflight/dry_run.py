@@ -25,7 +25,7 @@ from megagpt.log import log
 from megagpt.preflight import cost
 from megagpt.preflight import estimate as est
 from megagpt.preflight.checks import LayoutError, check_layout, model_parallel_size
-from megagpt.arguments import build_tokenizer, validate_arguments
+from megagpt.command_line.arguments import build_tokenizer, validate_arguments
 from megagpt.data.tokenizer_files import check_tokenizer_files
 from megagpt.gpus import Gpu, resolve_gpu
 from megagpt.preflight.data_check import check_data

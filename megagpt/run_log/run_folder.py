@@ -10,7 +10,7 @@ The run folder is ``--save`` (where megatron writes its ``progress.txt`` too), e
 ``iterations.jsonl``, ``training.png``
     each iteration line's figures (``iteration_line``), appended by every launch of the
     run; at the end of each launch (finished, stopped by a signal or a fault) the loss,
-    learning rate and throughput are drawn from them (``megagpt.plots``), and
+    learning rate and throughput are drawn from them (``megagpt.run_log.plots``), and
     ``python tools/plot_runs.py FOLDER`` draws them on request. ``MEGAGPT_NO_PLOT=1`` in the
     environment skips the drawing (a second of matplotlib; the test suite's runs skip it).
 
@@ -121,7 +121,7 @@ def draw_plot(folder: Path, say: Callable[[str], None]) -> Path | None:
     if os.environ.get(NO_PLOT) == "1":
         return None
     from megagpt.errors import UserError
-    from megagpt.plots import load_run, plot_runs
+    from megagpt.run_log.plots import load_run, plot_runs
 
     try:
         run = load_run(str(folder), folder.parent.name if folder.name in (

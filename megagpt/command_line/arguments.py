@@ -17,7 +17,7 @@ import sys
 from typing import Callable
 
 from megagpt import compat, megatron_wrappers
-from megagpt.config_file import (ConfigFileError, expand_config_file, flag_name,
+from megagpt.command_line.config_file import (ConfigFileError, expand_config_file, flag_name,
                                  load_config_mapping, split_config_option)
 from megagpt.errors import UserError
 from megagpt.megatron_change import REPLACES, Change
@@ -47,7 +47,7 @@ def add_entry_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--allow-data-tokenizer-mismatch", action="store_true",
                        help="Train on data whose tokenizer record names another tokenizer "
                             "than this run's (ids must still fit the vocabulary).")
-    from megagpt.fast_path_flags import add_fast_path_arguments
+    from megagpt.command_line.fast_path_options import add_fast_path_arguments
     from megagpt.diagnostics import settings as diagnostics_settings
     from megagpt.resilience import checkpoint_integrity
     from megagpt.run_log import run_folder
@@ -119,7 +119,7 @@ def _known_flags(extra_args_provider) -> set[str]:
 
 
 def _check_config_keys(path: str, extra_args_provider) -> None:
-    from megagpt.option_errors import config_entries, unknown_option_message
+    from megagpt.command_line.option_errors import config_entries, unknown_option_message
 
     known = _known_flags(extra_args_provider)
     entries = config_entries(path)
@@ -143,13 +143,13 @@ def parse_command_line(argv: list[str] | None = None,
     command_line = split_config_option(argv)[1]
     argv, config_path = expand_config_file(argv)
     file_argv = argv[:len(argv) - len(command_line)]  # the --config file's, first
-    from megagpt.fast_path_flags import check_replaced_flags
+    from megagpt.command_line.fast_path_options import check_replaced_flags
 
     check_replaced_flags(argv)
     if config_path is not None:
         _check_config_keys(config_path, extra_args_provider)
 
-    from megagpt import option_errors
+    from megagpt.command_line import option_errors
 
     def provider(parser):
         add_entry_arguments(parser)
@@ -206,7 +206,7 @@ def _check_user_spec(spec: list[str]) -> None:
     local spec."""
     import importlib
 
-    from megagpt.flags import LOCAL_SPEC_ARGUMENT
+    from megagpt.command_line.flags import LOCAL_SPEC_ARGUMENT
 
     if list(spec) == LOCAL_SPEC_ARGUMENT:
         return  # megatron's local spec, built by gpt_builders

@@ -1,7 +1,7 @@
 """Loss, learning rate and throughput against iteration, for one run or several, into a PNG.
 
     python tools/plot_runs.py runs/a/checkpoints runs/b/train.log --labels a b --out runs.png
-    python -m megagpt.plots ...                        (the same command)
+    python -m megagpt.run_log.plots ...                        (the same command)
 
 A run is a run folder (its ``--save`` folder, where the entry appends each logged
 iteration's figures to ``iterations.jsonl``), a training log (the text megatron prints, or
@@ -203,7 +203,7 @@ def plot_runs(runs: list[Run], out: str | Path, title: str | None = None) -> Pat
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megagpt.plots",
+    p = argparse.ArgumentParser(prog="python -m megagpt.run_log.plots",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", help="training logs, TensorBoard folders or event files")
     p.add_argument("--labels", nargs="+", default=None, help="one label per run")

@@ -56,7 +56,7 @@ def config_entries(path: str | None) -> dict[str, ConfigEntry]:
         return {}
     import yaml
 
-    from megagpt.config_file import flag_name
+    from megagpt.command_line.config_file import flag_name
 
     try:
         root = yaml.compose(Path(path).read_text(encoding="utf-8"))
@@ -330,8 +330,9 @@ def _bad_value(value: str, kind: str | None, choices: list[str] | None) -> str |
 def check_early(argv: list[str]) -> None:
     """Print one ``error:`` line and exit 2 for a bad option the cached option list shows
     (before torch and megatron are imported); otherwise return and let the parse run."""
-    from megagpt.config_file import expand_config_file, load_config_mapping, mapping_to_argv
-    from megagpt.fast_path_flags import check_replaced_flags
+    from megagpt.command_line.config_file import (expand_config_file, load_config_mapping,
+                                                  mapping_to_argv)
+    from megagpt.command_line.fast_path_options import check_replaced_flags
 
     options = OptionCache().read()
     if options is None:

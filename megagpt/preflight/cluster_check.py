@@ -1,7 +1,7 @@
 """``megagpt-check``: every GPU, node and link measured in seconds, before the big run.
 
     megagpt-check                                        # this node's GPUs (starts torchrun)
-    torchrun --nnodes N --nproc-per-node 8 ... -m megagpt.cluster_check   # every node
+    torchrun --nnodes N --nproc-per-node 8 ... -m megagpt.preflight.cluster_check   # every node
     megagpt-check --cpu                                  # gloo processes on a CPU (tests)
 
 Three measurements, each against the others of its kind and against the figure the dry run
@@ -285,7 +285,7 @@ def _launch_under_torchrun(args, argv) -> int:
     with tempfile.TemporaryDirectory(prefix="megagpt-check-") as folder:
         status = os.path.join(folder, "status")
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node", str(nproc), "-m", "megagpt.cluster_check", *argv,
+                   "--nproc-per-node", str(nproc), "-m", "megagpt.preflight.cluster_check", *argv,
                    "--status-file", status]
         code = subprocess.call(command)
         if code == 0 and os.path.exists(status):
