@@ -25,7 +25,7 @@ import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from megagpt.command_line.flags import megatron_local_spec_asked
+from megagpt.flags import megatron_local_spec_asked
 from megagpt.launch import fast_path as chosen
 from megagpt.launch.cuda_graphs import CUDA_GRAPH
 from megagpt.launch.fp8 import FP8

@@ -19,7 +19,7 @@ EVERYTHING = compat.Installed(transformer_engine=True, apex=True, fused_layer_no
 def stepped(step, args, flags=(), installed=NOTHING, lines=None):
     """``args`` as one step of the launch's resolution decides them (the planner's view),
     its log lines appended to ``lines``."""
-    from megagpt.command_line.flags import explicit_flags
+    from megagpt.flags import explicit_flags
     from megagpt.launch.planner import Planner
 
     p = Planner(args, frozenset(explicit_flags(flags)), installed)
@@ -213,7 +213,7 @@ def test_megatrons_linears_build_without_the_missing_wgrad_kernel():
 
 
 def test_the_launch_builds_megatrons_linears_without_wgrad_fusion_only_under_te_without_apex():
-    from megagpt.command_line.flags import explicit_flags
+    from megagpt.flags import explicit_flags
     from megagpt.launch.planner import Planner
 
     def chosen(flags, installed):

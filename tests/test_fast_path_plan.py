@@ -32,7 +32,7 @@ DP8 = dict(world_size=8, global_batch_size=512, use_distributed_optimizer=True)
 
 
 def _given(argv, given):
-    from megagpt.command_line.flags import explicit_flags
+    from megagpt.flags import explicit_flags
 
     return frozenset(explicit_flags(argv)) | set(given)
 

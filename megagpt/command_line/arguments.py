@@ -206,7 +206,7 @@ def _check_user_spec(spec: list[str]) -> None:
     local spec."""
     import importlib
 
-    from megagpt.command_line.flags import LOCAL_SPEC_ARGUMENT
+    from megagpt.flags import LOCAL_SPEC_ARGUMENT
 
     if list(spec) == LOCAL_SPEC_ARGUMENT:
         return  # megatron's local spec, built by gpt_builders

@@ -29,7 +29,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megagpt.command_line.flags import megatron_local_spec_asked
+from megagpt.flags import megatron_local_spec_asked
 
 from .attention import SDPADotProductAttention
 from .layer import FastTransformerLayer, FusedLayerOptions

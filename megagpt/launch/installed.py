@@ -132,7 +132,7 @@ def experts_bias_refusal(args, installed: Installed) -> UserError:
             f"--num-experts {args.num_experts} with linear biases needs Transformer Engine: "
             f"{why}. Add --disable-bias-linear (as MoE models usually do), or install "
             "Transformer Engine (pip install 'megagpt[te]') and add --moe-grouped-gemm.")
-    from megagpt.command_line.flags import megatron_local_spec_asked
+    from megagpt.flags import megatron_local_spec_asked
 
     asked_local = ("--spec local" if megatron_local_spec_asked(args)
                    else "--transformer-impl local")

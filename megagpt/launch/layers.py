@@ -28,7 +28,7 @@ from __future__ import annotations
 from megagpt.compat import MissingDependencyError
 from megagpt.errors import UserError
 from megagpt.fast_spec.spec import fast_spec_uncovered_reason, fast_spec_unsupported_reason
-from megagpt.command_line.flags import megatron_local_spec_asked
+from megagpt.flags import megatron_local_spec_asked
 
 from . import fp8
 from .installed import sequence_parallel_norms_missing

@@ -38,7 +38,7 @@ from typing import Callable, Iterable, Mapping, Optional
 
 from megagpt import compat
 from megagpt.command_line.arguments import parse_command_line
-from megagpt.command_line.flags import explicit_flags
+from megagpt.flags import explicit_flags
 
 from . import (apex_kernels, cpu, diagnostics, entry_defaults, fast_path, fp8, installed, layers,
                megatron_quirks, rendezvous, resilience, run_log)
